@@ -1,0 +1,1 @@
+"""Bundled data: LAVE demonstration sets and a sample VQA file."""

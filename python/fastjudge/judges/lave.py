@@ -1,0 +1,359 @@
+"""LAVE: LLM-assisted VQA evaluation (Mañas et al.).
+
+A judge model rates a candidate answer against human reference answers on a 1-3 scale from
+in-context demonstrations; the score is ``(rating - 1) / 2``. This module turns examples into
+prompts and requests and outputs into results; it knows no model code.
+
+Modes:
+
+* score-only (default): demonstrations show just the rating; one model step restricted to the
+  three rating tokens gives ``probs`` over ratings 1, 2, 3.
+* rationale: demonstrations show "<explanation> So rating=<r>"; the model decodes greedily and
+  the rating is the last character of its text, as in the paper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from ..runtime.requests import Choice, Output, Request, Text, choice_probs
+from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
+
+RATINGS = (1, 2, 3)
+RATING_CUE = " So rating="
+ON_UNPARSABLE = ("constrain", "official")
+
+TASK_DESCRIPTION = (
+    "Definition: You are shown a question about an image, a list of reference answers written "
+    "by human annotators, and a candidate answer. Rate how accurate the candidate answer is for "
+    "the question, treating the reference answers as the gold standard; an answer worded "
+    "differently from the references can still be right. Use a scale of 1 to 3: 1 means the "
+    "candidate answer is incorrect or irrelevant, 2 means it is ambiguous or incomplete, and 3 "
+    "means it is correct."
+)
+RATIONALE_INSTRUCTION = " Give the rationale before rating."
+BINARY_RULE = (
+    "IMPORTANT: A binary question can only be answered with 'yes' or 'no'; any other candidate "
+    "answer to a binary question is incorrect."
+)
+
+
+@dataclass
+class VQAExample:
+    """One item to judge. ``references`` are the human answers, repetitions included (they
+    drive the outlier filter); VQA-style ``{"answer": ...}`` objects are accepted too."""
+
+    question: str
+    references: Sequence
+    prediction: str
+    caption: str | None = None
+    id: object = None
+
+
+@dataclass
+class LaveResult:
+    index: int
+    id: object = None
+    score: float | None = None
+    soft_score: float | None = None
+    rating: int | None = None
+    probs: list[float] | None = None
+    rationale: str | None = None
+    prompt_tokens: int = 0
+    error: str | None = None
+    # How the rating was obtained: "choice" (score-only step), "parsed" (last character of the
+    # rationale), "constrained" (rationale unparsable: rating cue appended and a constrained
+    # step taken), "official-fallback" (unparsable: rating 2, as the LAVE authors' code does).
+    rating_source: str | None = None
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    question: str
+    references: tuple[str, ...]
+    prediction: str
+    output: str
+    explanation: str
+    caption: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "") -> "Demonstration":
+        try:
+            output = str(d["output"]).strip()
+            if output not in ("1", "2", "3"):
+                raise ValueError(f"output must be '1', '2' or '3', got {d['output']!r}")
+            refs = d["references"]
+            if isinstance(refs, str) or not refs:
+                raise ValueError("references must be a non-empty list of strings")
+            return cls(question=str(d["question"]), references=tuple(str(r) for r in refs),
+                       prediction=str(d["prediction"]), output=output,
+                       explanation=str(d.get("explanation", "")).strip(), caption=d.get("caption"))
+        except KeyError as missing:
+            raise ValueError(f"demonstration {where}: missing field {missing}") from None
+        except ValueError as bad:
+            raise ValueError(f"demonstration {where}: {bad}") from None
+
+
+def load_demonstrations(source: str | os.PathLike | Iterable | None, default: str) -> list[Demonstration]:
+    """Demonstrations from a JSON file (a list of objects with question, references, prediction,
+    output, explanation, optional caption), a list of dicts/Demonstrations, or the built-in set
+    ``default`` ("general" or "binary")."""
+    if source is None:
+        text = resources.files("fastjudge.data").joinpath(f"lave_demos_{default}.json").read_text()
+        items = json.loads(text)
+    elif isinstance(source, (str, os.PathLike)):
+        with open(source, encoding="utf-8") as f:
+            items = json.load(f)
+        if not isinstance(items, list):
+            raise ValueError(f"{source}: expected a JSON list of demonstrations")
+    else:
+        items = list(source)
+    return [d if isinstance(d, Demonstration) else Demonstration.from_dict(d, f"#{i}")
+            for i, d in enumerate(items)]
+
+
+def reference_answers(references: Sequence) -> list[str]:
+    """Reference answers as stripped strings; accepts strings or VQA-style answer objects."""
+    answers = []
+    for r in references:
+        if isinstance(r, dict):
+            r = r.get("answer")
+        if not isinstance(r, str):
+            raise ValueError(f"reference answers must be strings, got {type(r).__name__}")
+        answers.append(r.strip())
+    return answers
+
+
+def filter_references(answers: Sequence[str], p: float = 0.25) -> list[str]:
+    """Distinct answers whose frequency is above ``p`` times the most frequent answer's
+    (annotation noise filter from the paper), sorted for a deterministic prompt."""
+    counts = Counter(answers)
+    top = max(counts.values())
+    return sorted(a for a, c in counts.items() if c > p * top)
+
+
+def is_binary_question(answers: Sequence[str]) -> bool:
+    """Binary when the most common reference, lowercased and without a trailing period, is
+    yes or no. Ties go to the answer seen first."""
+    most_common = Counter(answers).most_common(1)[0][0]
+    return most_common.lower().rstrip(".").strip() in ("yes", "no")
+
+
+def _quote(answers: Iterable[str]) -> str:
+    return ", ".join(f"'{a}'" for a in answers)
+
+
+class LaveJudge:
+    """Rates VQA answers with LAVE. See the module docstring for the two modes.
+
+    ``model`` is a local Hugging Face checkpoint directory (or an already opened backend, to
+    share one model between judges).
+
+    Prompt-length policy: a prompt longer than the backend's ``max_input_tokens`` is never
+    truncated (truncation would cut the test example or silently change the demonstrations);
+    the item gets an ``error`` naming its length and the limit, and the job goes on.
+    """
+
+    def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
+                 rationale: bool = False, num_shots: int = 8, demos=None, binary_demos=None,
+                 filter_refs: bool = True, filter_p: float = 0.25, use_caption: bool = False,
+                 max_batch_tokens: int | None = None, max_new_tokens: int = 100,
+                 on_unparsable: str = "constrain", max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                 allow_pickle: bool = False, max_input_tokens: int | None = None):
+        if on_unparsable not in ON_UNPARSABLE:
+            raise ValueError(f"on_unparsable must be one of {ON_UNPARSABLE}, got {on_unparsable!r}")
+        if num_shots < 0:
+            raise ValueError("num_shots must be >= 0")
+        if not 0 <= filter_p < 1:
+            raise ValueError("filter_p must be in [0, 1)")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if isinstance(model, (str, os.PathLike)):
+            from ..backends import load_backend
+
+            self.backend = load_backend(model, backend=backend, device=device, dtype=dtype,
+                                        allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
+        else:
+            self.backend = model
+        self.rationale = rationale
+        self.num_shots = num_shots
+        self.general_demos = load_demonstrations(demos, "general")[:num_shots]
+        self.binary_demos = load_demonstrations(binary_demos, "binary")[:num_shots]
+        self.filter_refs = filter_refs
+        self.filter_p = filter_p
+        self.use_caption = use_caption
+        self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.max_new_tokens = max_new_tokens
+        self.on_unparsable = on_unparsable
+        if use_caption:
+            for d in self.general_demos + self.binary_demos:
+                if not d.caption:
+                    raise ValueError("use_caption=True needs a caption in every demonstration")
+        self._prefixes = {binary: self._prefix(binary) for binary in (False, True)}
+        self._answer_ids = self._rating_ids("")
+        self._cue_ids = self.backend.response_ids(RATING_CUE)
+        self._cue_rating_ids = self._rating_ids(RATING_CUE)
+
+    # -- prompt ----------------------------------------------------------------------------------
+    def _block(self, question: str, refs: Sequence[str], prediction: str, caption: str | None) -> str:
+        lines = []
+        if self.use_caption:
+            lines.append(f"Image description: {caption}")
+        lines += [f"Question: {question}", f"Reference answers: {_quote(refs)}",
+                  f"Candidate answer: {prediction}", "Output:"]
+        return "\n".join(lines)
+
+    def _demo_output(self, d: Demonstration) -> str:
+        if self.rationale:
+            return f"{d.explanation}{RATING_CUE}{d.output}"
+        return d.output
+
+    def _prefix(self, binary: bool) -> str:
+        """Task description and demonstrations: the part of every prompt of one question type
+        that does not depend on the test example."""
+        header = TASK_DESCRIPTION + (RATIONALE_INSTRUCTION if self.rationale else "")
+        parts = [header, BINARY_RULE]
+        for d in self.binary_demos if binary else self.general_demos:
+            parts.append(self._block(d.question, sorted(d.references), d.prediction, d.caption)
+                         + " " + self._demo_output(d))
+        return "\n\n".join(parts) + "\n\n"
+
+    def _check(self, example: VQAExample) -> tuple[list[str], bool]:
+        """Validated, filtered references and the binary flag; ValueError names what is wrong."""
+        if not isinstance(example.question, str) or not example.question.strip():
+            raise ValueError("question must be a non-empty string")
+        if not isinstance(example.prediction, str):
+            raise ValueError(f"prediction must be a string, got {type(example.prediction).__name__}")
+        if isinstance(example.references, (str, bytes)) or not isinstance(example.references, Sequence):
+            raise ValueError("references must be a list of answers")
+        answers = [a for a in reference_answers(example.references) if a]
+        if not answers:
+            raise ValueError("references are empty")
+        if self.use_caption and not (isinstance(example.caption, str) and example.caption.strip()):
+            raise ValueError("use_caption=True but the example has no caption")
+        refs = filter_references(answers, self.filter_p) if self.filter_refs else sorted(set(answers))
+        return refs, is_binary_question(answers)
+
+    def build_prompt(self, example: VQAExample) -> str:
+        """The exact text the model reads for ``example``."""
+        refs, binary = self._check(example)
+        return self._prefixes[binary] + self._block(example.question.strip(), refs,
+                                                    example.prediction.strip(), example.caption)
+
+    # -- rating tokens -----------------------------------------------------------------------------
+    def _rating_ids(self, context: str) -> tuple[int, ...]:
+        """Token id of each rating as the model would write it right after ``context`` in its
+        response. Fails loudly where a rating would not be a single token there."""
+        base = self.backend.response_ids(context) if context else []
+        ids = []
+        for r in RATINGS:
+            full = self.backend.response_ids(context + str(r))
+            if full[: len(base)] != base or len(full) != len(base) + 1:
+                pieces = full[len(base):] if full[: len(base)] == base else full
+                raise ValueError(
+                    f"rating {r} after {context!r} is not a single token for this tokenizer "
+                    f"(got ids {pieces}); LAVE's constrained rating step needs one token per rating")
+            ids.append(full[-1])
+        if len(set(ids)) != 3:
+            raise ValueError(f"ratings map to overlapping token ids {ids}")
+        return tuple(ids)
+
+    @property
+    def rating_token_ids(self) -> tuple[int, ...]:
+        """The three token ids read for ratings 1, 2, 3: at the start of the response in
+        score-only mode, after the rating cue in rationale mode."""
+        return self._cue_rating_ids if self.rationale else self._answer_ids
+
+    # -- running -----------------------------------------------------------------------------------
+    def _request(self, index: int, example: VQAExample) -> tuple[Request | None, LaveResult]:
+        result = LaveResult(index=index, id=getattr(example, "id", None))
+        try:
+            ids = self.backend.encode_prompt(self.build_prompt(example))
+        except (ValueError, TypeError, AttributeError) as bad:
+            result.error = f"invalid example: {bad}"
+            return None, result
+        result.prompt_tokens = len(ids)
+        if len(ids) > self.backend.max_input_tokens:
+            result.error = (f"prompt is {len(ids)} tokens, above the model limit of "
+                            f"{self.backend.max_input_tokens}; not truncated (use fewer shots, "
+                            "shorter references, or raise max_input_tokens)")
+            return None, result
+        spec = (Text(self.max_new_tokens, track_ids=self._cue_rating_ids) if self.rationale
+                else Choice(self._answer_ids))
+        return Request(index=index, prompt_ids=ids, spec=spec), result
+
+    @staticmethod
+    def _set_rating(result: LaveResult, rating: int, probs: np.ndarray | None, source: str) -> None:
+        result.rating = rating
+        result.score = (rating - 1) / 2
+        result.rating_source = source
+        if probs is not None:
+            result.probs = [float(p) for p in probs]
+            result.soft_score = float(np.dot(probs, [0.0, 0.5, 1.0]))
+        else:
+            result.soft_score = result.score
+
+    def _finish_text(self, out: Output, result: LaveResult, request: Request) -> Request | None:
+        """Rating from a rationale; a constrained follow-up request when it has none."""
+        text = self.backend.decode(out.token_ids)
+        result.rationale = text
+        last = text.rstrip()[-1:]
+        if last in ("1", "2", "3"):
+            probs = None
+            if out.token_ids and out.token_ids[-1] in self._cue_rating_ids and out.tracked_logits is not None:
+                probs = choice_probs(out.tracked_logits[-1])
+            self._set_rating(result, int(last), probs, "parsed")
+            return None
+        if self.on_unparsable == "official":
+            self._set_rating(result, 2, None, "official-fallback")
+            return None
+        return Request(index=request.index, prompt_ids=request.prompt_ids,
+                       spec=Choice(self._cue_rating_ids),
+                       response_prefix=tuple(out.token_ids) + tuple(self._cue_ids))
+
+    def stream(self, examples: Iterable[VQAExample]) -> Iterator[LaveResult]:
+        """Results as soon as their batch finishes (not in input order; each has ``.index``).
+        Invalid items come first, with ``error`` set."""
+        requests, results = [], {}
+        for i, example in enumerate(examples):
+            request, result = self._request(i, example)
+            if request is None:
+                yield result
+            else:
+                requests.append(request)
+                results[i] = result
+        by_index = {r.index: r for r in requests}
+        followups = []
+        for outputs in self._run(requests):
+            for out in outputs:
+                result = results[out.index]
+                if out.probs is not None:  # score-only
+                    self._set_rating(result, RATINGS[int(np.argmax(out.probs))], out.probs, "choice")
+                    yield result
+                    continue
+                followup = self._finish_text(out, result, by_index[out.index])
+                if followup is None:
+                    yield result
+                else:
+                    followups.append(followup)
+        for outputs in self._run(followups):
+            for out in outputs:
+                result = results[out.index]
+                self._set_rating(result, RATINGS[int(np.argmax(out.probs))], out.probs, "constrained")
+                yield result
+
+    def _run(self, requests: Sequence[Request]) -> Iterator[list[Output]]:
+        return run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size)
+
+    def score(self, examples: Iterable[VQAExample]) -> list[LaveResult]:
+        """Results in input order."""
+        results = sorted(self.stream(examples), key=lambda r: r.index)
+        return results

@@ -1,0 +1,84 @@
+"""What a judge asks of a backend, and what comes back.
+
+A judge turns each example into a :class:`Request`: prompt token ids plus an output spec. The
+spec says how little the model needs to do. :class:`Choice` is the fast path: one forward step
+whose next-token distribution is read only at K candidate tokens. :class:`Text` is greedy
+decoding, used only when the metric reads the text (a rationale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Score-only: the probability of each candidate token at the next position.
+
+    ``probs`` in the output are the softmax over the K candidate logits (renormalised among the
+    candidates, as a judge that must pick one of them would).
+    """
+
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Text:
+    """Greedy decoding until EOS or ``max_new_tokens``.
+
+    ``track_ids``: candidate tokens whose logits are kept at every step, so the judge can read a
+    distribution over them at the step that produced its answer without decoding again.
+    """
+
+    max_new_tokens: int
+    track_ids: tuple[int, ...] = ()
+
+
+OutputSpec = Union[Choice, Text]
+
+
+@dataclass
+class Request:
+    """One model call.
+
+    ``prompt_ids`` is the full model input (encoder input for encoder-decoder models).
+    ``response_prefix`` are tokens the response is forced to start with (decoder input after the
+    start token for encoder-decoder models; appended to the prompt for decoder-only models).
+    """
+
+    index: int
+    prompt_ids: np.ndarray
+    spec: OutputSpec
+    response_prefix: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.prompt_ids)) + len(self.response_prefix)
+
+
+@dataclass
+class Output:
+    """What the backend computed for one request.
+
+    For :class:`Choice`: ``probs`` (K,) and ``logits`` (K,).
+    For :class:`Text`: ``token_ids`` (generated, without EOS), ``finished`` (EOS seen) and, when
+    ``track_ids`` were given, ``tracked_logits`` (steps, K).
+    """
+
+    index: int
+    probs: np.ndarray | None = None
+    logits: np.ndarray | None = None
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    tracked_logits: np.ndarray | None = None
+
+
+def choice_probs(logits: Sequence[float]) -> np.ndarray:
+    """Softmax over a handful of candidate logits, in float64 for stable comparisons."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max()
+    e = np.exp(z)
+    return e / e.sum()
