@@ -51,8 +51,12 @@ def train_t5_tokenizer(out_dir: str | os.PathLike, corpus: Iterable[str], vocab_
 
 def build_random_t5(out_dir: str | os.PathLike, corpus: Iterable[str], shape: str = "tiny",
                     seed: int = 0, vocab_size: int = 800, tie_word_embeddings: bool = False,
-                    feed_forward_proj: str = "gated-gelu") -> Path:
-    """A random-weight T5 v1.1 / Flan-T5-shaped checkpoint directory with a trained tokenizer."""
+                    feed_forward_proj: str = "gated-gelu", model_vocab_size: int | None = None) -> Path:
+    """A random-weight T5 v1.1 / Flan-T5-shaped checkpoint directory with a trained tokenizer.
+
+    ``model_vocab_size`` sizes the embedding and LM head beyond the tokenizer (real Flan-T5:
+    32128 rows for 32100 tokens), for benchmarks that should pay the real head's cost.
+    """
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -60,7 +64,7 @@ def build_random_t5(out_dir: str | os.PathLike, corpus: Iterable[str], shape: st
     tokenizer = train_t5_tokenizer(out, corpus, vocab_size=vocab_size)
     dims = T5_SHAPES[shape]
     config = T5Config(
-        vocab_size=len(tokenizer), feed_forward_proj=feed_forward_proj,
+        vocab_size=max(len(tokenizer), model_vocab_size or 0), feed_forward_proj=feed_forward_proj,
         tie_word_embeddings=tie_word_embeddings, decoder_start_token_id=0, pad_token_id=0,
         eos_token_id=1, dropout_rate=0.0, **dims,
     )
@@ -74,7 +78,7 @@ def build_random_t5(out_dir: str | os.PathLike, corpus: Iterable[str], shape: st
 
         weights_file = out / "model.safetensors"
         state = load_file(str(weights_file))
-        state["lm_head.weight"] = torch.randn_like(state["shared.weight"]) * 0.5
+        state["lm_head.weight"] = torch.randn_like(state["shared.weight"]) * dims["d_model"] ** -0.5
         save_file(state, str(weights_file), metadata={"format": "pt"})
         cfg = json.loads((out / "config.json").read_text())
         cfg.pop("scale_decoder_outputs", None)

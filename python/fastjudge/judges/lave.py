@@ -261,9 +261,10 @@ class LaveJudge:
                 raise ValueError(
                     f"rating {r} after {context!r} is not a single token for this tokenizer "
                     f"(got ids {pieces}); LAVE's constrained rating step needs one token per rating")
+            if self.backend.decode(full[-1:]).strip() != str(r):
+                raise ValueError(f"rating {r} after {context!r} maps to token {full[-1]}, which "
+                                 f"decodes to {self.backend.decode(full[-1:])!r} (unknown token?)")
             ids.append(full[-1])
-        if len(set(ids)) != 3:
-            raise ValueError(f"ratings map to overlapping token ids {ids}")
         return tuple(ids)
 
     @property

@@ -1,0 +1,156 @@
+"""The ``fastjudge`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from itertools import islice
+from typing import Iterable, Iterator
+
+LAVE_RESULT_FIELDS = ("score", "soft_score", "rating", "probs", "rationale", "rating_source",
+                      "prompt_tokens", "error")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default=None,
+                   help="float32 or bfloat16 (default: bfloat16 on CUDA and on CPUs with native "
+                        "bf16 support, else float32)")
+    p.add_argument("--rationale", action="store_true",
+                   help="decode a rationale before the rating (slower; the paper's setting)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="rationale length cap (100)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastjudge", description="Fast model-as-judge metrics.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log model loading details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    lave = sub.add_parser("lave", help="score VQA answers with LAVE (JSONL in, JSONL out)")
+    lave.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    lave.add_argument("--input", required=True,
+                      help="JSONL: id, question, references (list of str or of {'answer': ...}), "
+                           "prediction, optional caption")
+    lave.add_argument("--output", required=True,
+                      help="JSONL; rerunning resumes, skipping ids already written")
+    _add_model_args(lave)
+    lave.add_argument("--num-shots", type=int, default=8)
+    lave.add_argument("--demos", help="JSON file of general-question demonstrations")
+    lave.add_argument("--binary-demos", help="JSON file of yes/no-question demonstrations")
+    lave.add_argument("--no-filter", action="store_true", help="keep outlier reference answers")
+    lave.add_argument("--filter-p", type=float, default=0.25)
+    lave.add_argument("--use-caption", action="store_true", help="add the image caption to prompts")
+    lave.add_argument("--on-unparsable", choices=("constrain", "official"), default="constrain")
+    lave.add_argument("--max-batch-tokens", type=int, default=None)
+    lave.add_argument("--max-input-tokens", type=int, default=None)
+    lave.add_argument("--chunk-size", type=int, default=1024,
+                      help="items planned together; results are written as batches finish")
+    lave.add_argument("--allow-pickle", action="store_true",
+                      help="allow pickle-based weights (*.bin); only for trusted checkpoints")
+    lave.add_argument("--no-progress", action="store_true")
+
+    demo = sub.add_parser("demo", help="run LAVE on bundled sample data (no download needed)")
+    demo.add_argument("--model", default=None,
+                      help="checkpoint directory (default: a cached random-weight Flan-T5-small-"
+                           "shaped judge, built on first use)")
+    _add_model_args(demo)
+    return parser
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def run_lave(args) -> int:
+    from .io.jsonl import ResumableWriter, read_jsonl
+    from .judges.lave import LaveJudge, VQAExample
+
+    judge = LaveJudge(
+        args.model, device=args.device, dtype=args.dtype, rationale=args.rationale,
+        num_shots=args.num_shots, demos=args.demos, binary_demos=args.binary_demos,
+        filter_refs=not args.no_filter, filter_p=args.filter_p, use_caption=args.use_caption,
+        max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
+        on_unparsable=args.on_unparsable, allow_pickle=args.allow_pickle,
+        max_input_tokens=args.max_input_tokens)
+    writer = ResumableWriter(args.output)
+    if writer.truncated_partial_line:
+        print(f"fastjudge: removed a partial last line from {args.output} (interrupted run)",
+              file=sys.stderr)
+    todo = [line for line in read_jsonl(args.input) if line.id not in writer.done]
+    skipped = len(writer.done)
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(todo), unit="item", disable=args.no_progress, file=sys.stderr,
+                    desc="lave")
+    n_items = n_errors = 0
+    score_sum = 0.0
+    start = time.perf_counter()
+
+    def emit(row: dict) -> None:
+        nonlocal n_items, n_errors, score_sum
+        writer.write(row)
+        n_items += 1
+        if row.get("error"):
+            n_errors += 1
+        else:
+            score_sum += row["score"]
+        progress.update(1)
+
+    try:
+        for chunk in _chunks(todo, max(1, args.chunk_size)):
+            examples, lines = [], []
+            for line in chunk:
+                if line.error:
+                    emit({"id": line.id, **{k: None for k in LAVE_RESULT_FIELDS}, "error": line.error})
+                    continue
+                item = line.item
+                examples.append(VQAExample(
+                    question=item.get("question"), references=item.get("references"),
+                    prediction=item.get("prediction"), caption=item.get("caption"), id=line.id))
+                lines.append(line)
+            for result in judge.stream(examples):
+                item = lines[result.index].item
+                row = {**item, "id": item.get("id", lines[result.index].id)}
+                row.update({k: getattr(result, k) for k in LAVE_RESULT_FIELDS})
+                if result.error:
+                    row["error"] = f"line {lines[result.index].line_no}: {result.error}"
+                emit(row)
+    except KeyboardInterrupt:
+        progress.close()
+        writer.close()
+        print(f"\nfastjudge: interrupted after {n_items} items; rerun the same command to resume.",
+              file=sys.stderr)
+        return 130
+    progress.close()
+    writer.close()
+    elapsed = time.perf_counter() - start
+    scored = n_items - n_errors
+    mean = f"{score_sum / scored:.4f}" if scored else "n/a"
+    print(f"fastjudge lave: {n_items} items ({skipped} already done), {n_errors} errors, "
+          f"mean score {mean}, {n_items / max(elapsed, 1e-9):.1f} items/s -> {args.output}",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s")
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(model=args.model, device=args.device, dtype=args.dtype,
+                        rationale=args.rationale, max_new_tokens=args.max_new_tokens)
+    try:
+        return run_lave(args)
+    except (OSError, ValueError) as bad:  # bad paths, checkpoints, demonstration files
+        print(f"fastjudge: error: {bad}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

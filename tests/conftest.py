@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random-weight checkpoints of the real architectures, saved as real
+Hugging Face directories with tokenizers trained here, loaded through the user's code path."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastjudge.checkpoints import build_random_t5
+from fastjudge.demo import tokenizer_corpus
+
+
+@pytest.fixture(scope="session")
+def t5_dir(tmp_path_factory):
+    """Flan-T5 layout: gated-gelu, separate (untied) LM head, no output rescaling."""
+    return build_random_t5(tmp_path_factory.mktemp("flan-t5-tiny"), tokenizer_corpus(), shape="tiny")
+
+
+@pytest.fixture(scope="session")
+def t5_tied_dir(tmp_path_factory):
+    """Original-T5 layout: ReLU feed-forward, tied LM head with d_model**-0.5 rescaling."""
+    return build_random_t5(tmp_path_factory.mktemp("t5-tied-tiny"), tokenizer_corpus(), shape="tiny",
+                           tie_word_embeddings=True, feed_forward_proj="relu", seed=1)
+
+
+@pytest.fixture(scope="session")
+def t5_backend(t5_dir):
+    from fastjudge.backends.torch_t5 import TorchT5Backend
+
+    return TorchT5Backend(t5_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def lave_judge(t5_backend):
+    from fastjudge import LaveJudge
+
+    return LaveJudge(t5_backend)
