@@ -76,11 +76,12 @@ def run_lave(args) -> int:
         max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
         on_unparsable=args.on_unparsable, allow_pickle=args.allow_pickle,
         max_input_tokens=args.max_input_tokens)
+    lines = list(read_jsonl(args.input))  # before the output is touched: a bad path leaves none
     writer = ResumableWriter(args.output)
     if writer.truncated_partial_line:
         print(f"fastjudge: removed a partial last line from {args.output} (interrupted run)",
               file=sys.stderr)
-    todo = [line for line in read_jsonl(args.input) if line.id not in writer.done]
+    todo = [line for line in lines if line.id not in writer.done]
     skipped = len(writer.done)
     from tqdm import tqdm
 
@@ -114,7 +115,9 @@ def run_lave(args) -> int:
                 lines.append(line)
             for result in judge.stream(examples):
                 item = lines[result.index].item
-                row = {**item, "id": item.get("id", lines[result.index].id)}
+                # an item without an id (or with "id": null) is known by its line number
+                row = {**item, "id": item["id"] if item.get("id") is not None
+                       else lines[result.index].id}
                 row.update({k: getattr(result, k) for k in LAVE_RESULT_FIELDS})
                 if result.error:
                     row["error"] = f"line {lines[result.index].line_no}: {result.error}"

@@ -69,7 +69,7 @@ def demo_model(rebuild: bool = False) -> Path:
 
 
 def run_demo(model: str | None = None, device: str = "auto", dtype=None, rationale: bool = False,
-             max_new_tokens: int = 40) -> int:
+             max_new_tokens: int = 100) -> int:
     from . import LaveJudge, VQAExample
 
     random_model = model is None

@@ -74,7 +74,7 @@ class ResumableWriter:
                 row = orjson.loads(line) if line.strip() else None
             except orjson.JSONDecodeError:
                 break
-            if row is not None:
+            if isinstance(row, dict):
                 self.done.add(str(row.get(self.id_field)))
             pos = good_end = end + 1
         if good_end < len(data):

@@ -85,6 +85,8 @@ class Demonstration:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> "Demonstration":
+        if not isinstance(d, dict):
+            raise ValueError(f"demonstration {where}: expected a JSON object, got {type(d).__name__}")
         try:
             output = str(d["output"]).strip()
             if output not in ("1", "2", "3"):
