@@ -8,12 +8,14 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "planner.hpp"
+#include "prefix_index.hpp"
 
 namespace py = pybind11;
 
@@ -94,9 +96,226 @@ Each batch satisfies rows * longest <= max_batch_tokens and rows <= max_batch_si
 Raises ValueError on invalid arguments.)doc");
 }
 
+// ---------------------------------------------------------------------------------------
+// prefix index
+// ---------------------------------------------------------------------------------------
+
+// fastjudge::PrefixIndex behind a mutex. match_many works without the GIL, so another
+// Python thread could otherwise reach the tree meanwhile. No thread ever waits for the
+// mutex while holding the GIL, so the two locks cannot deadlock.
+class PyPrefixIndex {
+ public:
+  explicit PyPrefixIndex(int64_t capacity_bytes) : index_(capacity_bytes) {}
+
+  // Runs f(index) under the mutex, keeping the GIL: short calls cost one try_lock. Only a
+  // contended mutex is waited for, with the GIL released.
+  template <class F>
+  auto with_gil(F&& f) {
+    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      py::gil_scoped_release release;
+      lock.lock();
+    }
+    return f(index_);
+  }
+
+  // Runs f(index) under the mutex with the GIL released; f must not touch Python objects.
+  // The mutex is unlocked before the GIL is taken back.
+  template <class F>
+  auto without_gil(F&& f) {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return f(index_);
+  }
+
+ private:
+  std::mutex mutex_;
+  fastjudge::PrefixIndex index_;
+};
+
+using Index = fastjudge::PrefixIndex;
+
+int64_t prefix_insert(PyPrefixIndex& self, const py::handle& tokens, int64_t nbytes) {
+  const Int64Array toks = as_int64_vector(tokens, "tokens");
+  return self.with_gil([&](Index& index) {
+    return index.insert(toks.data(), static_cast<std::size_t>(toks.size()), nbytes);
+  });
+}
+
+py::tuple prefix_match(PyPrefixIndex& self, const py::handle& tokens) {
+  const Int64Array toks = as_int64_vector(tokens, "tokens");
+  const fastjudge::PrefixMatch found = self.with_gil([&](Index& index) {
+    return index.match(toks.data(), static_cast<std::size_t>(toks.size()));
+  });
+  return py::make_tuple(found.slot, found.length);
+}
+
+py::tuple prefix_match_many(PyPrefixIndex& self, const py::handle& tokens,
+                            const py::handle& offsets) {
+  std::vector<Int64Array> buffers;  // keep every query's tokens alive while matching
+  std::vector<std::pair<const int64_t*, std::size_t>> queries;
+  if (!offsets.is_none()) {
+    buffers.push_back(as_int64_vector(tokens, "tokens"));
+    const Int64Array offs = as_int64_vector(offsets, "offsets");
+    const int64_t* flat = buffers.back().data();
+    const int64_t total = static_cast<int64_t>(buffers.back().size());
+    const int64_t* o = offs.data();
+    const py::ssize_t count = offs.size();
+    if (count == 0) throw py::value_error("offsets must have at least one entry");
+    if (o[0] != 0) throw py::value_error("offsets must start at 0, got " + std::to_string(o[0]));
+    for (py::ssize_t i = 0; i + 1 < count; ++i) {
+      if (o[i] > o[i + 1]) {
+        throw py::value_error("offsets must be non-decreasing, but offsets[" +
+                              std::to_string(i) + "]=" + std::to_string(o[i]) + " > offsets[" +
+                              std::to_string(i + 1) + "]=" + std::to_string(o[i + 1]));
+      }
+    }
+    if (o[count - 1] != total) {
+      throw py::value_error("offsets must end at len(tokens)=" + std::to_string(total) +
+                            ", got " + std::to_string(o[count - 1]));
+    }
+    queries.reserve(static_cast<std::size_t>(count - 1));
+    for (py::ssize_t i = 0; i + 1 < count; ++i) {
+      queries.emplace_back(flat + o[i], static_cast<std::size_t>(o[i + 1] - o[i]));
+    }
+  } else {
+    if (py::isinstance<py::array>(tokens) && py::reinterpret_borrow<py::array>(tokens).ndim() == 1) {
+      throw py::value_error(
+          "a flat tokens array needs offsets; pass offsets or a sequence of 1-D arrays");
+    }
+    for (const py::handle item : tokens) {
+      buffers.push_back(as_int64_vector(item, "tokens[" + std::to_string(buffers.size()) + "]"));
+      queries.emplace_back(buffers.back().data(), static_cast<std::size_t>(buffers.back().size()));
+    }
+  }
+
+  std::vector<int64_t> slots(queries.size());
+  std::vector<int64_t> lengths(queries.size());
+  self.without_gil([&](Index& index) {
+    for (std::size_t i = 0; i < queries.size(); ++i) {
+      const fastjudge::PrefixMatch found = index.match(queries[i].first, queries[i].second);
+      slots[i] = found.slot;
+      lengths[i] = found.length;
+    }
+  });
+  return py::make_tuple(to_numpy(std::move(slots)), to_numpy(std::move(lengths)));
+}
+
+void bind_prefix_index(py::module_& m) {
+  py::register_exception<fastjudge::CacheFull>(m, "CacheFullError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const fastjudge::UnknownSlot& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+
+  py::class_<PyPrefixIndex>(m, "PrefixIndex", R"doc(Radix-tree index from cached token prefixes to cache slots.
+
+See fastjudge.runtime.prefix_index for the full contract. Slot ids are issued 0, 1, 2, ...
+and never reused. Entries with refcount 0 are evicted least recently used first.)doc")
+      .def(py::init<int64_t>(), py::arg("capacity_bytes"),
+           "Empty index with a byte budget (>= 0); ValueError if negative.")
+      .def("insert", &prefix_insert, py::arg("tokens"), py::arg("nbytes"),
+           R"doc(Register a cached prefix whose state costs nbytes; returns its slot.
+
+tokens: non-empty 1-D integer array. If exactly these tokens are cached, returns that slot
+(size unchanged, nbytes ignored). Otherwise evicts least-recently-used entries with refcount
+0 until the budget fits (drain them with take_evicted()). Raises CacheFullError, evicting
+nothing, if the entry cannot fit; ValueError on empty tokens or negative nbytes.)doc")
+      .def("match", &prefix_match, py::arg("tokens"),
+           R"doc((slot, length) of the longest cached entry that is a prefix of tokens, or (-1, 0).
+
+Marks the matched entry most recently used and counts a hit or a miss.)doc")
+      .def("match_many", &prefix_match_many, py::arg("tokens"), py::arg("offsets") = py::none(),
+           R"doc(match() for many queries in order, without the GIL; returns int64 (slots, lengths).
+
+Either a sequence of 1-D integer arrays, or one flat array with offsets (offsets[0] == 0,
+non-decreasing, offsets[-1] == len(tokens)): query i is tokens[offsets[i]:offsets[i+1]].)doc")
+      .def("acquire",
+           [](PyPrefixIndex& self, int64_t slot) {
+             self.with_gil([&](Index& index) { index.acquire(slot); });
+           },
+           py::arg("slot"), "Pin an entry (refcount += 1); KeyError for an unknown slot.")
+      .def("release",
+           [](PyPrefixIndex& self, int64_t slot) {
+             self.with_gil([&](Index& index) { index.release(slot); });
+           },
+           py::arg("slot"),
+           "Unpin (refcount -= 1); ValueError at refcount 0, KeyError for an unknown slot.")
+      .def("remove",
+           [](PyPrefixIndex& self, int64_t slot) {
+             self.with_gil([&](Index& index) { index.remove(slot); });
+           },
+           py::arg("slot"),
+           "Drop an entry with refcount 0 (not reported by take_evicted); ValueError if "
+           "acquired, KeyError for an unknown slot.")
+      .def("refcount",
+           [](PyPrefixIndex& self, int64_t slot) {
+             return self.with_gil([&](Index& index) { return index.refcount(slot); });
+           },
+           py::arg("slot"), "Current reference count; KeyError for an unknown slot.")
+      .def("take_evicted",
+           [](PyPrefixIndex& self) {
+             return to_numpy(self.with_gil([](Index& index) { return index.take_evicted(); }));
+           },
+           "int64 array of slots evicted by insert since the last call, oldest first.")
+      .def("__contains__",
+           [](PyPrefixIndex& self, int64_t slot) {
+             return self.with_gil([&](Index& index) { return index.contains(slot); });
+           })
+      .def("__len__",
+           [](PyPrefixIndex& self) {
+             return self.with_gil([](Index& index) { return index.num_entries(); });
+           })
+      .def_property_readonly(
+          "capacity_bytes",
+          [](PyPrefixIndex& self) {
+            return self.with_gil([](Index& index) { return index.capacity_bytes(); });
+          })
+      .def_property_readonly(
+          "bytes_used",
+          [](PyPrefixIndex& self) {
+            return self.with_gil([](Index& index) { return index.bytes_used(); });
+          })
+      .def_property_readonly(
+          "num_entries",
+          [](PyPrefixIndex& self) {
+            return self.with_gil([](Index& index) { return index.num_entries(); });
+          })
+      .def_property_readonly(
+          "hits",
+          [](PyPrefixIndex& self) {
+            return self.with_gil([](Index& index) { return index.hits(); });
+          })
+      .def_property_readonly(
+          "misses",
+          [](PyPrefixIndex& self) {
+            return self.with_gil([](Index& index) { return index.misses(); });
+          })
+      .def_property_readonly(
+          "hit_rate",
+          [](PyPrefixIndex& self) {
+            return self.with_gil([](Index& index) {
+              const int64_t total = index.hits() + index.misses();
+              return total == 0 ? 0.0 : static_cast<double>(index.hits()) / total;
+            });
+          },
+          "hits / (hits + misses), 0.0 before the first match.")
+      .def("__repr__", [](PyPrefixIndex& self) {
+        return self.with_gil([](Index& index) {
+          return "PrefixIndex(capacity_bytes=" + std::to_string(index.capacity_bytes()) +
+                 ", bytes_used=" + std::to_string(index.bytes_used()) +
+                 ", num_entries=" + std::to_string(index.num_entries()) + ")";
+        });
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
-  m.doc() = "fastjudge host-side engine (C++): batch planning.";
+  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index.";
   bind_planner(m);
+  bind_prefix_index(m);
 }

@@ -146,35 +146,27 @@ class T5Weights:
             return {"ff_norm": take(f"{prefix}.layer_norm.weight"), "wi": wi,
                     "wo": take(f"{prefix}.DenseReluDense.wo.weight")}
 
-        def attn(prefix: str, kind: str) -> dict:
-            q, k, v = (take(f"{prefix}.{kind}.{n}.weight") for n in "qkv")
+        def self_attn(prefix: str) -> dict:
+            q, k, v = (take(f"{prefix}.SelfAttention.{n}.weight") for n in "qkv")
             return {"norm": take(f"{prefix}.layer_norm.weight"), "qkv": torch.cat([q, k, v], 0),
-                    "q": q, "k": k, "v": v, "o": take(f"{prefix}.{kind}.o.weight")}
+                    "o": take(f"{prefix}.SelfAttention.o.weight")}
 
-        self.encoder = []
-        for i in range(shape.num_layers):
-            p = f"encoder.block.{i}.layer"
-            layer = attn(f"{p}.0", "SelfAttention")
-            layer.update(ff(f"{p}.1"))
-            self.encoder.append(layer)
-        self.decoder = []
-        for i in range(shape.num_decoder_layers):
-            p = f"decoder.block.{i}.layer"
-            layer = attn(f"{p}.0", "SelfAttention")
-            cross = attn(f"{p}.1", "EncDecAttention")
-            layer.update({f"x_{k}": v for k, v in cross.items()})
-            layer.update(ff(f"{p}.2"))
-            self.decoder.append(layer)
+        def cross_attn(prefix: str) -> dict:
+            names = {n: take(f"{prefix}.EncDecAttention.{n}.weight") for n in "qkvo"}
+            return {"x_norm": take(f"{prefix}.layer_norm.weight"),
+                    **{f"x_{n}": w for n, w in names.items()}}
+
+        self.encoder = [{**self_attn(f"encoder.block.{i}.layer.0"), **ff(f"encoder.block.{i}.layer.1")}
+                        for i in range(shape.num_layers)]
+        self.decoder = [{**self_attn(f"decoder.block.{i}.layer.0"),
+                         **cross_attn(f"decoder.block.{i}.layer.1"),
+                         **ff(f"decoder.block.{i}.layer.2")}
+                        for i in range(shape.num_decoder_layers)]
         # Per-head views of cross-attention projections for the reassociated score-only step.
         h, dk, d = shape.num_heads, shape.d_kv, shape.d_model
         for layer in self.decoder:
             layer["x_k_heads"] = layer["x_k"].view(h, dk, d)
             layer["x_v_heads"] = layer["x_v"].view(h, dk, d)
-            for key in ("q", "k", "v", "x_qkv"):
-                layer.pop(key, None)
-        for layer in self.encoder:
-            for key in ("q", "k", "v"):
-                layer.pop(key)
 
 
 class T5Model:
@@ -407,7 +399,6 @@ class TorchT5Backend:
 
     def _run_choice(self, batch, enc, lengths) -> list[Output]:
         start = self.shape.decoder_start_token_id
-        outputs: list[Output] = []
         # Rows of one batch may ask for different candidate sets; group rows that share one.
         by_candidates: dict[tuple[int, ...], list[int]] = {}
         for i, r in enumerate(batch):
@@ -424,8 +415,7 @@ class TorchT5Backend:
             for row, z in zip(rows, logits):
                 results[row] = Output(index=batch[row].index, logits=z.astype(np.float64),
                                       probs=choice_probs(z))
-        outputs = [results[i] for i in range(len(batch))]
-        return outputs
+        return [results[i] for i in range(len(batch))]
 
     def _run_text(self, batch, enc, lengths) -> list[Output]:
         spec = batch[0].spec

@@ -358,5 +358,4 @@ class LaveJudge:
 
     def score(self, examples: Iterable[VQAExample]) -> list[LaveResult]:
         """Results in input order."""
-        results = sorted(self.stream(examples), key=lambda r: r.index)
-        return results
+        return sorted(self.stream(examples), key=lambda r: r.index)
