@@ -85,3 +85,112 @@ def build_random_t5(out_dir: str | os.PathLike, corpus: Iterable[str], shape: st
         cfg["tie_word_embeddings"] = False
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+# Qwen shapes: (hidden, intermediate, layers, heads, kv heads, head_dim, DeltaNet k/v heads, dims).
+QWEN_SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                  linear_value_head_dim=64),
+    "medium": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                   linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+                   linear_value_head_dim=64),
+}
+
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# The structure of Qwen's chat template: turns in <|im_start|>role ... <|im_end|>, and with
+# thinking disabled an empty <think></think> block opening the assistant turn.
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
+)
+
+
+def train_bpe_tokenizer(out_dir: str | os.PathLike, corpus: Iterable[str], vocab_size: int = 1000):
+    """A byte-level BPE tokenizer with Qwen's special tokens and chat-template structure."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits split one by one, as in Qwen's pre-tokenizer.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=QWEN_CHAT_TEMPLATE)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def _randomize_norms(model, seed: int) -> None:
+    """Norm weights start at 0 (zero-centred) or 1; random ones make a wrong norm formula fail
+    the faithfulness tests instead of passing by accident."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def build_random_qwen(out_dir: str | os.PathLike, corpus: Iterable[str], arch: str = "qwen3_5",
+                      shape: str = "tiny", seed: int = 0, vocab_size: int = 1000,
+                      multimodal: bool = False) -> Path:
+    """A random-weight Qwen3.5 (hybrid Gated DeltaNet + gated attention) or Qwen3 (dense)
+    causal LM checkpoint with a trained BPE tokenizer. ``multimodal=True`` saves Qwen3.5 as
+    ``Qwen3_5ForConditionalGeneration`` (language model nested under a vision tower)."""
+    import torch
+
+    out = Path(out_dir)
+    tokenizer = train_bpe_tokenizer(out, corpus, vocab_size=vocab_size)
+    dims = dict(QWEN_SHAPES[shape])
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        for key in [k for k in dims if k.startswith("linear_")]:
+            dims.pop(key)
+        config = Qwen3Config(vocab_size=len(tokenizer), tie_word_embeddings=False, **dims)
+        model = Qwen3ForCausalLM(config)
+    elif arch == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        n = dims["num_hidden_layers"]
+        # Both layer kinds, full attention every other layer (real models: every fourth).
+        layer_types = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        text = Qwen3_5TextConfig(vocab_size=len(tokenizer), tie_word_embeddings=False,
+                                 layer_types=layer_types, **dims)
+        if multimodal:
+            from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+            vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                          out_hidden_size=dims["hidden_size"], patch_size=14,
+                          temporal_patch_size=2, spatial_merge_size=2)
+            config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
+                                   tie_word_embeddings=False)
+            model = Qwen3_5ForConditionalGeneration(config)
+        else:
+            model = Qwen3_5ForCausalLM(text)
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    _randomize_norms(model, seed)
+    model.eval().save_pretrained(str(out), safe_serialization=True)
+    return out

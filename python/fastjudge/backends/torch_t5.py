@@ -373,6 +373,11 @@ class TorchT5Backend:
         """Model input ids exactly as transformers' tokenizer gives them (with EOS)."""
         return np.asarray(self.tokenizer(text).input_ids, dtype=np.int64)
 
+    def shared_prefix_len(self, ids: np.ndarray, prefix_text: str) -> int:
+        """Always 0: every encoder token attends to the whole prompt, so no prefix state of a
+        bidirectional encoder can be reused exactly."""
+        return 0
+
     def response_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` as the start of the model's response (no EOS)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)

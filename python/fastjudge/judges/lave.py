@@ -244,11 +244,17 @@ class LaveJudge:
         refs = filter_references(answers, self.filter_p) if self.filter_refs else sorted(set(answers))
         return refs, is_binary_question(answers)
 
-    def build_prompt(self, example: VQAExample) -> str:
-        """The exact text the model reads for ``example``."""
+    def _prompt_parts(self, example: VQAExample) -> tuple[str, str]:
+        """(shared prefix, example-specific rest) of the prompt text."""
         refs, binary = self._check(example)
-        return self._prefixes[binary] + self._block(example.question.strip(), refs,
-                                                    example.prediction.strip(), example.caption)
+        caption = example.caption.strip() if isinstance(example.caption, str) else example.caption
+        return self._prefixes[binary], self._block(example.question.strip(), refs,
+                                                   example.prediction.strip(), caption)
+
+    def build_prompt(self, example: VQAExample) -> str:
+        """The judge's prompt text for ``example`` (decoder-only backends wrap it in the
+        checkpoint's chat template)."""
+        return "".join(self._prompt_parts(example))
 
     # -- rating tokens -----------------------------------------------------------------------------
     def _rating_ids(self, context: str) -> tuple[int, ...]:
@@ -279,7 +285,8 @@ class LaveJudge:
     def _request(self, index: int, example: VQAExample) -> tuple[Request | None, LaveResult]:
         result = LaveResult(index=index, id=getattr(example, "id", None))
         try:
-            ids = self.backend.encode_prompt(self.build_prompt(example))
+            prefix, rest = self._prompt_parts(example)
+            ids = self.backend.encode_prompt(prefix + rest)
         except (ValueError, TypeError, AttributeError) as bad:
             result.error = f"invalid example: {bad}"
             return None, result
@@ -291,7 +298,8 @@ class LaveJudge:
             return None, result
         spec = (Text(self.max_new_tokens, track_ids=self._cue_rating_ids) if self.rationale
                 else Choice(self._answer_ids))
-        return Request(index=index, prompt_ids=ids, spec=spec), result
+        return Request(index=index, prompt_ids=ids, spec=spec,
+                       prefix_len=self.backend.shared_prefix_len(ids, prefix)), result
 
     @staticmethod
     def _set_rating(result: LaveResult, rating: int, probs: np.ndarray | None, source: str) -> None:
@@ -319,7 +327,7 @@ class LaveJudge:
             self._set_rating(result, 2, None, "official-fallback")
             return None
         return Request(index=request.index, prompt_ids=request.prompt_ids,
-                       spec=Choice(self._cue_rating_ids),
+                       spec=Choice(self._cue_rating_ids), prefix_len=request.prefix_len,
                        response_prefix=tuple(out.token_ids) + tuple(self._cue_ids))
 
     def stream(self, examples: Iterable[VQAExample]) -> Iterator[LaveResult]:

@@ -47,12 +47,15 @@ class Request:
     ``prompt_ids`` is the full model input (encoder input for encoder-decoder models).
     ``response_prefix`` are tokens the response is forced to start with (decoder input after the
     start token for encoder-decoder models; appended to the prompt for decoder-only models).
+    ``prefix_len``: the first ``prefix_len`` prompt tokens are shared with other requests
+    (instructions, demonstrations); backends that reuse prefix state run them once.
     """
 
     index: int
     prompt_ids: np.ndarray
     spec: OutputSpec
     response_prefix: tuple[int, ...] = ()
+    prefix_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -16,11 +16,13 @@ from .requests import Choice, Output, Request
 DEFAULT_MAX_BATCH_SIZE = 64
 
 
-def _spec_groups(requests: Sequence[Request]) -> np.ndarray:
-    """Group id per request: all Choice requests together (candidate sets may differ within a
-    batch), Text requests by identical spec (one decoding loop per batch)."""
+def _groups(backend, requests: Sequence[Request]) -> np.ndarray:
+    """Group id per request; the planner never mixes groups in a batch. Choice requests go
+    together (candidate sets may differ within a batch), Text requests by identical spec (one
+    decoding loop per batch), and, for backends that reuse prefix state, by shared prefix."""
     ids: dict[object, int] = {}
-    keys = (Choice if isinstance(r.spec, Choice) else r.spec for r in requests)
+    group_key = getattr(backend, "group_key", lambda r: None)
+    keys = ((Choice if isinstance(r.spec, Choice) else r.spec, group_key(r)) for r in requests)
     return np.fromiter((ids.setdefault(k, len(ids)) for k in keys), dtype=np.int64,
                        count=len(requests))
 
@@ -33,5 +35,5 @@ def run_requests(backend, requests: Sequence[Request], max_batch_tokens: int,
     costs = np.fromiter((backend.cost(r) for r in requests), dtype=np.int64, count=len(requests))
     # A request longer than the batch budget still runs, alone in its batch.
     budget = max(int(max_batch_tokens), int(costs.max()))
-    for batch in plan_batches(costs, budget, max_batch_size, group_ids=_spec_groups(requests)):
+    for batch in plan_batches(costs, budget, max_batch_size, group_ids=_groups(backend, requests)):
         yield backend.run([requests[i] for i in batch])
