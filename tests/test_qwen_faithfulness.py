@@ -1,0 +1,140 @@
+"""The Qwen backend against transformers on the same checkpoints (float32): Qwen3.5 causal LM
+(Gated DeltaNet + gated attention), Qwen3.5 multimodal checkpoint (language model only) and
+Qwen3 dense; with and without shared-prefix reuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastjudge import LaveJudge, VQAExample
+from fastjudge.backends.torch_qwen import TorchQwenBackend
+from fastjudge.checkpoints import build_random_qwen
+from fastjudge.demo import sample_rows, tokenizer_corpus
+from fastjudge.runtime.requests import Choice, Request, Text
+
+ARCHS = {"qwen3_5": ("qwen3_5", False), "qwen3_5_vl": ("qwen3_5", True), "qwen3": ("qwen3", False)}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def qwen_dir(request, tmp_path_factory):
+    arch, multimodal = ARCHS[request.param]
+    return build_random_qwen(tmp_path_factory.mktemp(request.param), tokenizer_corpus(), arch=arch,
+                             multimodal=multimodal, seed=len(request.param))
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    return build_random_qwen(tmp_path_factory.mktemp("qwen3_5_only"), tokenizer_corpus(), seed=3)
+
+
+def hf_model(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg["model_type"] == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration as cls
+    else:
+        from transformers import AutoModelForCausalLM as cls
+    return cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def examples(n=None):
+    return [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), r["id"])
+            for r in sample_rows()[:n]]
+
+
+@torch.inference_mode()
+def hf_next_token_probs(hf, ids, candidates):
+    logits = hf(input_ids=torch.tensor([list(ids)])).logits[0, -1, list(candidates)].double()
+    return torch.softmax(logits, -1).numpy()
+
+
+def test_lave_score_only_matches_transformers(qwen_dir):
+    judge = LaveJudge(qwen_dir, device="cpu", dtype="float32", max_batch_size=5)
+    hf = hf_model(qwen_dir)
+    items = examples(16)
+    results = judge.score(items)
+    backend = judge.backend
+    assert len(backend.prefix_cache) == 2  # general and yes/no demonstration prefixes
+    for ex, res in zip(items, results):
+        assert res.error is None
+        ids = backend.encode_prompt(judge.build_prompt(ex))
+        ref = hf_next_token_probs(hf, ids, judge.rating_token_ids)
+        np.testing.assert_allclose(res.probs, ref, rtol=1e-4, atol=1e-6)
+        assert res.rating == int(np.argmax(ref)) + 1
+
+
+def test_reuse_equals_full_prompt_alone_for_widely_different_suffixes(qwen35_dir):
+    """One shared prefix, suffixes of 1 to ~150 tokens right-padded in one batch: every row
+    equals its full prompt run alone, with no reuse, through both engines."""
+    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32")
+    hf = hf_model(qwen35_dir)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(5, 900, size=70)
+    cands = (10, 11, 12)
+    suffix_lengths = [1, 3, 150, 17, 64, 65, 2]
+    prompts = [np.concatenate([prefix, rng.integers(5, 900, size=n)]) for n in suffix_lengths]
+    shared = [Request(i, p, Choice(cands), prefix_len=len(prefix)) for i, p in enumerate(prompts)]
+    batched = backend.run(shared)
+    assert len(backend.prefix_cache) == 1
+    for p, out in zip(prompts, batched):
+        alone = backend.run([Request(0, p, Choice(cands))])[0]
+        np.testing.assert_allclose(out.probs, alone.probs, rtol=1e-4)
+        np.testing.assert_allclose(out.probs, hf_next_token_probs(hf, p, cands), rtol=1e-4)
+    # a second batch with the same prefix is served from the cache
+    again = backend.run(shared[:2])
+    np.testing.assert_allclose(again[0].probs, batched[0].probs, rtol=1e-6)
+    assert backend.prefix_cache.hit_rate > 0
+
+
+def test_greedy_text_matches_generate(qwen_dir):
+    backend = TorchQwenBackend(qwen_dir, device="cpu", dtype="float32")
+    hf = hf_model(qwen_dir)
+    judge = LaveJudge(backend, rationale=True)
+    items = examples(3)
+    max_new = 12
+    for ex in items:
+        ids = backend.encode_prompt(judge.build_prompt(ex))
+        req = Request(0, ids, Text(max_new), prefix_len=backend.shared_prefix_len(ids, judge._prompt_parts(ex)[0]))
+        assert req.prefix_len > 0
+        out = backend.run([req])[0]
+        gen = hf.generate(torch.tensor([ids.tolist()]), max_new_tokens=max_new, do_sample=False,
+                          num_beams=1, eos_token_id=sorted(backend.eos_token_ids))[0, len(ids):].tolist()
+        stop = next((i for i, t in enumerate(gen) if t in backend.eos_token_ids), len(gen))
+        assert out.token_ids == gen[:stop]
+
+
+def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
+    """A budget that holds one prefix state: the two LAVE prefixes evict each other, results
+    are unchanged, and a state too large to cache at all is used uncached."""
+    items = examples(10)
+    roomy = LaveJudge(qwen35_dir, device="cpu", dtype="float32").score(items)
+    probe = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32")
+    probe_judge = LaveJudge(probe)
+    probe_judge.score(items[:1])
+    one_state = next(iter(probe.prefix_cache.states.values())).nbytes
+    for budget in (int(one_state * 1.5), 1):
+        backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32", prefix_cache_bytes=budget)
+        tight = LaveJudge(backend, max_batch_size=2).score(items)
+        assert backend.prefix_cache.bytes_used <= budget
+        assert len(backend.prefix_cache) <= 1
+        for a, b in zip(roomy, tight):
+            np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5)
+
+
+def test_chat_template_with_thinking_disabled(qwen35_dir):
+    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32")
+    text = backend.format_prompt("Question: x?")
+    assert text.startswith("<|im_start|>user\nQuestion: x?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith("<think>\n\n</think>\n\n")
+    judge = LaveJudge(backend)
+    assert [backend.decode([t]) for t in judge.rating_token_ids] == ["1", "2", "3"]
+
+
+def test_bad_items_and_prompt_limit(qwen35_dir):
+    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32", max_input_tokens=100)
+    results = LaveJudge(backend).score([VQAExample("q?", [], "a"), examples(1)[0]])
+    assert "references are empty" in results[0].error
+    assert "above the model limit of 100" in results[1].error and results[1].score is None
