@@ -30,6 +30,7 @@ demo: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_planner.py
 	$(BIN)/python benchmarks/bench_lave_t5.py
+	$(BIN)/python benchmarks/bench_lave_qwen.py
 
 clean:
 	rm -rf $(VENV) build dist

@@ -293,6 +293,7 @@ class TorchQwenBackend:
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._prefix_ids: dict[str, np.ndarray] = {}
+        self.tokens_computed = 0  # real (non-padding) tokens run through the model
         log.info("fastjudge: loaded %s judge %s on %s (%s)", self.shape.arch, model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
 
@@ -352,6 +353,7 @@ class TorchQwenBackend:
         if state is None:
             t = torch.from_numpy(ids).to(self.device)[None]
             _, state = self.model.forward(t, None, save=True)
+            self.tokens_computed += len(ids)
             slot = self.prefix_cache.insert(ids, state)
         return slot, state
 
@@ -375,6 +377,7 @@ class TorchQwenBackend:
         suffixes = [np.concatenate([r.prompt_ids[r.prefix_len:], np.asarray(r.response_prefix, dtype=np.int64)])
                     for r in batch]
         S = max(len(x) for x in suffixes)
+        self.tokens_computed += sum(len(x) for x in suffixes)
         ids = torch.full((len(batch), S), self.pad_token_id, dtype=torch.long)
         for i, x in enumerate(suffixes):
             ids[i, : len(x)] = torch.from_numpy(x)
@@ -393,6 +396,7 @@ class TorchQwenBackend:
         spec: Text = request.spec
         suffix = torch.from_numpy(request.prompt_ids[request.prefix_len:]).to(self.device)[None]
         hidden, st = self.model.forward(suffix, state, save=True)
+        self.tokens_computed += suffix.shape[1]
         track = torch.tensor(spec.track_ids, device=self.device) if spec.track_ids else None
         tokens, tracked, finished = [], [], False
         for _ in range(spec.max_new_tokens):

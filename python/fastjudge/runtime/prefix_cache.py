@@ -20,22 +20,18 @@ class PrefixCache:
     def __init__(self, capacity_bytes: int):
         self.index = PrefixIndex(int(capacity_bytes))
         self.states: dict[int, object] = {}
-        self.computed_tokens = 0  # prefix tokens run through the model (misses)
-        self.reused_tokens = 0  # prefix tokens served from the cache (hits)
 
     def lookup(self, ids: np.ndarray):
         """``(slot, state)`` for exactly these prefix tokens, acquired; ``(None, None)`` if absent."""
         slot, length = self.index.match(ids)
         if slot >= 0 and length == len(ids):
             self.index.acquire(slot)
-            self.reused_tokens += length
             return slot, self.states[slot]
         return None, None
 
     def insert(self, ids: np.ndarray, state) -> int | None:
         """Cache ``state`` for ``ids`` and acquire it; ``None`` when it cannot fit (the caller
         then uses the state uncached)."""
-        self.computed_tokens += len(ids)
         try:
             slot = self.index.insert(ids, state.nbytes)
         except CacheFullError as full:
