@@ -179,7 +179,8 @@ py::tuple prefix_match_many(PyPrefixIndex& self, const py::handle& tokens,
       queries.emplace_back(flat + o[i], static_cast<std::size_t>(o[i + 1] - o[i]));
     }
   } else {
-    if (py::isinstance<py::array>(tokens) && py::reinterpret_borrow<py::array>(tokens).ndim() == 1) {
+    if (py::isinstance<py::array>(tokens) &&
+        py::reinterpret_borrow<py::array>(tokens).ndim() == 1) {
       throw py::value_error(
           "a flat tokens array needs offsets; pass offsets or a sequence of 1-D arrays");
     }
@@ -211,7 +212,8 @@ void bind_prefix_index(py::module_& m) {
     }
   });
 
-  py::class_<PyPrefixIndex>(m, "PrefixIndex", R"doc(Radix-tree index from cached token prefixes to cache slots.
+  py::class_<PyPrefixIndex>(m, "PrefixIndex",
+                            R"doc(Radix-tree index from cached token prefixes to cache slots.
 
 See fastjudge.runtime.prefix_index for the full contract. Slot ids are issued 0, 1, 2, ...
 and never reused. Entries with refcount 0 are evicted least recently used first.)doc")
