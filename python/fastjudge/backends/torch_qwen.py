@@ -328,7 +328,8 @@ class TorchQwenBackend:
             self._prefix_ids[prefix_text] = cached
         n = min(len(cached), len(ids) - 1)
         mismatch = np.nonzero(cached[:n] != ids[:n])[0]
-        # the last agreeing token may merge with what follows in another prompt: stop before it
+        # Exact by construction: the shared part is this prompt's own leading tokens. A prompt
+        # whose tokens diverge early at the boundary gets a shorter prefix (another group).
         return int(mismatch[0] if len(mismatch) else n)
 
     def response_ids(self, text: str) -> list[int]:
