@@ -138,3 +138,13 @@ def test_bad_items_and_prompt_limit(qwen35_dir):
     results = LaveJudge(backend).score([VQAExample("q?", [], "a"), examples(1)[0]])
     assert "references are empty" in results[0].error
     assert "above the model limit of 100" in results[1].error and results[1].score is None
+
+
+def test_bfloat16_close_to_float32(qwen35_dir):
+    items = examples(6)
+    f32 = LaveJudge(qwen35_dir, device="cpu", dtype="float32").score(items)
+    bf16_judge = LaveJudge(qwen35_dir, device="cpu", dtype="bfloat16")
+    assert bf16_judge.backend.dtype == torch.bfloat16
+    bf16 = bf16_judge.score(items)
+    diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in zip(f32, bf16))
+    assert diff < 0.05
