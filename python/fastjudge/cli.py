@@ -56,6 +56,40 @@ def build_parser() -> argparse.ArgumentParser:
                       help="checkpoint directory (default: a cached random-weight Flan-T5-small-"
                            "shaped judge, built on first use)")
     _add_model_args(demo)
+
+    vqa = sub.add_parser("vqa-acc", help="VQA Accuracy (official vqaEval.py rules) and exact "
+                                         "match of the predictions in a JSONL file")
+    vqa.add_argument("--input", required=True, help="JSONL in the `fastjudge lave` layout")
+    vqa.add_argument("--output", required=True,
+                     help="JSONL: input fields + vqa_accuracy, exact_match, error; resumable")
+    vqa.add_argument("--normalize", choices=("official", "always", "none"), default="official",
+                     help="official: normalize only when the references differ (vqaEval.py); "
+                          "always: normalize every answer; none: whitespace only")
+    vqa.add_argument("--single-reference", choices=("vqa", "official", "exact"), default="vqa",
+                     help="score for one reference: vqa = min(1, match/3) (default), "
+                          "official = 0 (what vqaEval.py gives), exact = match")
+    vqa.add_argument("--no-progress", action="store_true")
+
+    meta = sub.add_parser("meta-eval", help="correlate metric scores with human judgments")
+    meta.add_argument("--human", required=True,
+                      help='JSONL: {"id", "human_score"} or {"id", "ratings": [5 binary]}, '
+                           "optional group fields")
+    meta.add_argument("--scores", required=True, nargs="+", metavar="[NAME=]PATH",
+                      help='JSONL score files ({"id", "score"}; LAVE output works directly)')
+    meta.add_argument("--field", default="score",
+                      help="score field, or one per score file comma-separated (default score)")
+    meta.add_argument("--by", default=None, help="group fields of the human file, e.g. model,dataset")
+    meta.add_argument("--bootstrap", type=int, default=5000, help="resamples (0: no CIs/tests)")
+    meta.add_argument("--stats", default="spearman,kendall",
+                      help="correlations to report (default spearman,kendall)")
+    meta.add_argument("--seed", type=int, default=0)
+    meta.add_argument("--alpha", type=float, default=0.05, help="significance level (0.05)")
+    meta.add_argument("--test", choices=("paired", "independent", "bootstrap"), default="paired",
+                      help="significance between metrics: paired (default, as the LAVE paper: "
+                           "t-test on the bootstrap correlations), independent t-test, or the "
+                           "bootstrap p-value of the difference")
+    meta.add_argument("--json", default=None, help="write all results as JSON")
+    meta.add_argument("--plot", default=None, help="PNG bar chart with CIs (needs matplotlib)")
     return parser
 
 
@@ -149,6 +183,14 @@ def main(argv=None) -> int:
         return run_demo(model=args.model, device=args.device, dtype=args.dtype,
                         rationale=args.rationale, max_new_tokens=args.max_new_tokens)
     try:
+        if args.command == "vqa-acc":
+            from .metrics.vqa import run_vqa_acc
+
+            return run_vqa_acc(args)
+        if args.command == "meta-eval":
+            from .metrics.meta_eval import run_meta_eval
+
+            return run_meta_eval(args)
         return run_lave(args)
     except (OSError, ValueError) as bad:  # bad paths, checkpoints, demonstration files
         print(f"fastjudge: error: {bad}", file=sys.stderr)

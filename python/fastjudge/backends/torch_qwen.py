@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastjudge.kernels.choice_head import choice_logits
+
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
@@ -259,9 +261,11 @@ class QwenModel:
         return x, (PrefixState(states, start + S) if save else None)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = rms(hidden, self.w.final_norm, self.s.eps)
-        weight = self.w.lm_head if rows is None else self.w.lm_head[rows]
-        return F.linear(h, weight).float()
+        """Logits of the final states: the candidate ``rows`` through the fused choice head
+        (never ``[B, vocab]``), or the full vocabulary for decoding."""
+        if rows is not None:
+            return choice_logits(hidden, self.w.final_norm, self.w.lm_head, rows, eps=self.s.eps)
+        return F.linear(rms(hidden, self.w.final_norm, self.s.eps), self.w.lm_head).float()
 
 
 class TorchQwenBackend:
@@ -385,10 +389,16 @@ class TorchQwenBackend:
         hidden, _ = self.model.forward(ids.to(self.device), state)
         last = torch.tensor([len(x) - 1 for x in suffixes], device=self.device)
         final = hidden[torch.arange(len(batch), device=self.device), last]
+        if len({r.spec.token_ids for r in batch}) == 1:
+            rows = torch.tensor(batch[0].spec.token_ids, device=self.device)
+        else:  # per-row candidate sets (e.g. a rationale's constrained follow-up beside plain rows)
+            width = max(len(r.spec.token_ids) for r in batch)
+            rows = torch.tensor([list(r.spec.token_ids) + [r.spec.token_ids[0]] * (width - len(r.spec.token_ids))
+                                 for r in batch], device=self.device)
+        logits = self.model.logits(final, rows).cpu().numpy().astype(np.float64)
         outputs = []
-        for i, r in enumerate(batch):
-            rows = torch.tensor(r.spec.token_ids, device=self.device)
-            z = self.model.logits(final[i : i + 1], rows)[0].cpu().numpy().astype(np.float64)
+        for r, z in zip(batch, logits):
+            z = z[: len(r.spec.token_ids)]
             outputs.append(Output(index=r.index, logits=z, probs=choice_probs(z)))
         return outputs
 

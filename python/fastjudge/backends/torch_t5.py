@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastjudge.kernels.choice_head import choice_logits
+
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
@@ -231,11 +233,14 @@ class T5Model:
         return rms_norm(x, self.w.enc_final_norm, s.eps)
 
     def _logits_rows(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        x = rms_norm(hidden, self.w.dec_final_norm, self.s.eps)
-        if self.s.scale_decoder_outputs:
-            x = x * self.s.d_model ** -0.5
-        weight = self.w.lm_head if rows is None else self.w.lm_head[rows]
-        return F.linear(x, weight).float()
+        """LM-head logits of the final decoder states: only the candidate ``rows`` (fused choice
+        head: final norm + K rows, never ``[B, vocab]``), or the full vocabulary for decoding."""
+        scale = self.s.d_model ** -0.5 if self.s.scale_decoder_outputs else 1.0
+        if rows is not None:
+            return choice_logits(hidden, self.w.dec_final_norm, self.w.lm_head, rows,
+                                 eps=self.s.eps, scale=scale)
+        x = rms_norm(hidden, self.w.dec_final_norm, self.s.eps) * scale
+        return F.linear(x, self.w.lm_head).float()
 
     def decode_choice(self, enc: torch.Tensor, lengths: Sequence[int],
                       decoder_ids: list[list[int]], candidates: torch.Tensor) -> torch.Tensor:

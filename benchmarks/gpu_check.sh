@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU check of the Triton kernels and the backends' faithfulness on a CUDA machine with PyTorch,
+# Triton and transformers preinstalled (no network). Under 8 minutes; prints a table and writes
+# OUT_DIR/gpu_check.json.
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR            # on the CUDA machine
+#   bash benchmarks/gpu_check.sh OUT_DIR --dry-run  # the same code on CPU with the torch reference
+set -euo pipefail
+OUT="${1:?usage: benchmarks/gpu_check.sh OUT_DIR [--dry-run] [more gpu_check.py flags]}"
+shift
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+
+# fastjudge must be importable for the faithfulness tests. Build it in place when it is not
+# installed and the build tools are there (no network: no build isolation, no dependencies);
+# otherwise the kernel checks still run from kernels/ and the test step reports the failure.
+if ! "$PY" -c "import fastjudge._engine, fastjudge.kernels" 2>/dev/null; then
+  echo "gpu_check: fastjudge not installed; trying an offline build" >&2
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index . >"$OUT/pip_install.log" 2>&1 \
+    || echo "gpu_check: offline build failed (see $OUT/pip_install.log)" >&2
+fi
+
+unset TRITON_INTERPRET
+exec timeout 470 "$PY" benchmarks/gpu_check.py "$OUT" "$@"

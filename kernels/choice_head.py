@@ -1,0 +1,427 @@
+"""Fused choice head: final RMSNorm + the K candidate rows of the LM head (+ optional
+full-vocabulary log-sum-exp), without the ``[B, V]`` logits.
+
+A score-only judge step needs the logits of a handful of candidate tokens ("1"/"2"/"3",
+"yes"/"no"). The eager path normalizes the final hidden states, multiplies by the whole LM head
+and slices K columns out of ``[B, V]``; this file computes the same numbers from ``[B, H]``
+hidden states directly.
+
+Math (the same in the Triton kernels and the torch reference below)::
+
+    x   = rms_norm(hidden.float(), norm_weight.float(), eps) * scale   # float32
+    xn  = x.to(lm_head_weight.dtype)                                   # as the backends' matmul input
+    logits[b, k] = sum_h float(xn[b, h]) * float(lm_head_weight[ids[b, k], h])   # float32 accumulate
+    logprobs     = logits - logsumexp(logits over the K candidates)            (full_vocab=False)
+                 = logits - logsumexp(xn @ lm_head_weight.T over the vocabulary)  (full_vocab=True)
+
+``norm_weight`` is the *effective* multiplier: Qwen3.5's zero-centred norms pass ``1 + w``
+(QwenWeights.final_norm already is), Qwen3 and T5 pass ``w``. ``scale`` is ``d_model ** -0.5``
+for T5 checkpoints with tied embeddings and 1.0 otherwise.
+
+Extra device memory (besides the ``[B, K]`` outputs):
+
+- ``full_vocab=False``: none. One program per row re-reads its hidden row for the norm and
+  gathers the K candidate rows of the LM head.
+- ``full_vocab=True``: a ``[2, S, B]`` float32 buffer of per-split running (max, sum-exp), where
+  ``S = num_splits`` <= ``cdiv(2 * SMs, cdiv(B, BLOCK_B))`` (<= 264 on an H100/H200) and <=
+  the number of vocabulary tiles; each program holds one ``[BLOCK_B, BLOCK_V]`` logits tile in
+  registers. So O(B·K + B·S) bytes instead of the ``4·B·V`` bytes of materialized float32
+  logits (for B=256, V=151,936, S=264: 0.52 MiB against 148 MiB). `workspace_bytes` states the exact
+  figure and tests/test_kernels.py asserts it against the buffer the launcher allocates.
+
+The torch reference (`choice_head_reference`) is the CPU fallback: it gathers the K rows, and
+for the full vocabulary walks the LM head in tiles of `REFERENCE_VOCAB_TILE` rows with the
+same online log-sum-exp, so it too never holds ``[B, V]`` (O(B·tile + tile·H) extra).
+`full_vocab_logprobs_naive` is the plain materializing oracle used by the tests and benchmarks.
+
+Measured (tests/test_kernels.py, Triton interpreter on CPU, B=5..19, H=48..300, V=257..700,
+K=3..40, logits up to about +-25): kernel vs reference max |diff| 9.5e-6 (float32, 4e-7
+relative) and 5.7e-6 (bf16) over logits and log-probabilities, candidate-normalized and
+full-vocabulary; float32 reference vs the materializing oracle 7.6e-6 and vs the Qwen backend's
+``F.linear(rms(h), W).float()[:, rows]`` 5.7e-6.
+The bf16 rounding of the normalized hidden state is done by hand (round to nearest even, as
+the GPU's cast does) because the interpreter's float32 -> bf16 cast truncates. Under the
+interpreter bf16 tiles are multiplied as float32 (its bf16 ``tl.dot`` is wrong); on CUDA they go
+to the tensor cores as bf16 with float32 accumulation -- the same products, another summation
+order -- which `benchmarks/gpu_check.py` measures.
+
+Dispatch (`impl`): ``"auto"`` runs Triton on CUDA tensors when Triton is installed and the
+torch reference otherwise; ``FASTJUDGE_FORCE_TRITON=1`` makes ``"auto"`` pick Triton on CPU
+tensors too, which needs ``TRITON_INTERPRET=1`` (the interpreter); ``"torch"``/``"triton"``
+force one side.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+REFERENCE_VOCAB_TILE = 4096  # rows of the LM head per step of the torch full-vocabulary path
+
+# Triton tile shapes. BLOCK_B/BLOCK_V/BLOCK_H >= 16 for tl.dot.
+_VOCAB_BLOCK_V = 128
+_VOCAB_BLOCK_H = 64
+_CHOICE_BLOCK_H = 256
+_CHOICE_BLOCK_K = 32
+
+
+class ChoiceHead(NamedTuple):
+    logits: torch.Tensor  # [B, K] float32 raw candidate logits
+    logprobs: torch.Tensor  # [B, K] float32, over the K candidates or the full vocabulary
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------
+def _check(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+           token_ids: torch.Tensor) -> torch.Tensor:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [B, H], got shape {tuple(hidden.shape)}")
+    B, H = hidden.shape
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
+        raise ValueError(f"lm_head_weight must be [V, {H}], got {tuple(lm_head_weight.shape)}")
+    if norm_weight.shape != (H,):
+        raise ValueError(f"norm_weight must be [{H}], got {tuple(norm_weight.shape)}")
+    ids = torch.as_tensor(token_ids)
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+    if ids.dim() not in (1, 2) or (ids.dim() == 2 and ids.shape[0] != B) or ids.shape[-1] == 0:
+        raise ValueError(f"token_ids must be [K] or [{B}, K] with K >= 1, got {tuple(ids.shape)}")
+    if ids.device.type == "cpu" and ids.numel():
+        # Device-resident ids are not checked here (that would synchronize); the kernel writes
+        # NaN for an out-of-range id instead of reading out of bounds.
+        lo, hi = int(ids.min()), int(ids.max())
+        V = lm_head_weight.shape[0]
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token_ids must lie in [0, {V}), got range [{lo}, {hi}]")
+    return ids.to(device=hidden.device, dtype=torch.long)
+
+
+def normed_hidden(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Final RMSNorm in float32, times ``scale``, cast to the LM head's dtype."""
+    x = F.rms_norm(hidden.float(), (hidden.shape[-1],), norm_weight.float(), eps)
+    if scale != 1.0:
+        x = x * scale
+    return x.to(dtype)
+
+
+def _candidate_logits(xn: torch.Tensor, lm_head_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    rows = lm_head_weight[ids].float()  # [K, H] or [B, K, H]: only K rows are gathered
+    if ids.dim() == 1:
+        return xn.float() @ rows.T
+    return torch.bmm(rows, xn.float().unsqueeze(-1)).squeeze(-1)
+
+
+def vocab_logsumexp_reference(xn: torch.Tensor, lm_head_weight: torch.Tensor,
+                              tile: int = REFERENCE_VOCAB_TILE) -> torch.Tensor:
+    """log-sum-exp over the vocabulary of ``xn @ W.T`` (float32), walking W in row tiles with an
+    online max/sum so that at most ``[B, tile]`` logits exist at once."""
+    B = xn.shape[0]
+    x = xn.float()
+    m = torch.full((B,), float("-inf"), device=xn.device)
+    s = torch.zeros(B, device=xn.device)
+    for v0 in range(0, lm_head_weight.shape[0], tile):
+        t = F.linear(x, lm_head_weight[v0:v0 + tile].float())
+        m_new = torch.maximum(m, t.amax(dim=1))
+        s = s * torch.exp(m - m_new) + torch.exp(t - m_new[:, None]).sum(dim=1)
+        m = m_new
+    return m + torch.log(s)
+
+
+def choice_head_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                          token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False,
+                          scale: float = 1.0) -> ChoiceHead:
+    ids = _check(hidden, norm_weight, lm_head_weight, token_ids)
+    xn = normed_hidden(hidden, norm_weight, eps, scale, lm_head_weight.dtype)
+    logits = _candidate_logits(xn, lm_head_weight, ids)
+    if full_vocab:
+        lse = vocab_logsumexp_reference(xn, lm_head_weight)
+    else:
+        lse = torch.logsumexp(logits, dim=-1)
+    return ChoiceHead(logits, logits - lse[:, None])
+
+
+def full_vocab_logprobs_naive(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                              token_ids: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+    """The eager path the fused head replaces: materialize ``[B, V]`` float32 logits, log-softmax,
+    gather the K candidates. Oracle for tests and baseline for benchmarks."""
+    ids = _check(hidden, norm_weight, lm_head_weight, token_ids)
+    xn = normed_hidden(hidden, norm_weight, eps, scale, lm_head_weight.dtype)
+    logp = F.linear(xn.float(), lm_head_weight.float()).log_softmax(dim=-1)
+    return logp.gather(1, ids.expand(hidden.shape[0], -1) if ids.dim() == 1 else ids)
+
+
+def workspace_bytes(batch: int, num_splits: int, full_vocab: bool) -> int:
+    """Device bytes the Triton launcher allocates besides its two ``[B, K]`` float32 outputs."""
+    return 2 * num_splits * batch * 4 if full_vocab else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels. Plain functions here; `_kernels()` wraps them with triton.jit on first use, so
+# this module imports without Triton and TRITON_INTERPRET is read when a kernel is first needed.
+# ----------------------------------------------------------------------------------------------
+def _vocab_lse_kernel(x_ptr, nw_ptr, w_ptr, part_ptr, B, H, V, stride_xb, stride_wv, scale, eps,
+                      num_splits, n_tiles,
+                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                      DOT_F32: tl.constexpr, IEEE: tl.constexpr, BF16_RNE: tl.constexpr):
+    """Per (row block, vocabulary split): running max and sum-exp of the logits over the
+    vocabulary tiles pid_s, pid_s + S, ... -> part[0, pid_s, rows], part[1, pid_s, rows]."""
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    row_mask = rows < B
+    hh = tl.arange(0, BLOCK_H)
+    ss = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + hh
+        x = tl.load(x_ptr + rows[:, None] * stride_xb + cols[None, :],
+                    mask=row_mask[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    vv = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for t in range(pid_s, n_tiles, num_splits):
+        vocab = t * BLOCK_V + vv
+        v_mask = vocab < V
+        acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + hh
+            h_mask = cols < H
+            x = tl.load(x_ptr + rows[:, None] * stride_xb + cols[None, :],
+                        mask=row_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + cols, mask=h_mask, other=0.0)
+            w = tl.load(w_ptr + vocab.to(tl.int64)[:, None] * stride_wv + cols[None, :],  # V*H may pass 2**31
+                        mask=v_mask[:, None] & h_mask[None, :], other=0.0)
+            xn = x * rstd[:, None] * nw[None, :] * scale
+            if BF16_RNE:  # round to nearest even by hand: the interpreter's bf16 cast truncates
+                u = xn.to(tl.uint32, bitcast=True)
+                xn = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+            xn = xn.to(w.dtype)  # the rounding of the eager path's matmul input
+            if DOT_F32:
+                # float32 inputs, or the interpreter (whose bf16 dot is wrong): exact products.
+                acc += tl.dot(xn.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(xn, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(xn, tl.trans(w))  # bf16/fp16 operands, float32 accumulation
+        acc = tl.where(v_mask[None, :], acc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(acc, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
+        m = m_new
+    tl.store(part_ptr + pid_s * B + rows, m, mask=row_mask)
+    tl.store(part_ptr + (num_splits + pid_s) * B + rows, s, mask=row_mask)
+
+
+def _candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, stride_wv, stride_ib, rstd, scale,
+                     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BF16_RNE: tl.constexpr):
+    """Logits of candidates k0 .. k0 + BLOCK_K of row b (NaN for an id outside [0, V))."""
+    hh = tl.arange(0, BLOCK_H)
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = k < K
+    ids = tl.load(ids_ptr + b * stride_ib + k, mask=k_mask, other=0)
+    valid = k_mask & (ids >= 0) & (ids < V)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + hh
+        h_mask = cols < H
+        x = tl.load(x_ptr + b * stride_xb + cols, mask=h_mask, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + cols, mask=h_mask, other=0.0)
+        w = tl.load(w_ptr + ids[:, None] * stride_wv + cols[None, :],
+                    mask=valid[:, None] & h_mask[None, :], other=0.0)
+        xn = x * rstd * nw * scale
+        if BF16_RNE:
+            u = xn.to(tl.uint32, bitcast=True)
+            xn = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        xn = xn.to(w.dtype).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xn[None, :], axis=1)
+    return tl.where(valid, acc, float("nan")), k, k_mask
+
+
+def _choice_kernel(x_ptr, nw_ptr, w_ptr, ids_ptr, logits_ptr, logp_ptr, part_ptr,
+                   B, H, V, K, stride_xb, stride_wv, stride_ib, scale, eps, num_splits,
+                   BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                   ONE_CHUNK: tl.constexpr, FULL_VOCAB: tl.constexpr, BF16_RNE: tl.constexpr):
+    """One program per row: candidate logits by gathering K rows of the LM head, then the
+    log-normalizer over the K candidates or from the vocabulary partials. With more than
+    BLOCK_K candidates the chunks are computed twice (never stored and re-read: a program's
+    global stores are not ordered before its own later loads by other threads)."""
+    b = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + hh
+        x = tl.load(x_ptr + b * stride_xb + cols, mask=cols < H, other=0.0).to(tl.float32)
+        ss += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+    logits, k, k_mask = _candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, 0, H, V, K, stride_xb, stride_wv,
+                                         stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE)
+    z = tl.where(k_mask, logits, float("-inf"))
+    m = tl.max(z, axis=0)
+    s = tl.sum(tl.exp(z - m), axis=0)
+    if not ONE_CHUNK:
+        tl.store(logits_ptr + b * K + k, logits, mask=k_mask)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            lg, kc, kc_mask = _candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, stride_wv,
+                                               stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE)
+            tl.store(logits_ptr + b * K + kc, lg, mask=kc_mask)
+            z = tl.where(kc_mask, lg, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+    if FULL_VOCAB:
+        sp = tl.arange(0, BLOCK_S)
+        s_mask = sp < num_splits
+        pm = tl.load(part_ptr + sp * B + b, mask=s_mask, other=float("-inf"))
+        ps = tl.load(part_ptr + (num_splits + sp) * B + b, mask=s_mask, other=0.0)
+        m = tl.max(pm, axis=0)
+        s = tl.sum(ps * tl.exp(pm - m), axis=0)
+    lse = m + tl.log(s)
+    if ONE_CHUNK:
+        tl.store(logits_ptr + b * K + k, logits, mask=k_mask)
+        tl.store(logp_ptr + b * K + k, logits - lse, mask=k_mask)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            lg, kc, kc_mask = _candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, stride_wv,
+                                               stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE)
+            tl.store(logp_ptr + b * K + kc, lg - lse, mask=kc_mask)
+
+
+_KERNELS = None
+
+
+def _kernels():
+    global _KERNELS, _candidate_chunk, tl
+    if _KERNELS is None:
+        import triton
+        import triton.language as tl_mod
+
+        tl = tl_mod  # the kernels above resolve `tl` from this module's globals
+        _candidate_chunk = triton.jit(_candidate_chunk)  # in place: _choice_kernel calls it by name
+        _KERNELS = {"lse": triton.jit(_vocab_lse_kernel), "choice": triton.jit(_choice_kernel)}
+    return _KERNELS
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _default_splits(n_row_blocks: int, n_tiles: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = max(1, -(-2 * sms // n_row_blocks))
+    else:
+        target = 4  # interpreter: a few splits, so that the combine step is exercised
+    return max(1, min(n_tiles, target))
+
+
+def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                       token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False,
+                       scale: float = 1.0, num_splits: int | None = None,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       _return_workspace: bool = False):
+    """Triton launcher: one launch of the choice kernel, preceded by one launch of the
+    vocabulary log-sum-exp kernel when ``full_vocab``. ``out`` may pass preallocated
+    ``[B, K]`` float32 (logits, logprobs) buffers."""
+    ids = _check(hidden, norm_weight, lm_head_weight, token_ids)
+    if hidden.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("the Triton choice head needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    k = _kernels()
+    B, H = hidden.shape
+    V = lm_head_weight.shape[0]
+    K = ids.shape[-1]
+    x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
+    nw = norm_weight.to(device=hidden.device, dtype=torch.float32).contiguous()
+    ids = ids.contiguous()
+    if out is None:
+        logits = torch.empty(B, K, device=hidden.device, dtype=torch.float32)
+        logp = torch.empty(B, K, device=hidden.device, dtype=torch.float32)
+    else:
+        logits, logp = out
+    workspace = None
+    S = 1
+    bf16 = w.dtype == torch.bfloat16
+    if full_vocab:
+        block_b = min(64, max(16, _next_pow2(B)))
+        n_row_blocks = -(-B // block_b)
+        n_tiles = -(-V // _VOCAB_BLOCK_V)
+        S = num_splits or _default_splits(n_row_blocks, n_tiles, hidden.device)
+        S = max(1, min(S, n_tiles))
+        workspace = torch.empty(2, S, B, device=hidden.device, dtype=torch.float32)
+        f32 = w.dtype == torch.float32
+        k["lse"][(n_row_blocks, S)](
+            x, nw, w, workspace, B, H, V, x.stride(0), w.stride(0), float(scale), float(eps), S, n_tiles,
+            BLOCK_B=block_b, BLOCK_V=_VOCAB_BLOCK_V, BLOCK_H=_VOCAB_BLOCK_H,
+            DOT_F32=bool(f32 or _interpreting()), IEEE=f32, BF16_RNE=bf16, num_warps=8 if block_b == 64 else 4)
+    block_k = min(_CHOICE_BLOCK_K, max(2, _next_pow2(K)))
+    k["choice"][(B,)](
+        x, nw, w, ids, logits, logp, workspace if workspace is not None else logits,
+        B, H, V, K, x.stride(0), w.stride(0), ids.stride(0) if ids.dim() == 2 else 0,
+        float(scale), float(eps), S,
+        BLOCK_K=block_k, BLOCK_H=min(_CHOICE_BLOCK_H, max(16, _next_pow2(H))),
+        BLOCK_S=max(2, _next_pow2(S)), ONE_CHUNK=K <= block_k, FULL_VOCAB=bool(full_vocab), BF16_RNE=bf16)
+    result = ChoiceHead(logits, logp)
+    return (result, workspace) if _return_workspace else result
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+def _use_triton(device: torch.device, impl: str) -> bool:
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        return True
+    if impl != "auto":
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    from . import triton_available
+
+    if not triton_available():
+        return False
+    if device.type == "cuda":
+        return True
+    return os.environ.get("FASTJUDGE_FORCE_TRITON", "0") == "1" and _interpreting()
+
+
+def choice_head(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False, scale: float = 1.0,
+                impl: str = "auto") -> ChoiceHead:
+    """Candidate logits and log-probabilities ``[B, K]`` (float32) in one pass.
+
+    hidden: ``[B, H]`` final hidden states in the model dtype; norm_weight: ``[H]`` effective
+    RMSNorm multiplier (any float dtype, used in float32); lm_head_weight: ``[V, H]``;
+    token_ids: LongTensor ``[K]`` (shared) or ``[B, K]`` (per row).
+    """
+    if _use_triton(hidden.device, impl):
+        return choice_head_triton(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale)
+    return choice_head_reference(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale)
+
+
+def choice_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                  token_ids: torch.Tensor, eps: float = 1e-6, scale: float = 1.0,
+                  impl: str = "auto") -> torch.Tensor:
+    """Raw candidate logits ``[B, K]`` float32: final RMSNorm, ``* scale``, K rows of the LM head."""
+    return choice_head(hidden, norm_weight, lm_head_weight, token_ids, eps, False, scale, impl).logits
+
+
+def choice_logprobs(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                    token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False, scale: float = 1.0,
+                    impl: str = "auto") -> torch.Tensor:
+    """Log-probabilities ``[B, K]`` float32 of the K candidates: normalized over the candidates,
+    or with ``full_vocab=True`` over the whole vocabulary (online log-sum-exp over vocabulary
+    tiles; ``[B, V]`` is never materialized)."""
+    return choice_head(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale, impl).logprobs
+
+
+__all__ = ["ChoiceHead", "choice_head", "choice_logits", "choice_logprobs", "choice_head_reference",
+           "choice_head_triton", "full_vocab_logprobs_naive", "vocab_logsumexp_reference", "normed_hidden",
+           "workspace_bytes", "REFERENCE_VOCAB_TILE"]

@@ -1,0 +1,446 @@
+"""Meta-evaluation: how well do metrics agree with human judgments? (``fastjudge meta-eval``)
+
+File layouts (JSONL, one object per line):
+
+* human file: ``{"id": ..., "human_score": 0.5}`` or ``{"id": ..., "ratings": [1, 1, 0, 1, 1]}``
+  (5 binary ratings -> :func:`fastjudge.metrics.stats.human_score`: 1.0 if >= 4 correct, 0.5 if
+  2-3, else 0.0; when both are given ``human_score`` is used and ``ratings`` only feed
+  Krippendorff's alpha), plus any group fields (``model``, ``dataset``, ...) for ``--by``.
+* score files: ``{"id": ..., "score": 0.5}``; the field is ``--field`` (``score`` by default, so
+  ``fastjudge lave`` output works directly; ``vqa_accuracy`` for ``fastjudge vqa-acc`` output).
+  Rows with a non-null ``error`` or a null score are skipped (counted). A metric is named after
+  its file stem, or ``NAME=PATH``.
+
+Ids are compared as strings (``4`` and ``"4"`` are the same item). Correlations are computed on
+the items present in the human file and in *every* score file, so all metrics are compared on
+the same items; ids missing on either side are reported. For each group (all items, then every
+combination of the ``--by`` fields' values) and metric: Spearman's rho and Kendall's tau-b with
+percentile bootstrap CIs, and, between every two metrics, the LAVE paper's significance test (the
+same bootstrap resamples for all metrics, t-test at the 5% level on the bootstrap correlations).
+The best metric of a column is marked when it is significantly better than the second best.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import stats as S
+
+__all__ = ["HumanData", "read_human", "read_scores", "parse_score_spec", "meta_evaluate",
+           "format_markdown", "plot_meta_eval", "run_meta_eval"]
+
+_MAX_EXAMPLES = 5  # ids or problems quoted per message
+
+
+@dataclass
+class HumanData:
+    scores: dict[str, float] = field(default_factory=dict)
+    ratings: dict[str, list] = field(default_factory=dict)
+    groups: dict[str, tuple] = field(default_factory=dict)  # id -> values of the --by fields
+    problems: list[str] = field(default_factory=list)
+    rows: int = 0
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_human(path, by: tuple[str, ...] = ()) -> HumanData:
+    """Human judgments; malformed rows become ``problems`` naming their line, not exceptions."""
+    from ..io.jsonl import read_jsonl
+
+    data = HumanData()
+    first_line: dict[str, int] = {}
+    for line in read_jsonl(path):
+        data.rows += 1
+        where = f"{path}: line {line.line_no}"
+        if line.error:
+            data.problems.append(f"{path}: {line.error}")
+            continue
+        item = line.item
+        if item.get("id") is None:
+            data.problems.append(f"{where}: missing id")
+            continue
+        key = str(item["id"])
+        if key in first_line:
+            data.problems.append(f"{where}: duplicate id {key!r} (first on line "
+                                 f"{first_line[key]}); skipped")
+            continue
+        ratings = item.get("ratings")
+        try:
+            if item.get("human_score") is not None:
+                score = item["human_score"]
+                if not _is_number(score):
+                    raise ValueError(f"human_score must be a number, got {score!r}")
+                score = float(score)
+                if ratings is not None:
+                    S.human_score(ratings)  # validate
+            elif ratings is not None:
+                score = S.human_score(ratings)
+            else:
+                raise ValueError("needs human_score or ratings")
+        except ValueError as bad:
+            data.problems.append(f"{where}: {bad}")
+            continue
+        first_line[key] = line.line_no
+        data.scores[key] = score
+        if ratings is not None:
+            data.ratings[key] = [int(r) for r in ratings]
+        if by:
+            data.groups[key] = tuple(None if item.get(f) is None else str(item.get(f)) for f in by)
+    return data
+
+
+@dataclass
+class ScoreData:
+    name: str
+    path: str
+    field: str
+    scores: dict[str, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    error_rows: int = 0  # rows with an error or a null score
+    rows: int = 0
+
+
+def parse_score_spec(spec: str, field: str = "score") -> tuple[str, str, str]:
+    """``PATH`` or ``NAME=PATH`` -> (name, path, field); the name defaults to the file stem."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or os.path.exists(spec):
+        name, path = Path(spec).stem, spec
+    return name, path, field
+
+
+def read_scores(path, field: str = "score", name: str | None = None) -> ScoreData:
+    """One metric's scores by id (rows with an ``error`` or a null score are skipped)."""
+    from ..io.jsonl import read_jsonl
+
+    data = ScoreData(name or Path(path).stem, str(path), field)
+    first_line: dict[str, int] = {}
+    for line in read_jsonl(path):
+        data.rows += 1
+        where = f"{path}: line {line.line_no}"
+        if line.error:
+            data.problems.append(f"{path}: {line.error}")
+            continue
+        item = line.item
+        if item.get("id") is None:
+            data.problems.append(f"{where}: missing id")
+            continue
+        key = str(item["id"])
+        value = item.get(field)
+        if item.get("error") is not None or value is None:
+            data.error_rows += 1
+            continue
+        if not _is_number(value):
+            data.problems.append(f"{where}: {field} must be a number, got {value!r}")
+            continue
+        if key in first_line:
+            data.problems.append(f"{where}: duplicate id {key!r} (first on line "
+                                 f"{first_line[key]}); skipped")
+            continue
+        first_line[key] = line.line_no
+        data.scores[key] = float(value)
+    return data
+
+
+def _examples(ids) -> str:
+    ids = sorted(ids)
+    shown = ", ".join(repr(i) for i in ids[:_MAX_EXAMPLES])
+    return shown + (", ..." if len(ids) > _MAX_EXAMPLES else "")
+
+
+def _group_label(by: tuple[str, ...], key: tuple | None) -> str:
+    if key is None:
+        return "all"
+    return ", ".join(f"{f}={'-' if v is None else v}" for f, v in zip(by, key))
+
+
+def _finite(v: float) -> float | None:
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def meta_evaluate(human: dict[str, float], metrics: dict[str, dict[str, float]],
+                  groups: dict[str, tuple] | None = None, by: tuple[str, ...] = (),
+                  n_boot: int = 5000, seed: int = 0, alpha: float = 0.05,
+                  confidence: float = 0.95, test: str = "paired",
+                  ratings: dict[str, list] | None = None,
+                  stats: tuple[str, ...] = S.STATS) -> dict:
+    """Correlations of every metric with the human scores, overall and per group, with
+    bootstrap CIs and pairwise significance (see the module docstring). Returns a JSON-ready
+    dict; ``n_boot=0`` skips the bootstrap (no CIs, no significance marks)."""
+    if not metrics:
+        raise ValueError("no metrics to evaluate")
+    if test not in S.TESTS:
+        raise ValueError(f"test must be one of {S.TESTS}, got {test!r}")
+    names = list(metrics)
+    ids = set(human)
+    unmatched = {}
+    for name in names:
+        have = set(metrics[name])
+        unmatched[name] = {"human_without_score": len(ids - have),
+                           "score_without_human": len(have - set(human)),
+                           "examples_human_without_score": sorted(ids - have)[:_MAX_EXAMPLES],
+                           "examples_score_without_human": sorted(have - set(human))[:_MAX_EXAMPLES]}
+    common = set(human)
+    for name in names:
+        common &= set(metrics[name])
+    if not common:
+        raise ValueError("no item has a human score and a score from every metric "
+                         "(are the ids the same in all files?)")
+    items = sorted(common)
+    h_all = np.array([human[i] for i in items])
+    m_all = np.array([[metrics[name][i] for i in items] for name in names])
+
+    selections: list[tuple[tuple | None, np.ndarray]] = [(None, np.arange(len(items)))]
+    if by:
+        members = defaultdict(list)
+        for pos, i in enumerate(items):
+            members[(groups or {}).get(i, tuple(None for _ in by))].append(pos)
+        for key in sorted(members, key=lambda k: tuple("" if v is None else v for v in k)):
+            selections.append((key, np.array(members[key])))
+
+    out_groups = []
+    for key, sel in selections:
+        h, m = h_all[sel], m_all[:, sel]
+        group = {"label": _group_label(by, key), "n": int(sel.size),
+                 "fields": None if key is None else dict(zip(by, key)),
+                 "human_mean": float(h.mean()), "metrics": {}, "best": {}, "comparisons": []}
+        if ratings:
+            rated = [ratings[items[p]] for p in sel if items[p] in ratings]
+            group["krippendorff_alpha"] = _finite(S.krippendorff_alpha(rated)) if rated else None
+        reps = (S.bootstrap_replicates(m, h, stats, n_boot, seed)
+                if n_boot > 0 and sel.size >= 2 else None)
+        for j, name in enumerate(names):
+            entry = {"mean": float(m[j].mean())}
+            for stat in stats:
+                entry[stat] = _finite(S._STAT_FUNCS[stat](m[j], h))
+                if reps is not None:
+                    lo, hi = S._percentile_ci(reps[stat][j], confidence)
+                    entry[f"{stat}_ci"] = [_finite(lo), _finite(hi)]
+            group["metrics"][name] = entry
+        for stat in stats:
+            ranked = sorted((name for name in names if group["metrics"][name][stat] is not None),
+                            key=lambda nm: -group["metrics"][nm][stat])
+            best = {"metric": ranked[0] if ranked else None, "significant": False,
+                    "second": ranked[1] if len(ranked) > 1 else None}
+            if reps is not None:
+                for a in range(len(names)):
+                    for b in range(a + 1, len(names)):
+                        ra, rb = group["metrics"][names[a]][stat], group["metrics"][names[b]][stat]
+                        if ra is None or rb is None:
+                            continue
+                        c = S.compare_replicates(reps[stat][a], reps[stat][b], ra, rb, stat,
+                                                 alpha, test, confidence)
+                        group["comparisons"].append({
+                            "stat": stat, "a": names[a], "b": names[b], "a_value": ra,
+                            "b_value": rb, "mean_diff": _finite(c.mean_diff),
+                            "diff_ci": [_finite(c.diff_low), _finite(c.diff_high)],
+                            "t": _finite(c.t),
+                            "p_value": _finite(c.p_value), "p_bootstrap": _finite(c.p_bootstrap),
+                            "significant": c.significant,
+                            "better": {"a": names[a], "b": names[b]}.get(c.better)})
+                        if best["second"] and {names[a], names[b]} == {best["metric"], best["second"]}:
+                            best["significant"] = c.significant and c.better is not None and (
+                                (c.better == "a") == (names[a] == best["metric"]))
+            group["best"][stat] = best
+        out_groups.append(group)
+
+    return {"n_items": len(items), "metrics": names, "by": list(by), "stats": list(stats),
+            "bootstrap": {"n": n_boot, "seed": seed, "confidence": confidence,
+                          "test": _TEST_TEXT[test], "alpha": alpha},
+            "unmatched": unmatched, "groups": out_groups}
+
+
+_TEST_TEXT = {"paired": "paired t-test on the bootstrap correlations",
+              "independent": "two-sample t-test on the bootstrap correlations",
+              "bootstrap": "bootstrap p-value of the difference"}
+_STAT_TITLE = {"spearman": "Spearman's ρ", "kendall": "Kendall's τ-b"}
+
+
+def format_markdown(result: dict) -> str:
+    """One markdown table per statistic: metrics x groups, ``value [CI]``; bold = best of the
+    column and significantly better than the second best."""
+    lines = []
+    groups = result["groups"]
+    boot = result["bootstrap"]
+    for stat in result["stats"]:
+        ci_note = (f" ({int(boot['confidence'] * 100)}% bootstrap CI)" if boot["n"] else "")
+        lines.append(f"### {_STAT_TITLE[stat]} with human judgments{ci_note}")
+        lines.append("")
+        header = ["metric"] + [f"{g['label']} (n={g['n']})" for g in groups]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join(["---"] + ["---:"] * len(groups)) + "|")
+        for name in result["metrics"]:
+            cells = [name]
+            for g in groups:
+                e = g["metrics"][name]
+                v = e[stat]
+                text = "n/a" if v is None else f"{v:.3f}"
+                best = g["best"][stat]
+                if v is not None and best["metric"] == name and best["significant"]:
+                    text = f"**{text}**"
+                ci = e.get(f"{stat}_ci")
+                if ci and ci[0] is not None:
+                    text += f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+                cells.append(text)
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if boot["n"] and len(result["metrics"]) > 1:
+        lines.append(f"Bold: best in its column and significantly better than the second best "
+                     f"({boot['n']} bootstrap resamples, {boot['test']}, p < {boot['alpha']}).")
+    alphas = [(g["label"], g.get("krippendorff_alpha")) for g in groups if "krippendorff_alpha" in g]
+    if alphas:
+        lines.append("Inter-annotator agreement (Krippendorff's α, nominal): " + ", ".join(
+            f"{label} {'n/a' if a is None else f'{a:.3f}'}" for label, a in alphas) + ".")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib, which is not installed; install it with "
+                              "pip install 'fastjudge[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_meta_eval(result: dict, path, stat: str = "spearman") -> None:
+    """Grouped bar chart (groups on x, one bar per metric) of a correlation with its bootstrap
+    CI as error bars and ``*`` over a column's significantly best metric, saved as PNG."""
+    plt = _require_matplotlib()
+    groups, names = result["groups"], result["metrics"]
+    width = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + len(groups) * len(names) * 0.45), 4.2))
+    x = np.arange(len(groups))
+    for j, name in enumerate(names):
+        vals = [g["metrics"][name][stat] for g in groups]
+        heights = [np.nan if v is None else v for v in vals]
+        lo, hi = [], []
+        for g, v in zip(groups, vals):
+            ci = g["metrics"][name].get(f"{stat}_ci")
+            if v is None or not ci or ci[0] is None:
+                lo.append(0.0)
+                hi.append(0.0)
+            else:
+                lo.append(max(0.0, v - ci[0]))
+                hi.append(max(0.0, ci[1] - v))
+        pos = x + (j - (len(names) - 1) / 2) * width
+        ax.bar(pos, heights, width, label=name,
+               yerr=[lo, hi] if result["bootstrap"]["n"] else None, capsize=3)
+        for p, g, v, up in zip(pos, groups, vals, hi):
+            best = g["best"][stat]
+            if v is not None and best["metric"] == name and best["significant"]:
+                ax.annotate("*", (p, v + up), ha="center", va="bottom", fontsize=12)
+    labels = ["\n".join("-" if v is None else str(v) for v in g["fields"].values())
+              if g["fields"] else g["label"] for g in groups]
+    ax.set_xticks(x, [f"{label}\n(n={g['n']})" for label, g in zip(labels, groups)], fontsize=8)
+    ax.set_ylabel(_STAT_TITLE[stat])
+    ci = (f", {int(result['bootstrap']['confidence'] * 100)}% bootstrap CI"
+          if result["bootstrap"]["n"] else "")
+    ax.set_title(f"{_STAT_TITLE[stat]} with human judgments{ci}")
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    lo_y, hi_y = ax.get_ylim()
+    ax.set_ylim(lo_y, hi_y + 0.06 * (hi_y - lo_y))  # room for the "*" marks
+    if len(names) > 1 and result["bootstrap"]["n"]:
+        fig.text(0.01, 0.01, "* significantly better than the second best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def _report_problems(problems: list[str], what: str) -> None:
+    if not problems:
+        return
+    print(f"fastjudge meta-eval: {len(problems)} {what} row(s) skipped:", file=sys.stderr)
+    for p in problems[:20]:
+        print(f"  {p}", file=sys.stderr)
+    if len(problems) > 20:
+        print(f"  ... and {len(problems) - 20} more", file=sys.stderr)
+
+
+def run_meta_eval(args) -> int:
+    """``fastjudge meta-eval``: table on stdout, diagnostics on stderr, optional JSON and PNG."""
+    import json
+
+    if args.plot:
+        try:
+            _require_matplotlib()  # fail before any work
+        except PlotUnavailable as missing:
+            print(f"fastjudge: error: {missing}", file=sys.stderr)
+            return 2
+    if args.bootstrap < 0:
+        raise ValueError("--bootstrap must be >= 0")
+    by = tuple(f.strip() for f in (args.by or "").split(",") if f.strip())
+    wanted = tuple(f.strip() for f in getattr(args, "stats", ",".join(S.STATS)).split(",")
+                   if f.strip())
+    if not wanted or any(w not in S.STATS for w in wanted):
+        raise ValueError(f"--stats takes a comma-separated subset of {', '.join(S.STATS)}")
+    fields = [f.strip() for f in args.field.split(",")]
+    if len(fields) not in (1, len(args.scores)):
+        raise ValueError(f"--field takes one field or one per score file ({len(args.scores)}), "
+                         f"got {len(fields)}")
+    if len(fields) == 1:
+        fields = fields * len(args.scores)
+    specs = [parse_score_spec(spec, f) for spec, f in zip(args.scores, fields)]
+    names = [s[0] for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"metric names must differ, got {names}; name them with NAME=PATH")
+
+    human = read_human(args.human, by)
+    _report_problems(human.problems, args.human)
+    metrics = {}
+    for name, path, f in specs:
+        data = read_scores(path, f, name)
+        _report_problems(data.problems, path)
+        if data.error_rows:
+            print(f"fastjudge meta-eval: {path}: {data.error_rows} row(s) with an error or no "
+                  f"{f!r} value skipped", file=sys.stderr)
+        if not data.scores:
+            raise ValueError(f"{path}: no usable {f!r} values (is --field right?)")
+        metrics[name] = data.scores
+    if not human.scores:
+        raise ValueError(f"{args.human}: no usable human judgments")
+
+    result = meta_evaluate(human.scores, metrics, human.groups, by, n_boot=args.bootstrap,
+                           seed=args.seed, alpha=args.alpha, test=args.test,
+                           ratings=human.ratings or None, stats=wanted)
+    for name, u in result["unmatched"].items():
+        if u["human_without_score"]:
+            print(f"fastjudge meta-eval: {name}: {u['human_without_score']} human-judged id(s) "
+                  f"have no score (e.g. {_examples(u['examples_human_without_score'])})",
+                  file=sys.stderr)
+        if u["score_without_human"]:
+            print(f"fastjudge meta-eval: {name}: {u['score_without_human']} scored id(s) have "
+                  f"no human judgment (e.g. {_examples(u['examples_score_without_human'])})",
+                  file=sys.stderr)
+    result["files"] = {"human": str(args.human),
+                       "scores": {n: {"path": p, "field": f} for n, p, f in specs}}
+    sys.stdout.write(format_markdown(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as fjson:
+            json.dump(result, fjson, indent=2, ensure_ascii=False)
+            fjson.write("\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_meta_eval(result, args.plot)
+    print(f"fastjudge meta-eval: {result['n_items']} items, {len(names)} metric(s), "
+          f"{len(result['groups'])} group(s), {args.bootstrap} bootstrap resamples"
+          + (f" -> {args.json}" if args.json else "") + (f", {args.plot}" if args.plot else ""),
+          file=sys.stderr)
+    return 0
