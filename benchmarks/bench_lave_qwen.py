@@ -19,10 +19,8 @@ every run pays for its prefixes.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ from fastjudge.demo import tokenizer_corpus
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_lave_t5 import sample_examples  # noqa: E402  (same 64-prompt sample source)
+from bench_lave_t5 import sample_examples, timed  # noqa: E402  (shared sample source and timer)
 
 
 class Baseline:
@@ -57,20 +55,6 @@ class Baseline:
             logits = self.model(**enc, logits_to_keep=1).logits[:, -1, self.rating_ids]
             ratings += (logits.argmax(-1) + 1).tolist()
         return ratings
-
-
-def median_time(fn, repeats: int, before=None):
-    if before:
-        before()
-    fn()  # warm-up
-    times, out = [], None
-    for _ in range(repeats):
-        if before:
-            before()
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
 
 
 def main(argv=None) -> int:
@@ -98,8 +82,8 @@ def main(argv=None) -> int:
                 backend.prefix_cache = PrefixCache(backend.prefix_cache.index.capacity_bytes)
                 backend.tokens_computed = 0
 
-            t_base, base_ratings = median_time(lambda: base.score(texts), args.repeats)
-            t_fast, results = median_time(lambda: judge.score(examples), args.repeats, fresh_cache)
+            t_base, base_ratings = timed(lambda: base.score(texts), args.repeats)
+            t_fast, results = timed(lambda: judge.score(examples), args.repeats, fresh_cache)
             cache = backend.prefix_cache
             computed = backend.tokens_computed
             agree = sum(r.rating == b for r, b in zip(results, base_ratings)) / len(results)

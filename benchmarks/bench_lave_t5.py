@@ -84,13 +84,17 @@ class Baseline:
         return ratings
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up: allocator, oneDNN kernels, position-bias tables
+def timed(fn, repeats: int, before=None) -> tuple[float, object]:
+    """Median wall time of ``fn`` after one warm-up run (allocator, oneDNN kernels, position-bias
+    tables); ``before`` runs untimed ahead of every call (e.g. to empty a cache)."""
     times, out = [], None
-    for _ in range(repeats):
+    for i in range(repeats + 1):
+        if before:
+            before()
         t = time.perf_counter()
         out = fn()
-        times.append(time.perf_counter() - t)
+        if i:
+            times.append(time.perf_counter() - t)
     return statistics.median(times), out
 
 

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "bootstrap p-value of the difference")
     meta.add_argument("--json", default=None, help="write all results as JSON")
     meta.add_argument("--plot", default=None, help="PNG bar chart with CIs (needs matplotlib)")
+
+    from .serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -191,6 +195,10 @@ def main(argv=None) -> int:
             from .metrics.meta_eval import run_meta_eval
 
             return run_meta_eval(args)
+        if args.command == "serve":
+            from .serve import run_serve
+
+            return run_serve(args)
         return run_lave(args)
     except (OSError, ValueError) as bad:  # bad paths, checkpoints, demonstration files
         print(f"fastjudge: error: {bad}", file=sys.stderr)
