@@ -16,7 +16,7 @@ $(BIN)/python:
 # torch first, so that nothing later asks for (and downloads) a different build.
 $(VENV)/.installed: $(BIN)/python $(SOURCES)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q ".[test]"
+	$(BIN)/pip install -q ".[test,serve]"
 	touch $@
 
 install: $(VENV)/.installed
