@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from itertools import islice
 from typing import Iterable, Iterator
 
@@ -104,7 +103,8 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def run_lave(args) -> int:
-    from .io.jsonl import ResumableWriter, read_jsonl
+    from .io.jobs import JsonlJob
+    from .io.jsonl import read_jsonl
     from .judges.lave import LaveJudge, VQAExample
 
     judge = LaveJudge(
@@ -115,66 +115,31 @@ def run_lave(args) -> int:
         on_unparsable=args.on_unparsable, allow_pickle=args.allow_pickle,
         max_input_tokens=args.max_input_tokens)
     lines = list(read_jsonl(args.input))  # before the output is touched: a bad path leaves none
-    writer = ResumableWriter(args.output)
-    if writer.truncated_partial_line:
-        print(f"fastjudge: removed a partial last line from {args.output} (interrupted run)",
-              file=sys.stderr)
-    todo = [line for line in lines if line.id not in writer.done]
-    skipped = len(writer.done)
-    from tqdm import tqdm
-
-    progress = tqdm(total=len(todo), unit="item", disable=args.no_progress, file=sys.stderr,
-                    desc="lave")
-    n_items = n_errors = 0
-    score_sum = 0.0
-    start = time.perf_counter()
-
-    def emit(row: dict) -> None:
-        nonlocal n_items, n_errors, score_sum
-        writer.write(row)
-        n_items += 1
-        if row.get("error"):
-            n_errors += 1
-        else:
-            score_sum += row["score"]
-        progress.update(1)
-
+    job = JsonlJob("lave", args.output, means={"score": "mean score"}, progress=not args.no_progress)
+    todo = [line for line in lines if line.id not in job.done]
+    job.set_total(len(todo))
     try:
         for chunk in _chunks(todo, max(1, args.chunk_size)):
-            examples, lines = [], []
+            examples, valid = [], []
             for line in chunk:
                 if line.error:
-                    emit({"id": line.id, **{k: None for k in LAVE_RESULT_FIELDS}, "error": line.error})
+                    job.emit({"id": line.id, **dict.fromkeys(LAVE_RESULT_FIELDS), "error": line.error})
                     continue
                 item = line.item
                 examples.append(VQAExample(
                     question=item.get("question"), references=item.get("references"),
                     prediction=item.get("prediction"), caption=item.get("caption"), id=line.id))
-                lines.append(line)
+                valid.append(line)
             for result in judge.stream(examples):
-                item = lines[result.index].item
-                # an item without an id (or with "id": null) is known by its line number
-                row = {**item, "id": item["id"] if item.get("id") is not None
-                       else lines[result.index].id}
+                line = valid[result.index]
+                row = line.output_row()
                 row.update({k: getattr(result, k) for k in LAVE_RESULT_FIELDS})
                 if result.error:
-                    row["error"] = f"line {lines[result.index].line_no}: {result.error}"
-                emit(row)
+                    row["error"] = f"line {line.line_no}: {result.error}"
+                job.emit(row)
     except KeyboardInterrupt:
-        progress.close()
-        writer.close()
-        print(f"\nfastjudge: interrupted after {n_items} items; rerun the same command to resume.",
-              file=sys.stderr)
-        return 130
-    progress.close()
-    writer.close()
-    elapsed = time.perf_counter() - start
-    scored = n_items - n_errors
-    mean = f"{score_sum / scored:.4f}" if scored else "n/a"
-    print(f"fastjudge lave: {n_items} items ({skipped} already done), {n_errors} errors, "
-          f"mean score {mean}, {n_items / max(elapsed, 1e-9):.1f} items/s -> {args.output}",
-          file=sys.stderr)
-    return 0
+        return job.interrupted()
+    return job.finish()
 
 
 def main(argv=None) -> int:

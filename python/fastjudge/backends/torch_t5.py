@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
-from ..runtime.requests import Choice, Output, Request, Text, choice_probs
+from ..runtime.requests import Choice, Output, Request, choice_probs
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
 log = logging.getLogger("fastjudge")

@@ -29,6 +29,12 @@ class InputLine:
             return str(self.item["id"])
         return f"line-{self.line_no}"
 
+    def output_row(self) -> dict:
+        """The input fields to copy into the output row, with the id resolved (an item without
+        an id, or with "id": null, is known by its line number)."""
+        item = self.item or {}
+        return {**item, "id": item["id"] if item.get("id") is not None else self.id}
+
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[InputLine]:
     """Every non-blank line; a malformed one comes back with ``error`` set, not raised."""

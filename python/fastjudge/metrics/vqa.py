@@ -49,8 +49,6 @@ whatever the references are; fixes the ``"Yes"`` vs ``"yes"`` case), ``"none"`` 
 from __future__ import annotations
 
 import re
-import sys
-import time
 from functools import lru_cache
 from typing import Iterable, Sequence
 
@@ -335,67 +333,32 @@ VQA_RESULT_FIELDS = ("vqa_accuracy", "exact_match", "error")
 def run_vqa_acc(args) -> int:
     """``fastjudge vqa-acc``: JSONL in (the ``fastjudge lave`` layout), JSONL out (input fields
     plus ``vqa_accuracy``, ``exact_match``, ``error``); resumable by id; summary on stderr."""
-    from ..io.jsonl import ResumableWriter, read_jsonl
+    from ..io.jobs import JsonlJob
+    from ..io.jsonl import read_jsonl
 
     normalize = getattr(args, "normalize", "official")
     single = getattr(args, "single_reference", "vqa")
     _check_modes(normalize, single)
     with open(args.input, "rb"):  # a bad input path fails before the output is touched
         pass
-    writer = ResumableWriter(args.output)
-    if writer.truncated_partial_line:
-        print(f"fastjudge: removed a partial last line from {args.output} (interrupted run)",
-              file=sys.stderr)
-    skipped = len(writer.done)
-    from tqdm import tqdm
-
-    progress = tqdm(unit="item", disable=getattr(args, "no_progress", False), file=sys.stderr,
-                    desc="vqa-acc", mininterval=0.5)
-    n_items = n_errors = pending = 0
-    acc_sum = em_sum = 0.0
-    start = time.perf_counter()
+    job = JsonlJob("vqa-acc", args.output, progress=not getattr(args, "no_progress", False),
+                   means={"vqa_accuracy": "mean VQA accuracy", "exact_match": "mean exact match"})
     try:
         for line in read_jsonl(args.input):
-            if line.id in writer.done:
+            if line.id in job.done:
                 continue
             if line.error:
-                row = {"id": line.id, "vqa_accuracy": None, "exact_match": None,
-                       "error": line.error}
-            else:
-                item = line.item
-                row = {**item, "id": item["id"] if item.get("id") is not None else line.id}
-                try:
-                    acc, em = vqa_scores(item.get("prediction"), item.get("references"),
-                                         normalize, single)
-                    row.update(vqa_accuracy=acc, exact_match=em, error=None)
-                except ValueError as bad:
-                    row.update(vqa_accuracy=None, exact_match=None,
-                               error=f"line {line.line_no}: invalid item: {bad}")
-            writer.write(row)
-            n_items += 1
-            if row["error"]:
-                n_errors += 1
-            else:
-                acc_sum += row["vqa_accuracy"]
-                em_sum += row["exact_match"]
-            pending += 1
-            if pending >= 256:
-                progress.update(pending)
-                pending = 0
+                job.emit({"id": line.id, **dict.fromkeys(VQA_RESULT_FIELDS), "error": line.error})
+                continue
+            row = line.output_row()
+            try:
+                acc, em = vqa_scores(line.item.get("prediction"), line.item.get("references"),
+                                     normalize, single)
+                row.update(vqa_accuracy=acc, exact_match=em, error=None)
+            except ValueError as bad:
+                row.update(vqa_accuracy=None, exact_match=None,
+                           error=f"line {line.line_no}: invalid item: {bad}")
+            job.emit(row)
     except KeyboardInterrupt:
-        progress.close()
-        writer.close()
-        print(f"\nfastjudge: interrupted after {n_items} items; rerun the same command to resume.",
-              file=sys.stderr)
-        return 130
-    progress.update(pending)
-    progress.close()
-    writer.close()
-    elapsed = time.perf_counter() - start
-    scored = n_items - n_errors
-    mean_acc = f"{acc_sum / scored:.4f}" if scored else "n/a"
-    mean_em = f"{em_sum / scored:.4f}" if scored else "n/a"
-    print(f"fastjudge vqa-acc: {n_items} items ({skipped} already done), {n_errors} errors, "
-          f"mean VQA accuracy {mean_acc}, mean exact match {mean_em}, "
-          f"{n_items / max(elapsed, 1e-9):.1f} items/s -> {args.output}", file=sys.stderr)
-    return 0
+        return job.interrupted()
+    return job.finish()
