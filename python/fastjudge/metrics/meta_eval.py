@@ -52,23 +52,28 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def read_human(path, by: tuple[str, ...] = ()) -> HumanData:
-    """Human judgments; malformed rows become ``problems`` naming their line, not exceptions."""
+def _rows_with_ids(path, data):
+    """Parsed rows of a JSONL file with their id (as a string) and location; counts rows in
+    ``data.rows`` and records malformed lines and rows without an id in ``data.problems``."""
     from ..io.jsonl import read_jsonl
 
-    data = HumanData()
-    first_line: dict[str, int] = {}
     for line in read_jsonl(path):
         data.rows += 1
         where = f"{path}: line {line.line_no}"
         if line.error:
             data.problems.append(f"{path}: {line.error}")
-            continue
-        item = line.item
-        if item.get("id") is None:
+        elif line.item.get("id") is None:
             data.problems.append(f"{where}: missing id")
-            continue
-        key = str(item["id"])
+        else:
+            yield line, str(line.item["id"]), where
+
+
+def read_human(path, by: tuple[str, ...] = ()) -> HumanData:
+    """Human judgments; malformed rows become ``problems`` naming their line, not exceptions."""
+    data = HumanData()
+    first_line: dict[str, int] = {}
+    for line, key, where in _rows_with_ids(path, data):
+        item = line.item
         if key in first_line:
             data.problems.append(f"{where}: duplicate id {key!r} (first on line "
                                  f"{first_line[key]}); skipped")
@@ -119,21 +124,10 @@ def parse_score_spec(spec: str, field: str = "score") -> tuple[str, str, str]:
 
 def read_scores(path, field: str = "score", name: str | None = None) -> ScoreData:
     """One metric's scores by id (rows with an ``error`` or a null score are skipped)."""
-    from ..io.jsonl import read_jsonl
-
     data = ScoreData(name or Path(path).stem, str(path), field)
     first_line: dict[str, int] = {}
-    for line in read_jsonl(path):
-        data.rows += 1
-        where = f"{path}: line {line.line_no}"
-        if line.error:
-            data.problems.append(f"{path}: {line.error}")
-            continue
+    for line, key, where in _rows_with_ids(path, data):
         item = line.item
-        if item.get("id") is None:
-            data.problems.append(f"{where}: missing id")
-            continue
-        key = str(item["id"])
         value = item.get(field)
         if item.get("error") is not None or value is None:
             data.error_rows += 1
