@@ -197,3 +197,56 @@ def build_random_qwen(out_dir: str | os.PathLike, corpus: Iterable[str], arch: s
     _randomize_norms(model, seed)
     model.eval().save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_random_qwen_vl(out_dir: str | os.PathLike, corpus: Iterable[str], seed: int = 0,
+                         vocab_size: int = 1000) -> Path:
+    """A tiny random-weight multimodal Qwen3.5 (``Qwen3_5ForConditionalGeneration``) checkpoint
+    for image+text prompts: a BPE tokenizer that also carries the vision special tokens
+    (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``), the config's
+    image/video/vision start/end token ids set to them, and a ``preprocessor_config.json``
+    consistent with the vision config (Qwen3-VL/Qwen3.5 processor fields).
+
+    The text rotary uses ``partial_rotary_factor=0.5`` and ``mrope_section=[2, 1, 1]`` so that,
+    with head_dim 16, each of the t/h/w position rows drives some rotary frequencies."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    out = Path(out_dir)
+    tokenizer = train_bpe_tokenizer(out, corpus, vocab_size=vocab_size)
+    tokenizer.add_tokens(QWEN_VISION_TOKENS, special_tokens=True)
+    tokenizer.save_pretrained(str(out))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
+    dims = dict(QWEN_SHAPES["tiny"])
+    n = dims["num_hidden_layers"]
+    layer_types = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text = Qwen3_5TextConfig(vocab_size=len(tokenizer), tie_word_embeddings=False,
+                             layer_types=layer_types, rope_parameters=rope, **dims)
+    patch, merge, temporal = 14, 2, 2
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=dims["hidden_size"], patch_size=patch,
+                  temporal_patch_size=temporal, spatial_merge_size=merge)
+    config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    _randomize_norms(model, seed)
+    model.eval().save_pretrained(str(out), safe_serialization=True)
+    factor = patch * merge
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "patch_size": patch, "merge_size": merge, "temporal_patch_size": temporal,
+        "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255, "do_rescale": True, "do_normalize": True, "do_resize": True,
+        "do_convert_rgb": True, "resample": 3,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return out

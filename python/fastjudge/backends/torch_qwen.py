@@ -58,6 +58,9 @@ class QwenShape:
     lin_k_dim: int = 0
     lin_v_dim: int = 0
     conv_kernel: int = 0
+    # M-RoPE (multimodal Qwen3.5): rotary frequency pairs taken from the t/h/w position rows,
+    # interleaved (transformers' default when the config names none)
+    mrope_section: tuple[int, ...] = (11, 11, 10)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "QwenShape":
@@ -83,6 +86,7 @@ class QwenShape:
             lin_k_dim=text.get("linear_key_head_dim", 0),
             lin_v_dim=text.get("linear_value_head_dim", 0),
             conv_kernel=text.get("linear_conv_kernel_dim", 0),
+            mrope_section=tuple(rope.get("mrope_section") or (11, 11, 10)),
         )
 
 
@@ -150,11 +154,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PrefixState:
-    """Model state at the end of a prefix: per layer (k, v) or (conv_state, recurrent_state)."""
+    """Model state at the end of a prefix: per layer (k, v) or (conv_state, recurrent_state).
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int):
+    ``length`` counts tokens; ``next_position`` is the rotary position of the next token, which
+    differs from ``length`` after an image (M-RoPE: text after an image continues from the
+    largest position so far + 1). It defaults to ``length``."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int,
+                 next_position: int | None = None):
         self.layers = layers
         self.length = length
+        self.next_position = length if next_position is None else next_position
 
     @property
     def nbytes(self) -> int:
@@ -170,6 +180,14 @@ class QwenModel:
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:  # M-RoPE [3, S]: t/h/w frequencies interleaved per mrope_section
+            freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+            mixed = freqs[0].clone()
+            for dim, offset in ((1, 1), (2, 2)):
+                idx = slice(offset, self.s.mrope_section[dim] * 3, 3)
+                mixed[..., idx] = freqs[dim, ..., idx]
+            emb = torch.cat([mixed, mixed], dim=-1)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -237,14 +255,34 @@ class QwenModel:
         out = F.linear(gated.reshape(B, S, val_dim), layer["out"])
         return out, ((window[:, :, -(K - 1):], final) if save else None)
 
-    def forward(self, ids: torch.Tensor, prev: PrefixState | None, save: bool = False):
+    def forward(self, ids: torch.Tensor, prev: PrefixState | None, save: bool = False,
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         """Hidden states [B, S, d] of ``ids`` [B, S] continuing from ``prev`` (shared by all
-        rows); with ``save``, also the state at the end of the rows (meaningful for unpadded rows)."""
+        rows); with ``save``, also the state at the end of the rows (meaningful for unpadded rows).
+
+        Images (multimodal Qwen3.5): ``image_embeds`` [N, d] replace the token embeddings where
+        ``image_mask`` [B, S] is true (in order, as transformers' masked_scatter), and
+        ``positions`` [3, S] (shared by all rows) are the M-RoPE t/h/w positions
+        (``qwen_vision.mrope_positions``). Without ``positions``: ``prev.next_position`` onwards,
+        the same on all three rows."""
         s = self.s
         B, S = ids.shape
         start = prev.length if prev is not None else 0
-        positions = torch.arange(start, start + S, device=ids.device)
+        start_pos = prev.next_position if prev is not None else 0
+        if positions is None:
+            positions = torch.arange(start_pos, start_pos + S, device=ids.device)
+            next_position = start_pos + S
+        else:
+            positions = positions.to(ids.device)
+            if positions.dim() == 1 or tuple(positions.shape) != (3, S):
+                raise ValueError(f"positions must be [3, {S}] M-RoPE positions, got {tuple(positions.shape)}")
+            next_position = int(positions.max()) + 1
         x = F.embedding(ids, self.w.embed)
+        if image_embeds is not None:
+            if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
+                raise ValueError("image_embeds need an image_mask with one true entry per embedding")
+            x = x.masked_scatter(image_mask.to(x.device)[..., None], image_embeds.to(x.device, x.dtype))
         states = []
         for i, layer in enumerate(self.w.layers):
             h = rms(x, layer["in_norm"], s.eps)
@@ -258,7 +296,7 @@ class QwenModel:
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
             states.append(st)
-        return x, (PrefixState(states, start + S) if save else None)
+        return x, (PrefixState(states, start + S, next_position) if save else None)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the final states: the candidate ``rows`` through the fused choice head
