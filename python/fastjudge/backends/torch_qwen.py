@@ -18,8 +18,10 @@ implementation, called as a function; the engine owns batching, masking, state a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,13 +31,17 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
-from ..runtime.requests import Choice, Output, Request, Text, choice_probs
+from ..runtime.requests import Choice, Image, Output, Request, Text, choice_probs
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
+from .qwen_vision import image_token_count, mrope_positions
 
 log = logging.getLogger("fastjudge")
 
 QWEN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
 DEFAULT_PREFIX_CACHE_BYTES = 2 << 30  # 2 GiB: thousands of LAVE prefixes of a small judge
+SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
+PREFIX_TOKENS_MEMO = 4096  # formatted prefixes whose tokens are remembered
+DEFAULT_IMAGE_CACHE_BYTES = 512 << 20  # vision embeddings of recent images and crops
 
 
 @dataclass(frozen=True)
@@ -180,15 +186,20 @@ class QwenModel:
         self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 2:  # M-RoPE [3, S]: t/h/w frequencies interleaved per mrope_section
-            freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        """cos/sin for ``positions``: ``[S]`` (text), ``[3, S]`` (M-RoPE, shared by all rows) or
+        ``[3, B, S]`` (M-RoPE per row; the result then broadcasts over heads as [B, 1, S, rd])."""
+        inv_freq = self.inv_freq.to(positions.device)
+        if positions.dim() >= 2:  # M-RoPE: t/h/w frequencies interleaved per mrope_section
+            freqs = positions.float()[..., None] * inv_freq
             mixed = freqs[0].clone()
             for dim, offset in ((1, 1), (2, 2)):
                 idx = slice(offset, self.s.mrope_section[dim] * 3, 3)
                 mixed[..., idx] = freqs[dim, ..., idx]
             emb = torch.cat([mixed, mixed], dim=-1)
+            if emb.dim() == 3:
+                emb = emb[:, None]
             return emb.cos().to(dtype), emb.sin().to(dtype)
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -238,7 +249,10 @@ class QwenModel:
         inputs = mixed.transpose(1, 2)  # [B, C, S]
         history = prev[0].expand(B, -1, -1) if prev is not None else inputs.new_zeros(B, conv_dim, K - 1)
         window = torch.cat([history, inputs], dim=-1)
-        conv = F.silu(F.conv1d(window, layer["conv"], groups=conv_dim))  # causal: no future input
+        if S <= SHORT_CONV_STEPS:  # decoding steps: a windowed product beats conv1d's setup cost
+            conv = F.silu((window.unfold(-1, K, 1) * layer["conv"][:, None, 0, :]).sum(-1))
+        else:
+            conv = F.silu(F.conv1d(window, layer["conv"], groups=conv_dim))  # causal: no future input
         q, k, v = conv.transpose(1, 2).split([key_dim, key_dim, val_dim], dim=-1)
         q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
         k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
@@ -262,10 +276,11 @@ class QwenModel:
         rows); with ``save``, also the state at the end of the rows (meaningful for unpadded rows).
 
         Images (multimodal Qwen3.5): ``image_embeds`` [N, d] replace the token embeddings where
-        ``image_mask`` [B, S] is true (in order, as transformers' masked_scatter), and
-        ``positions`` [3, S] (shared by all rows) are the M-RoPE t/h/w positions
-        (``qwen_vision.mrope_positions``). Without ``positions``: ``prev.next_position`` onwards,
-        the same on all three rows."""
+        ``image_mask`` [B, S] is true (row-major order, as transformers' masked_scatter), and
+        ``positions`` [3, S] (shared by all rows) or [3, B, S] (per row) are the M-RoPE t/h/w
+        positions (``qwen_vision.mrope_positions``). Without ``positions``:
+        ``prev.next_position`` onwards, the same on all three rows. The saved state's
+        ``next_position`` is computed from row 0 (states are only saved for single rows)."""
         s = self.s
         B, S = ids.shape
         start = prev.length if prev is not None else 0
@@ -275,9 +290,10 @@ class QwenModel:
             next_position = start_pos + S
         else:
             positions = positions.to(ids.device)
-            if positions.dim() == 1 or tuple(positions.shape) != (3, S):
-                raise ValueError(f"positions must be [3, {S}] M-RoPE positions, got {tuple(positions.shape)}")
-            next_position = int(positions.max()) + 1
+            if tuple(positions.shape) not in ((3, S), (3, B, S)):
+                raise ValueError(f"positions must be [3, {S}] or [3, {B}, {S}] M-RoPE positions, "
+                                 f"got {tuple(positions.shape)}")
+            next_position = int((positions if positions.dim() == 2 else positions[:, 0]).max()) + 1
         x = F.embedding(ids, self.w.embed)
         if image_embeds is not None:
             if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
@@ -326,6 +342,9 @@ class TorchQwenBackend:
         self.shape = QwenShape.from_config(cfg)
         state = load_state_dict(model_dir, allow_pickle=allow_pickle)
         self.model = QwenModel(QwenWeights(state, self.shape, self.device, self.dtype), self.shape)
+        self.vision = None
+        if cfg.get("vision_config"):
+            self._init_vision(model_dir, cfg, state)
         del state
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.max_input_tokens = max_input_tokens or self.shape.max_positions
@@ -334,10 +353,42 @@ class TorchQwenBackend:
         self.eos_token_ids = {t for t in (eos, self.tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self._prefix_ids: dict[str, np.ndarray] = {}
+        # formatted-prefix tokens by prefix text; bounded, since image-text judges have one
+        # prefix per example
+        self._prefix_ids: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._grammars = None  # runtime.grammar.GrammarCache, built on the first Json request
         self.tokens_computed = 0  # real (non-padding) tokens run through the model
         log.info("fastjudge: loaded %s judge %s on %s (%s)", self.shape.arch, model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
+
+    def _init_vision(self, model_dir, cfg: dict, state: dict) -> None:
+        """The vision tower, image token ids and image preprocessing of a multimodal checkpoint."""
+        from fastjudge.kernels.crop_encode import CropEncodeConfig
+
+        from .qwen_vision import QwenVision
+
+        self.vision = QwenVision(cfg, state, self.device, self.dtype)
+        self.image_token_id = cfg["image_token_id"]
+        self.vision_start_id = cfg["vision_start_token_id"]
+        self.vision_end_id = cfg["vision_end_token_id"]
+        # Image preprocessing (crop_encode) follows the checkpoint's preprocessor config; a
+        # checkpoint without one can still run images given as ready pixel values.
+        pre = os.path.join(model_dir, "preprocessor_config.json")
+        self.image_config = CropEncodeConfig.from_preprocessor_config(model_dir) if os.path.exists(pre) else None
+        self._image_embeds = ImageEmbeddingCache(DEFAULT_IMAGE_CACHE_BYTES)
+
+    @property
+    def multimodal(self) -> bool:
+        return self.vision is not None
+
+    def image_placeholder(self, grid_thw) -> str:
+        """Prompt text standing for one image of this grid: vision start, one image-pad token
+        per merged patch, vision end (what the Qwen processor expands an image to)."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower (not a multimodal Qwen3.5)")
+        tok = self.tokenizer.convert_ids_to_tokens
+        n = image_token_count(grid_thw, self.vision.spatial_merge_size)
+        return tok(self.vision_start_id) + tok(self.image_token_id) * n + tok(self.vision_end_id)
 
     # -- text <-> tokens -------------------------------------------------------------------------
     def format_prompt(self, text: str) -> str:
@@ -368,6 +419,8 @@ class TorchQwenBackend:
             cut = formatted.rfind(prefix_text)
             cached = self._ids(formatted[: cut + len(prefix_text)])
             self._prefix_ids[prefix_text] = cached
+            if len(self._prefix_ids) > PREFIX_TOKENS_MEMO:
+                self._prefix_ids.popitem(last=False)
         n = min(len(cached), len(ids) - 1)
         mismatch = np.nonzero(cached[:n] != ids[:n])[0]
         # Exact by construction: the shared part is this prompt's own leading tokens. A prompt
@@ -385,29 +438,95 @@ class TorchQwenBackend:
         return request.num_tokens - request.prefix_len
 
     def group_key(self, request: Request):
-        """Requests that can share one prefix state (the planner never mixes groups)."""
-        return request.prompt_ids[: request.prefix_len].tobytes()
+        """Requests that can share one prefix state (the planner never mixes groups): the same
+        prefix tokens and, image tokens being the same ids for every image, the same images."""
+        ids, images = self._prefix_of(request)
+        return ids.tobytes() + b"".join(im.key for im in images)
+
+    # -- images -----------------------------------------------------------------------------------
+    def _image_runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        """(start, end) of each run of image tokens in ``ids``."""
+        if self.vision is None:
+            return []
+        is_image = np.concatenate([[False], ids == self.image_token_id, [False]])
+        edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+        return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+    def _prefix_of(self, request: Request) -> tuple[np.ndarray, tuple[Image, ...]]:
+        """The shared prefix's tokens and the images inside it."""
+        ids = request.prompt_ids[: request.prefix_len]
+        runs = self._image_runs(request.prompt_ids)
+        if len(runs) != len(request.images):
+            raise ValueError(f"request {request.index}: {len(runs)} image-token runs but "
+                             f"{len(request.images)} images")
+        inside = sum(1 for _, end in runs if end <= request.prefix_len)
+        if any(start < request.prefix_len < end for start, end in runs):
+            raise ValueError(f"request {request.index}: the shared prefix ends inside an image")
+        return ids, request.images[:inside]
+
+    @staticmethod
+    def _cache_key(ids: np.ndarray, images: Sequence[Image]) -> np.ndarray:
+        """Prefix-cache key: the tokens, with each image's identity written in as negative words
+        at the end (never a token id), so prefixes with different images never match."""
+        if not images:
+            return ids
+        words = [np.frombuffer(hashlib.blake2b(im.key, digest_size=16).digest(), dtype="<i8")
+                 for im in images]
+        return np.concatenate([ids] + [-(w & np.int64(0x7FFFFFFFFFFFFFFF)) - 1 for w in words])
+
+    def _embed(self, images: Sequence[Image]) -> torch.Tensor | None:
+        """Vision embeddings of ``images`` concatenated in order; images not cached are encoded
+        together in one vision-tower call."""
+        if not images:
+            return None
+        missing = list({im.key: im for im in images if im.key not in self._image_embeds}.values())
+        if missing:
+            pixels = torch.cat([torch.as_tensor(im.pixel_values) for im in missing])
+            grids = torch.tensor([im.grid_thw for im in missing], dtype=torch.long)
+            embeds = self.vision.encode(pixels, grids)
+            counts = [image_token_count(im.grid_thw, self.vision.spatial_merge_size) for im in missing]
+            for im, e in zip(missing, embeds.split(counts)):
+                self._image_embeds.put(im.key, e)
+        return torch.cat([self._image_embeds.get(im.key) for im in images])
+
+    def _positions(self, rows: Sequence[np.ndarray], images: Sequence[Sequence[Image]], start: int,
+                   width: int) -> torch.Tensor | None:
+        """[3, B, width] M-RoPE positions of right-padded rows continuing from ``start``; None when
+        no row has an image (plain positions then)."""
+        if not any(images):
+            return None
+        out = torch.empty(3, len(rows), width, dtype=torch.long)
+        for b, (ids, ims) in enumerate(zip(rows, images)):
+            grids = [im.grid_thw for im in ims] or None
+            pos = mrope_positions(ids, grids, self.vision.spatial_merge_size, self.image_token_id, start)
+            out[:, b, : len(ids)] = pos
+            tail = int(pos.max()) + 1 if len(ids) else start
+            out[:, b, len(ids):] = torch.arange(tail, tail + width - len(ids))
+        return out
 
     # -- execution --------------------------------------------------------------------------------
-    def _prefix_state(self, ids: np.ndarray) -> tuple[int | None, PrefixState | None]:
+    def _prefix_state(self, ids: np.ndarray, images: Sequence[Image]) -> tuple[int | None, PrefixState | None]:
         if len(ids) == 0:
             return None, None
-        slot, state = self.prefix_cache.lookup(ids)
+        key = self._cache_key(ids, images)
+        slot, state = self.prefix_cache.lookup(key)
         if state is None:
             t = torch.from_numpy(ids).to(self.device)[None]
-            _, state = self.model.forward(t, None, save=True)
+            positions = self._positions([ids], [images], 0, len(ids))
+            _, state = self.model.forward(t, None, save=True, image_embeds=self._embed(images),
+                                          image_mask=t == self.image_token_id if images else None,
+                                          positions=positions)
             self.tokens_computed += len(ids)
-            slot = self.prefix_cache.insert(ids, state)
+            slot = self.prefix_cache.insert(key, state)
         return slot, state
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Request]) -> list[Output]:
-        prefix_len = batch[0].prefix_len
-        prefix = batch[0].prompt_ids[:prefix_len]
-        if any(r.prefix_len != prefix_len or not np.array_equal(r.prompt_ids[:prefix_len], prefix)
-               for r in batch):
+        prefix, images = self._prefix_of(batch[0])
+        key = self.group_key(batch[0])
+        if any(self.group_key(r) != key for r in batch):
             raise ValueError("a batch must share one prefix")
-        slot, state = self._prefix_state(prefix)
+        slot, state = self._prefix_state(prefix, images)
         try:
             if isinstance(batch[0].spec, Choice):
                 return self._run_choice(batch, state)
@@ -416,41 +535,75 @@ class TorchQwenBackend:
             if slot is not None:
                 self.prefix_cache.release(slot)
 
-    def _run_choice(self, batch, state) -> list[Output]:
-        suffixes = [np.concatenate([r.prompt_ids[r.prefix_len:], np.asarray(r.response_prefix, dtype=np.int64)])
-                    for r in batch]
-        S = max(len(x) for x in suffixes)
-        self.tokens_computed += sum(len(x) for x in suffixes)
-        ids = torch.full((len(batch), S), self.pad_token_id, dtype=torch.long)
-        for i, x in enumerate(suffixes):
+    def _suffix(self, request: Request, state: PrefixState | None) -> tuple[np.ndarray, tuple[Image, ...]]:
+        """Tokens to run after the prefix state (prompt rest + forced response start) and the
+        images among them."""
+        ids = np.concatenate([request.prompt_ids[request.prefix_len:],
+                              np.asarray(request.response_prefix, dtype=np.int64)])
+        prefix_images = len(self._prefix_of(request)[1])
+        return ids, request.images[prefix_images:]
+
+    def _forward_rows(self, rows: Sequence[np.ndarray], images: Sequence[Sequence[Image]],
+                      state: PrefixState | None, save: bool = False):
+        """Right-padded rows continuing from ``state``, with their images."""
+        S = max(len(x) for x in rows)
+        self.tokens_computed += sum(len(x) for x in rows)
+        ids = torch.full((len(rows), S), self.pad_token_id, dtype=torch.long)
+        for i, x in enumerate(rows):
             ids[i, : len(x)] = torch.from_numpy(x)
-        hidden, _ = self.model.forward(ids.to(self.device), state)
-        last = torch.tensor([len(x) - 1 for x in suffixes], device=self.device)
+        ids = ids.to(self.device)
+        flat = [im for ims in images for im in ims]
+        start = state.next_position if state is not None else 0
+        return self.model.forward(ids, state, save=save, image_embeds=self._embed(flat),
+                                  image_mask=ids == self.image_token_id if flat else None,
+                                  positions=self._positions(rows, images, start, S))
+
+    def _run_choice(self, batch, state) -> list[Output]:
+        suffixes = [self._suffix(r, state) for r in batch]
+        rows = [ids for ids, _ in suffixes]
+        hidden, _ = self._forward_rows(rows, [ims for _, ims in suffixes], state)
+        last = torch.tensor([len(x) - 1 for x in rows], device=self.device)
         final = hidden[torch.arange(len(batch), device=self.device), last]
         if len({r.spec.token_ids for r in batch}) == 1:
-            rows = torch.tensor(batch[0].spec.token_ids, device=self.device)
+            cand = torch.tensor(batch[0].spec.token_ids, device=self.device)
         else:  # per-row candidate sets (e.g. a rationale's constrained follow-up beside plain rows)
             width = max(len(r.spec.token_ids) for r in batch)
-            rows = torch.tensor([list(r.spec.token_ids) + [r.spec.token_ids[0]] * (width - len(r.spec.token_ids))
+            cand = torch.tensor([list(r.spec.token_ids) + [r.spec.token_ids[0]] * (width - len(r.spec.token_ids))
                                  for r in batch], device=self.device)
-        logits = self.model.logits(final, rows).cpu().numpy().astype(np.float64)
+        logits = self.model.logits(final, cand).cpu().numpy().astype(np.float64)
         outputs = []
         for r, z in zip(batch, logits):
             z = z[: len(r.spec.token_ids)]
             outputs.append(Output(index=r.index, logits=z, probs=choice_probs(z)))
         return outputs
 
+    def _matcher(self, spec):
+        """A grammar matcher for a Json spec (None for Text)."""
+        if isinstance(spec, Text):
+            return None
+        from ..runtime.grammar import GrammarCache
+
+
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(spec)
+
     def _generate(self, request: Request, state: PrefixState | None) -> Output:
-        """Greedy decoding for one row, continuing from the prefix state (exact: no padding)."""
-        spec: Text = request.spec
-        suffix = torch.from_numpy(request.prompt_ids[request.prefix_len:]).to(self.device)[None]
-        hidden, st = self.model.forward(suffix, state, save=True)
-        self.tokens_computed += suffix.shape[1]
-        track = torch.tensor(spec.track_ids, device=self.device) if spec.track_ids else None
+        """Greedy decoding for one row, continuing from the prefix state (exact: no padding);
+        constrained by the JSON grammar for Json specs."""
+        spec = request.spec
+        matcher = self._matcher(spec)
+        ids, images = self._suffix(request, state)
+        hidden, st = self._forward_rows([ids], [images], state, save=True)
+        track = torch.tensor(spec.track_ids, device=self.device) if getattr(spec, "track_ids", ()) else None
         tokens, tracked, finished = [], [], False
         for _ in range(spec.max_new_tokens):
             logits = self.model.logits(hidden[:, -1])[0]
+            if matcher is not None:
+                logits = matcher.mask(logits)
             token = int(logits.argmax())
+            if matcher is not None:
+                matcher.accept(token)
             if token in self.eos_token_ids:
                 finished = True
                 break
@@ -460,6 +613,35 @@ class TorchQwenBackend:
             if len(tokens) == spec.max_new_tokens:
                 break
             hidden, st = self.model.forward(torch.tensor([[token]], device=self.device), st, save=True)
+            self.tokens_computed += 1
+        if matcher is not None:
+            finished = matcher.finished
         return Output(index=request.index, token_ids=tokens, finished=finished,
                       tracked_logits=torch.stack(tracked).cpu().numpy().astype(np.float64)
                       if tracked else (np.zeros((0, len(spec.track_ids))) if track is not None else None))
+
+
+class ImageEmbeddingCache:
+    """Vision embeddings by image key, least recently used evicted beyond a byte budget (the
+    same image or crop is asked for by many requests: every claim of a caption)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.bytes = 0
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def get(self, key: bytes) -> torch.Tensor:
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key: bytes, embeds: torch.Tensor) -> None:
+        if key in self.entries:
+            return
+        self.entries[key] = embeds
+        self.bytes += embeds.numel() * embeds.element_size()
+        while self.bytes > self.capacity and len(self.entries) > 1:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()

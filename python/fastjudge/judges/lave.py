@@ -25,6 +25,7 @@ import numpy as np
 
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
+from .base import Judge
 
 RATINGS = (1, 2, 3)
 RATING_CUE = " So rating="
@@ -152,7 +153,7 @@ def _quote(answers: Iterable[str]) -> str:
     return ", ".join(f"'{a}'" for a in answers)
 
 
-class LaveJudge:
+class LaveJudge(Judge):
     """Rates VQA answers with LAVE. See the module docstring for the two modes.
 
     ``model`` is a local Hugging Face checkpoint directory (or an already opened backend, to
@@ -363,28 +364,3 @@ class LaveJudge:
 
     def _run(self, requests: Sequence[Request]) -> Iterator[list[Output]]:
         return run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size)
-
-    def score(self, examples: Iterable[VQAExample]) -> list[LaveResult]:
-        """Results in input order."""
-        return sorted(self.stream(examples), key=lambda r: r.index)
-
-    # -- async (dynamic batching across concurrent callers) ------------------------------------
-    def batcher(self, max_wait_ms: float = 5, max_queue_items: int = 10000):
-        """The judge's dynamic batcher (``fastjudge.runtime.async_batcher.AsyncBatcher``),
-        created on first use; later calls return the same one (arguments then ignored)."""
-        existing = getattr(self, "_async_batcher", None)
-        if existing is None:
-            from ..runtime.async_batcher import AsyncBatcher
-
-            existing = self._async_batcher = AsyncBatcher(
-                self, max_wait_ms=max_wait_ms, max_queue_items=max_queue_items)
-        return existing
-
-    async def ascore(self, examples: Iterable[VQAExample]) -> list[LaveResult]:
-        """``score`` for asyncio: results in input order; concurrent callers share batches."""
-        return await self.batcher().score(examples)
-
-    async def astream(self, examples: Iterable[VQAExample]):
-        """``stream`` for asyncio: results as they finish, each with ``.index``."""
-        async for result in self.batcher().stream(examples):
-            yield result

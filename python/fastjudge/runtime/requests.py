@@ -37,7 +37,21 @@ class Text:
     track_ids: tuple[int, ...] = ()
 
 
-OutputSpec = Union[Choice, Text]
+OutputSpec = Union[Choice, Text]  # and runtime.grammar.Json (constrained decoding)
+
+
+@dataclass(frozen=True, eq=False)
+class Image:
+    """One image in a prompt: the vision-tower input behind one run of image tokens.
+
+    ``pixel_values`` ``[patches, patch_dim]`` and ``grid_thw`` as the Qwen image processor (or
+    ``kernels.crop_encode``) gives them for this image alone. ``key`` identifies the content
+    (source image, crop box, preprocessing): image tokens are the same ids for every image, so
+    prefix states and cached embeddings are keyed by it, never by the tokens alone."""
+
+    pixel_values: object  # torch.Tensor; typed loosely so this module needs no torch
+    grid_thw: tuple[int, int, int]
+    key: bytes
 
 
 @dataclass
@@ -49,6 +63,7 @@ class Request:
     start token for encoder-decoder models; appended to the prompt for decoder-only models).
     ``prefix_len``: the first ``prefix_len`` prompt tokens are shared with other requests
     (instructions, demonstrations); backends that reuse prefix state run them once.
+    ``images``: one :class:`Image` per run of image tokens in ``prompt_ids``, in order.
     """
 
     index: int
@@ -56,6 +71,7 @@ class Request:
     spec: OutputSpec
     response_prefix: tuple[int, ...] = ()
     prefix_len: int = 0
+    images: tuple[Image, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,100 @@
+"""The holistic yes/no baseline (VQAScore-style): P(yes) that the image shows the text, read in
+one step over the answer words "yes" and "no" (renormalised over the two), for the paper's
+holistic-vs-decomposed comparison."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from ..io.images import ImageError, load_image
+from ..runtime.requests import Choice, Image, Request
+from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
+from .base import Judge
+
+INTRO = "You are an image-text evaluator. Look at the image and answer the question with yes or no."
+
+
+@dataclass
+class HolisticResult:
+    index: int
+    id: object = None
+    score: float | None = None  # P(yes) renormalised over {yes, no}
+    decision: str | None = None
+    probs: list[float] = field(default_factory=list)  # [P(yes), P(no)]
+    error: str | None = None
+    prompt_tokens: int | None = None
+
+
+class HolisticJudge(Judge):
+    """One ``Choice`` step per image-text pair. ``examples`` are ``ImageTextExample`` (boxes are
+    ignored). The question text precedes the image, so every prompt shares the instruction
+    prefix and carries its own image."""
+
+    def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
+                 image_root: str | os.PathLike | None = None, max_batch_tokens: int | None = None,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
+                 max_input_tokens: int | None = None):
+        if isinstance(model, (str, os.PathLike)):
+            from ..backends import load_backend
+
+            self.backend = load_backend(model, backend=backend, device=device, dtype=dtype,
+                                        allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
+        else:
+            self.backend = model
+        if not getattr(self.backend, "multimodal", False) or self.backend.image_config is None:
+            raise ValueError("the holistic judge needs a Qwen3.5 vision-language checkpoint with a "
+                             "vision tower and a preprocessor_config.json")
+        self.image_root = image_root
+        self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.yes_no_ids = tuple(self._word_id(w) for w in ("yes", "no"))
+
+    def _word_id(self, word: str) -> int:
+        ids = self.backend.response_ids(word)
+        if len(ids) != 1:
+            raise ValueError(f"{word!r} is not a single token at the start of a response for this "
+                             f"tokenizer (ids {ids})")
+        return ids[0]
+
+    def _request(self, index: int, example) -> Request:
+        from fastjudge.kernels.crop_encode import crop_encode
+        import torch
+
+        text = example.text
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("text (the caption) must be a non-empty string")
+        loaded = load_image(example.image, self.image_root)
+        pixels, grid = crop_encode(loaded.pixels, torch.tensor([[0, 0, loaded.width, loaded.height]]),
+                                   self.backend.image_config)
+        image = Image(pixels, tuple(int(v) for v in grid[0]), loaded.key)
+        question = f'Does this image show "{" ".join(text.split())}"? Answer yes or no.'
+        prompt = f"{INTRO}\n\n{self.backend.image_placeholder(image.grid_thw)}\n{question}"
+        ids = self.backend.encode_prompt(prompt)
+        if len(ids) > self.backend.max_input_tokens:
+            raise ValueError(f"prompt is {len(ids)} tokens, above the model limit of "
+                             f"{self.backend.max_input_tokens}")
+        return Request(index=index, prompt_ids=ids, spec=Choice(self.yes_no_ids), images=(image,),
+                       prefix_len=self.backend.shared_prefix_len(ids, INTRO + "\n\n"))
+
+    def stream(self, examples: Iterable) -> Iterator[HolisticResult]:
+        requests, results = [], {}
+        for i, example in enumerate(examples):
+            result = HolisticResult(index=i, id=getattr(example, "id", None))
+            try:
+                request = self._request(i, example)
+            except (ImageError, ValueError, TypeError, AttributeError) as bad:
+                result.error = f"invalid example: {bad}"
+                yield result
+                continue
+            result.prompt_tokens = len(request.prompt_ids)
+            requests.append(request)
+            results[i] = result
+        for batch in run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size):
+            for out in batch:
+                result = results[out.index]
+                result.probs = [float(p) for p in out.probs]
+                result.score = result.probs[0]
+                result.decision = "yes" if result.score >= 0.5 else "no"
+                yield result

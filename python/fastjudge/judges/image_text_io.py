@@ -1,0 +1,145 @@
+"""Image-text items in and results out, for the VisExMEM and holistic judges: the
+``fastjudge visexmem`` job, and the pieces the server and re-scoring registry use.
+
+Input rows (JSONL): ``id``, ``image`` (a path, relative paths resolved against the image root,
+which defaults to the input file's folder), or ``image_b64`` (base64 of the encoded image),
+``text`` (or ``caption``), optional ``boxes`` ``[[x0, y0, x1, y1], ...]`` in pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import os
+from typing import Any
+
+from .visexmem import ImageTextExample
+
+VISEXMEM_RESULT_FIELDS = ("score", "claims", "explanation", "warnings", "prompt_tokens", "error")
+VISEXMEM_RESULT_TYPES = {"score": "float", "explanation": "str", "prompt_tokens": "int", "error": "str"}
+HOLISTIC_RESULT_FIELDS = ("score", "decision", "probs", "prompt_tokens", "error")
+HOLISTIC_RESULT_TYPES = {"score": "float", "decision": "str", "probs": "list[float]",
+                         "prompt_tokens": "int", "error": "str"}
+
+
+class RowError(ValueError):
+    """An input row that is not an image-text item."""
+
+
+def example_from_row(row: Any, ident: Any = None, where: str = "item") -> ImageTextExample:
+    """One input row as an example; ``RowError`` names what is wrong. Whether the image opens
+    and the boxes fit is checked by the judge (a per-item error there)."""
+    if not isinstance(row, dict):
+        raise RowError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    text = row.get("text", row.get("caption"))
+    if not isinstance(text, str):
+        raise RowError(f"{where}: text (or caption) must be a string")
+    if "image_b64" in row:
+        try:
+            image = base64.b64decode(row["image_b64"], validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise RowError(f"{where}: image_b64 is not valid base64") from None
+    elif isinstance(row.get("image"), str):
+        image = row["image"]
+    else:
+        raise RowError(f"{where}: needs image (a path) or image_b64")
+    boxes = row.get("boxes")
+    if boxes is not None and not isinstance(boxes, list):
+        raise RowError(f"{where}: boxes must be a list of [x0, y0, x1, y1]")
+    return ImageTextExample(image=image, text=text, boxes=boxes, id=ident if ident is not None else row.get("id"))
+
+
+def result_fields(result, fields: tuple[str, ...]) -> dict:
+    """JSON-ready output fields of a result (claims as plain objects)."""
+    out = {}
+    for k in fields:
+        v = getattr(result, k, None)
+        out[k] = [dataclasses.asdict(c) for c in v] if k == "claims" else v
+    return out
+
+
+def judge_options(args, name: str) -> dict:
+    """Judge options from parsed command-line arguments (absent options keep the defaults)."""
+    opts = dict(device=getattr(args, "device", "auto"), dtype=getattr(args, "dtype", None),
+                image_root=getattr(args, "image_root", None),
+                max_batch_tokens=getattr(args, "max_batch_tokens", None),
+                allow_pickle=getattr(args, "allow_pickle", False))
+    if name == "visexmem":
+        opts.update(aggregate=getattr(args, "aggregate", "mean"),
+                    explain=not getattr(args, "no_explain", False),
+                    propose_boxes=getattr(args, "propose_boxes", False))
+    return opts
+
+
+def make_judge(args, name: str):
+    if name == "visexmem":
+        from .visexmem import VisExJudge
+
+        return VisExJudge(args.model, **judge_options(args, name))
+    from .holistic import HolisticJudge
+
+    return HolisticJudge(args.model, **judge_options(args, name))
+
+
+def add_visexmem_parser(sub) -> None:
+    p = sub.add_parser("visexmem", help="evaluate image-caption pairs with VisExMEM (JSONL in and out)")
+    p.add_argument("--model", required=True, help="Qwen3.5 vision-language checkpoint directory")
+    p.add_argument("--input", required=True,
+                   help="JSONL: id, image (path) or image_b64, text, optional boxes [[x0,y0,x1,y1], ...]")
+    p.add_argument("--output", required=True, help="JSONL; rerunning resumes, skipping ids already written")
+    p.add_argument("--image-root", default=None,
+                   help="folder for relative image paths (default: the input file's folder)")
+    p.add_argument("--aggregate", choices=("mean", "geometric", "harmonic", "min"), default="mean",
+                   help="claim supports -> global score (default: mean, as the paper)")
+    p.add_argument("--no-explain", action="store_true", help="skip the explanation stage")
+    p.add_argument("--propose-boxes", action="store_true",
+                   help="items without boxes: let the model propose candidate regions "
+                        "(default: the image quadrants)")
+    p.add_argument("--holistic", action="store_true",
+                   help="the holistic yes/no baseline instead (one P(yes) per pair)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: per device)")
+    p.add_argument("--max-batch-tokens", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=64,
+                   help="pairs taken through the stages together; results are written per chunk")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="allow pickle-based weights (*.bin); only for trusted checkpoints")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_visexmem(args) -> int:
+    from itertools import islice
+
+    from ..io.jobs import JsonlJob
+    from ..io.jsonl import read_jsonl
+
+    name = "holistic" if args.holistic else "visexmem"
+    fields = HOLISTIC_RESULT_FIELDS if args.holistic else VISEXMEM_RESULT_FIELDS
+    if args.image_root is None:
+        args.image_root = os.path.dirname(os.path.abspath(args.input))
+    judge = make_judge(args, name)
+    lines = list(read_jsonl(args.input))  # before the output is touched: a bad path leaves none
+    job = JsonlJob(name, args.output, means={"score": "mean score"}, progress=not args.no_progress)
+    todo = iter([line for line in lines if line.id not in job.done])
+    job.set_total(len(lines) - len(job.done))
+    try:
+        while chunk := list(islice(todo, max(1, args.chunk_size))):
+            examples, valid = [], []
+            for line in chunk:
+                try:
+                    if line.error:
+                        raise RowError(line.error)
+                    examples.append(example_from_row(line.item, line.id, f"line {line.line_no}"))
+                    valid.append(line)
+                except RowError as bad:
+                    job.emit({"id": line.id, **dict.fromkeys(fields), "error": str(bad)})
+            for result in judge.stream(examples):
+                line = valid[result.index]
+                row = {**line.output_row(), **result_fields(result, fields)}
+                if result.error:
+                    row["error"] = f"line {line.line_no}: {result.error}"
+                job.emit(row)
+    except KeyboardInterrupt:
+        return job.interrupted()
+    return job.finish()

@@ -1,0 +1,461 @@
+"""VisExMEM: reference-free image-text evaluation by decomposed, evidence-grounded verification.
+
+For each image-caption pair, in stages over a whole batch of examples:
+
+1. **Decomposition** -- the model writes ``{"parts": [...]}`` (the paper's Table 5 format; each
+   part has ``part_id, text, type, parent_part_id, head_part_id, target_part_id``), decoded under
+   a JSON-schema grammar so it always parses. Links to unknown ids, self-links, links that close
+   a cycle and repeated ids are then repaired (the link set to null, the repeated part dropped)
+   and reported in ``warnings``; with ``strict=True`` they make the item an error.
+2. **Evidence** -- candidate boxes ``E1..En``: the example's boxes, else (``propose_boxes=True``)
+   the model's grounding output (``{"boxes": [{"bbox_2d": [...]}]}``, 0..1000 coordinates),
+   else the image's four quadrants. Per claim the model selects
+   ``{"selected_evidence_ids": [...]}``, constrained to existing ids.
+3. **Verification** -- per claim, the image + caption (shared prefix, computed once per example
+   and reused by every claim and stage), the claim, and its selected regions cropped and encoded
+   for the vision tower; the answer ``{"decision": "yes"|"no"}`` is read in one step as a
+   ``Choice`` over the two words: ``support`` = P(yes) renormalised over {yes, no},
+   ``decision`` = yes when support >= 0.5.
+4. **Aggregation** -- the global score is the arithmetic mean of claim support (default), or
+   the geometric or harmonic mean, or the minimum (the paper's Table 9).
+5. **Explanation** (``explain=True``) -- after the decisions are fixed, from the same evidence
+   and decisions: one ``{"explanation": "..."}`` per claim and one overall.
+
+Prompts are this project's own wording; the output formats follow the paper. The pipeline runs
+on any Qwen3.5 vision-language checkpoint (the paper's untuned "Dec." controls) and on trained
+VisExMEM weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..io.images import ImageError, LoadedImage, check_boxes, grid_boxes, load_image, relative_to_pixels
+from ..runtime.grammar import (PART_TYPES, Json, boxes_schema, evidence_schema, explanation_schema,
+                               parts_schema)
+from ..runtime.requests import Choice, Image, Output, Request
+from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
+from .base import Judge
+
+AGGREGATES = ("mean", "geometric", "harmonic", "min")
+LINK_FIELDS = ("parent_part_id", "head_part_id", "target_part_id")
+STAGES = ("decompose", "propose", "select", "verify", "explain")
+DECISION_PREFIX = '{"decision": "'
+
+INTRO = ("You are an image-text evaluator. You check a caption against the image one atomic "
+         "claim at a time, point to the regions of the image that hold the visual evidence, and "
+         "decide whether the image supports each claim.")
+DECOMPOSE_TASK = (
+    "Task: split the caption into atomic parts, each a short claim that can be checked on its "
+    "own. Give every part an id (P1, P2, ...), its text, a type (" + ", ".join(PART_TYPES) + "), "
+    "and links to other parts by id: parent_part_id (the part it refines), head_part_id (the "
+    "object it is about) and target_part_id (the other object of a relation); use null where a "
+    'link does not apply. Answer in JSON: {"parts": [...]}')
+PROPOSE_TASK = ("Task: give bounding boxes of the image regions that the caption mentions, with "
+                'coordinates from 0 to 1000. Answer in JSON: {"boxes": [{"bbox_2d": [x0, y0, x1, y1]}]}')
+SELECT_TASK = ("Task: select the candidate regions that hold the visual evidence for this claim. "
+               'Answer in JSON: {"selected_evidence_ids": [...]}')
+VERIFY_TASK = ("Task: does the image support the claim? Look at the evidence regions. "
+               'Answer in JSON: {"decision": "yes"} or {"decision": "no"}')
+EXPLAIN_CLAIM_TASK = ("Task: in one short sentence, explain this decision from the evidence. "
+                      'Answer in JSON: {"explanation": "..."}')
+EXPLAIN_OVERALL_TASK = ("Task: in two short sentences, explain the overall score from these "
+                        'decisions. Answer in JSON: {"explanation": "..."}')
+
+
+@dataclass
+class ImageTextExample:
+    """One image-text pair. ``image``: a path, encoded bytes, a PIL image or an H x W x 3 uint8
+    array; ``boxes``: optional candidate evidence boxes ``(x0, y0, x1, y1)`` in pixels."""
+
+    image: object
+    text: str
+    boxes: Sequence | None = None
+    id: object = None
+
+
+@dataclass
+class ClaimResult:
+    part_id: str
+    text: str
+    type: str
+    parent_part_id: str | None = None
+    head_part_id: str | None = None
+    target_part_id: str | None = None
+    decision: str | None = None
+    support: float | None = None
+    evidence_ids: list[str] = field(default_factory=list)
+    evidence_boxes: list[list[int]] = field(default_factory=list)
+    explanation: str | None = None
+
+
+@dataclass
+class VisExResult:
+    index: int
+    id: object = None
+    score: float | None = None
+    claims: list[ClaimResult] = field(default_factory=list)
+    explanation: str | None = None
+    error: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    prompt_tokens: int | None = None
+
+
+def aggregate(supports: Sequence[float], how: str = "mean") -> float:
+    """The global score from claim supports (the paper's Table 9 alternatives)."""
+    s = np.asarray(supports, dtype=np.float64)
+    if s.size == 0:
+        raise ValueError("no claim supports to aggregate")
+    if how == "mean":
+        return float(s.mean())
+    if how == "min":
+        return float(s.min())
+    if how == "geometric":
+        return 0.0 if (s <= 0).any() else float(np.exp(np.log(s).mean()))
+    if how == "harmonic":
+        return 0.0 if (s <= 0).any() else float(s.size / (1.0 / s).sum())
+    raise ValueError(f"aggregate must be one of {AGGREGATES}, got {how!r}")
+
+
+def validate_parts(parts: Sequence[dict]) -> tuple[list[dict], list[str]]:
+    """Parts with a usable link structure, and what was repaired: a repeated part id drops the
+    later part; a link to an unknown id, to the part itself, or one that closes a cycle (along
+    parent/head/target links) is set to null."""
+    problems, seen, kept = [], set(), []
+    for p in parts:
+        if p["part_id"] in seen:
+            problems.append(f"part id {p['part_id']} repeated; later part dropped")
+            continue
+        seen.add(p["part_id"])
+        kept.append(dict(p))
+    for p in kept:
+        for f in LINK_FIELDS:
+            target = p.get(f)
+            if target is None:
+                continue
+            if target == p["part_id"]:
+                problems.append(f"{p['part_id']}.{f} links to itself; set to null")
+                p[f] = None
+            elif target not in seen:
+                problems.append(f"{p['part_id']}.{f} links to unknown part {target}; set to null")
+                p[f] = None
+    # Cycles: add links one at a time, refusing any that would close a cycle (depth-first
+    # reachability over the links kept so far), in part order -- deterministic.
+    edges: dict[str, set[str]] = {p["part_id"]: set() for p in kept}
+
+    def reaches(a: str, b: str) -> bool:
+        stack, visited = [a], set()
+        while stack:
+            n = stack.pop()
+            if n == b:
+                return True
+            if n not in visited:
+                visited.add(n)
+                stack.extend(edges[n])
+        return False
+
+    for p in kept:
+        for f in LINK_FIELDS:
+            target = p.get(f)
+            if target is None:
+                continue
+            if reaches(target, p["part_id"]):
+                problems.append(f"{p['part_id']}.{f} -> {target} closes a cycle; set to null")
+                p[f] = None
+            else:
+                edges[p["part_id"]].add(target)
+    return kept, problems
+
+
+@dataclass
+class _Item:
+    """One example's state through the stages."""
+
+    index: int
+    result: VisExResult
+    image: LoadedImage
+    caption: str
+    prefix: str  # shared prompt text (intro + image + caption)
+    full_image: Image
+    boxes: list[tuple[int, int, int, int]] = field(default_factory=list)
+    box_images: list[Image] = field(default_factory=list)
+    claims: list[ClaimResult] = field(default_factory=list)
+
+
+class VisExJudge(Judge):
+    """The VisExMEM evaluator over a multimodal Qwen3.5 checkpoint. See the module docstring.
+
+    Bad input never stops a job: an unreadable image, malformed boxes, an empty caption or a
+    caption that yields no claims give that item an ``error``; clipped or dropped boxes and
+    repaired part links are listed in its ``warnings``."""
+
+    def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
+                 aggregate: str = "mean", explain: bool = True, propose_boxes: bool = False,
+                 max_claims: int = 12, max_claim_chars: int = 120, max_explanation_chars: int = 300,
+                 strict: bool = False, image_root: str | os.PathLike | None = None,
+                 crop_max_pixels: int | None = None, max_batch_tokens: int | None = None,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
+                 max_input_tokens: int | None = None):
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+        if min(max_claims, max_claim_chars, max_explanation_chars) < 1:
+            raise ValueError("max_claims, max_claim_chars and max_explanation_chars must be >= 1")
+        if isinstance(model, (str, os.PathLike)):
+            from ..backends import load_backend
+
+            self.backend = load_backend(model, backend=backend, device=device, dtype=dtype,
+                                        allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
+        else:
+            self.backend = model
+        if not getattr(self.backend, "multimodal", False) or self.backend.image_config is None:
+            raise ValueError("VisExMEM needs a Qwen3.5 vision-language checkpoint with a vision "
+                             "tower and a preprocessor_config.json")
+        self.aggregate = aggregate
+        self.explain = explain
+        self.propose_boxes = propose_boxes
+        self.max_claims = max_claims
+        self.max_claim_chars = max_claim_chars
+        self.max_explanation_chars = max_explanation_chars
+        self.strict = strict
+        self.image_root = image_root
+        self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.image_config = self.backend.image_config
+        self.crop_config = self.image_config
+        if crop_max_pixels is not None:
+            from dataclasses import replace
+
+            self.crop_config = replace(self.image_config, max_pixels=int(crop_max_pixels),
+                                       min_pixels=min(self.image_config.min_pixels, int(crop_max_pixels)))
+        self.decision_prefix, self.yes_no_ids = self._decision_tokens()
+        self.stage_seconds = {s: 0.0 for s in STAGES}
+
+    # -- tokens -----------------------------------------------------------------------------------
+    def _decision_tokens(self) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """The forced response start and the (yes, no) token ids read after it: the longest
+        common token prefix of the two full answers, then each answer's next token (the word's
+        first token, should a word take more than one)."""
+        yes = self.backend.response_ids(DECISION_PREFIX + "yes")
+        no = self.backend.response_ids(DECISION_PREFIX + "no")
+        n = 0
+        while n < min(len(yes), len(no)) and yes[n] == no[n]:
+            n += 1
+        if n >= min(len(yes), len(no)):
+            raise ValueError("the tokenizer does not tell 'yes' from 'no' after the decision prefix")
+        return tuple(yes[:n]), (yes[n], no[n])
+
+    # -- preparing examples -------------------------------------------------------------------------
+    def _image(self, loaded: LoadedImage, box: tuple[int, int, int, int], config) -> Image:
+        """One crop (or the whole image) encoded for the vision tower."""
+        from fastjudge.kernels.crop_encode import crop_encode
+
+        pixels, grid = crop_encode(loaded.pixels, torch.tensor([box]), config)
+        key = loaded.key + np.asarray(box, dtype=np.int64).tobytes() + repr(config).encode()
+        return Image(pixels, tuple(int(v) for v in grid[0]), key)
+
+    def _prepare(self, index: int, example: ImageTextExample) -> _Item | VisExResult:
+        result = VisExResult(index=index, id=getattr(example, "id", None))
+        try:
+            text = example.text
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError("text (the caption) must be a non-empty string")
+            if not any(ch.isalnum() for ch in text):
+                raise ValueError("the caption yielded no claims (it has no words)")
+            loaded = load_image(example.image, self.image_root)
+            boxes, warnings = check_boxes(example.boxes, loaded.width, loaded.height)
+            result.warnings += warnings
+            full = self._image(loaded, (0, 0, loaded.width, loaded.height), self.image_config)
+        except (ImageError, ValueError, TypeError) as bad:
+            result.error = f"invalid example: {bad}"
+            return result
+        caption = " ".join(text.split())
+        prefix = f"{INTRO}\n\n{self.backend.image_placeholder(full.grid_thw)}\nCaption: {caption}\n\n"
+        item = _Item(index, result, loaded, caption, prefix, full)
+        if example.boxes is not None and not boxes:
+            result.warnings.append("no usable boxes given; candidates come from the fallback")
+        if boxes:
+            self._set_boxes(item, boxes)
+        return item
+
+    def _set_boxes(self, item: _Item, boxes: Sequence[tuple[int, int, int, int]]) -> None:
+        kept, images = [], []
+        for box in boxes:
+            try:
+                images.append(self._image(item.image, box, self.crop_config))
+                kept.append(box)
+            except ValueError as bad:  # e.g. an aspect ratio the processor refuses
+                item.result.warnings.append(f"box {list(box)} cannot be encoded ({bad}); dropped")
+        item.boxes, item.box_images = kept, images
+
+    def _request(self, item: _Item, key: int, task: str, spec, images: Sequence[Image] = (),
+                 response_prefix: tuple[int, ...] = ()) -> Request:
+        ids = self.backend.encode_prompt(item.prefix + task)
+        if len(ids) + len(response_prefix) > self.backend.max_input_tokens:
+            raise ValueError(f"prompt is {len(ids)} tokens, above the model limit of "
+                             f"{self.backend.max_input_tokens}")
+        item.result.prompt_tokens = max(item.result.prompt_tokens or 0, len(ids))
+        return Request(index=key, prompt_ids=ids, spec=spec, response_prefix=response_prefix,
+                       prefix_len=self.backend.shared_prefix_len(ids, item.prefix),
+                       images=(item.full_image,) + tuple(images))
+
+    def _run(self, stage: str, requests: Sequence[Request]) -> dict[int, Output]:
+        start = time.perf_counter()
+        outputs = {o.index: o for batch in run_requests(self.backend, requests, self.max_batch_tokens,
+                                                       self.max_batch_size) for o in batch}
+        self.stage_seconds[stage] += time.perf_counter() - start
+        return outputs
+
+    def _json(self, out: Output) -> dict | None:
+        try:
+            return json.loads(self.backend.decode(out.token_ids))
+        except json.JSONDecodeError:
+            return None
+
+    def _stage(self, stage: str, jobs: Iterable[tuple[_Item, object]], make) -> list[tuple[_Item, object, Output]]:
+        """Run one stage: a request per ``(item, payload)`` job from ``make(item, payload, key)``.
+        An item whose prompt is over the model limit gets an error and drops out."""
+        requests, kept = [], []
+        for it, payload in jobs:
+            if it.result.error:
+                continue
+            try:
+                requests.append(make(it, payload, len(requests)))
+                kept.append((it, payload))
+            except ValueError as bad:
+                it.result.error = f"invalid example: {bad}"
+        outputs = self._run(stage, requests)
+        return [(it, payload, outputs[k]) for k, (it, payload) in enumerate(kept) if not it.result.error]
+
+    # -- stages -----------------------------------------------------------------------------------
+    def _decompose(self, items: list[_Item]) -> None:
+        schema = parts_schema(self.max_claims, self.max_claim_chars)
+        schema["properties"]["parts"]["minItems"] = 1  # a caption with words has a claim
+        spec = Json.from_schema(schema)
+        done = self._stage("decompose", ((it, None) for it in items),
+                           lambda it, _, key: self._request(it, key, DECOMPOSE_TASK, spec))
+        for it, _, out in done:
+            parsed = self._json(out)
+            if parsed is None:
+                it.result.error = "decomposition did not finish within its token budget"
+                continue
+            parts, problems = validate_parts(parsed["parts"])
+            if problems and self.strict:
+                it.result.error = "invalid decomposition: " + "; ".join(problems)
+                continue
+            it.result.warnings += problems
+            if not parts:
+                it.result.error = "the caption yielded no claims"
+                continue
+            it.claims = [ClaimResult(**{k: p.get(k) for k in ("part_id", "text", "type") + LINK_FIELDS})
+                         for p in parts]
+
+    def _propose(self, items: list[_Item]) -> None:
+        """Candidate boxes for items without usable ones: the model's grounding output when
+        ``propose_boxes``, then the quadrant grid for any still without."""
+        if self.propose_boxes:
+            spec = Json.from_schema(boxes_schema())
+            done = self._stage("propose", ((it, None) for it in items if not it.boxes),
+                               lambda it, _, key: self._request(it, key, PROPOSE_TASK, spec))
+            for it, _, out in done:
+                parsed = self._json(out) or {"boxes": []}
+                rel = [relative_to_pixels(b["bbox_2d"], it.image.width, it.image.height) for b in parsed["boxes"]]
+                boxes, _ = check_boxes(rel, it.image.width, it.image.height)
+                if len(boxes) < len(rel):
+                    it.result.warnings.append(f"{len(rel) - len(boxes)} proposed box(es) had no area; dropped")
+                self._set_boxes(it, list(dict.fromkeys(boxes)))
+        for it in items:
+            if not it.boxes and not it.result.error:
+                if self.propose_boxes:
+                    it.result.warnings.append("no usable proposed boxes; candidates are the image quadrants")
+                self._set_boxes(it, grid_boxes(it.image.width, it.image.height))
+
+    @staticmethod
+    def _candidates(item: _Item) -> str:
+        lines = [f"Candidate regions (pixel boxes x0, y0, x1, y1 in a {item.image.width}x{item.image.height} image):"]
+        lines += [f"E{i}: {list(b)}" for i, b in enumerate(item.boxes, start=1)]
+        return "\n".join(lines)
+
+    def _select(self, items: list[_Item]) -> None:
+        def make(it: _Item, c: ClaimResult, key: int) -> Request:
+            spec = Json.from_schema(evidence_schema([f"E{i}" for i in range(1, len(it.boxes) + 1)]))
+            return self._request(it, key, f"{self._candidates(it)}\nClaim: {c.text}\n{SELECT_TASK}", spec)
+
+        for it, c, out in self._stage("select", ((it, c) for it in items for c in it.claims), make):
+            parsed = self._json(out)
+            if parsed is None:
+                it.result.warnings.append(f"{c.part_id}: evidence selection did not finish; no regions used")
+            chosen = set(parsed["selected_evidence_ids"]) if parsed else set()
+            c.evidence_ids = sorted(chosen, key=lambda e: int(e[1:]))
+            c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in c.evidence_ids]
+
+    def verification_request(self, item: _Item, claim: ClaimResult, key: int = 0) -> Request:
+        """One claim's verification request: the shared image + caption prefix, the claim, its
+        evidence regions as crops, and the forced ``{"decision": "`` answer start."""
+        regions = [f"{e} {b}: {self.backend.image_placeholder(item.box_images[int(e[1:]) - 1].grid_thw)}"
+                   for e, b in zip(claim.evidence_ids, claim.evidence_boxes)]
+        evidence = "Evidence regions:\n" + "\n".join(regions) if regions else "Evidence regions: none selected"
+        images = [item.box_images[int(e[1:]) - 1] for e in claim.evidence_ids]
+        return self._request(item, key, f"Claim: {claim.text}\n{evidence}\n{VERIFY_TASK}",
+                             Choice(self.yes_no_ids), images, self.decision_prefix)
+
+    def _verify(self, items: list[_Item]) -> None:
+        for it, c, out in self._stage("verify", ((it, c) for it in items for c in it.claims),
+                                      self.verification_request):
+            c.support = float(out.probs[0])
+            c.decision = "yes" if c.support >= 0.5 else "no"
+
+    def _explain(self, items: list[_Item]) -> None:
+        spec = Json.from_schema(explanation_schema(self.max_explanation_chars))
+
+        def make(it: _Item, target, key: int) -> Request:
+            if isinstance(target, ClaimResult):
+                c = target
+                evidence = ", ".join(f"{e} {b}" for e, b in zip(c.evidence_ids, c.evidence_boxes)) or "none"
+                task = (f"Claim: {c.text}\nEvidence regions: {evidence}\nDecision: {c.decision} "
+                        f"(support {c.support:.2f})\n{EXPLAIN_CLAIM_TASK}")
+                return self._request(it, key, task, spec)
+            listing = "\n".join(f"- {c.part_id} ({c.type}): {c.text} -> {c.decision} (support {c.support:.2f}; "
+                                f"evidence {', '.join(c.evidence_ids) or 'none'})" for c in it.claims)
+            task = f"Claims and decisions:\n{listing}\nOverall score: {it.result.score:.2f}\n{EXPLAIN_OVERALL_TASK}"
+            return self._request(it, key, task, spec)
+
+        jobs = ((it, t) for it in items for t in it.claims + [it.result])
+        for it, target, out in self._stage("explain", jobs, make):
+            parsed = self._json(out)
+            target.explanation = parsed["explanation"] if parsed else None
+
+    # -- running ----------------------------------------------------------------------------------
+    def prepare(self, examples: Iterable[ImageTextExample]) -> tuple[list[_Item], list[VisExResult]]:
+        """Examples loaded and checked: items ready for the stages, and results of invalid ones."""
+        items, invalid = [], []
+        for i, example in enumerate(examples):
+            prepared = self._prepare(i, example)
+            (invalid if isinstance(prepared, VisExResult) else items).append(prepared)
+        return items, invalid
+
+    def stream(self, examples: Iterable[ImageTextExample]) -> Iterator[VisExResult]:
+        """Results of ``examples``: invalid items at once, the others when their batch has been
+        through every stage (each result has ``.index``)."""
+        items, invalid = self.prepare(examples)
+        yield from invalid
+        self._decompose(items)
+        self._propose(items)
+        self._select(items)
+        self._verify(items)
+        for it in items:
+            if not it.result.error:
+                it.result.claims = it.claims
+                it.result.score = aggregate([c.support for c in it.claims], self.aggregate)
+        if self.explain:
+            self._explain([it for it in items if not it.result.error])
+        for it in items:
+            if it.result.error:  # a stage failed it: no partial claims or score
+                it.result.claims, it.result.score, it.result.explanation = [], None, None
+            yield it.result
