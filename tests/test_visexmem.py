@@ -236,7 +236,7 @@ def test_visexmem_cli_resumable(tmp_path, vl_dir):
     src.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n")
     argv = ["visexmem", "--model", str(vl_dir), "--input", str(src), "--output", str(out),
             "--device", "cpu", "--dtype", "float32", "--no-explain", "--no-progress",
-            "--aggregate", "harmonic"]
+            "--aggregate", "harmonic", "--max-claims", "3", "--max-claim-chars", "40"]
     assert main(argv) == 0
     first = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in first] == ["a", "b"] and all(r["error"] is None for r in first)

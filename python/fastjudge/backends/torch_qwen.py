@@ -208,11 +208,14 @@ class QwenModel:
         rot, rest = x[..., :rd], x[..., rd:]
         return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
-    def _attention(self, x, layer, prev, positions, save):
+    def _qkv(self, x, layer, positions):
+        """Queries [B, H, S, hd], keys and values [B, Hkv, S, hd] (normed, rotated) and the
+        output gate (Qwen3.5) of ``x`` [B, S, d]."""
         s = self.s
         B, S, _ = x.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
         q = F.linear(x, layer["q"])
+        gate = None
         if s.hybrid:
             q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(B, S, H * hd)
@@ -221,9 +224,19 @@ class QwenModel:
         k, v = F.linear(x, layer["kv"]).view(B, S, 2, Hkv, hd).unbind(2)
         q = rms(q, layer["q_norm"], s.eps).transpose(1, 2)
         k = rms(k, layer["k_norm"], s.eps).transpose(1, 2)
-        v = v.transpose(1, 2)
         cos, sin = self._rope(positions, x.dtype)
-        q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+        return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v.transpose(1, 2), gate
+
+    def _attention_out(self, o, gate, layer):
+        B, _, S, _ = o.shape
+        o = o.transpose(1, 2).reshape(B, S, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o, layer["o"])
+
+    def _attention(self, x, layer, prev, positions, save):
+        B, S, _ = x.shape
+        q, k, v, gate = self._qkv(x, layer, positions)
         P = 0
         if prev is not None:
             pk, pv = prev
@@ -232,11 +245,8 @@ class QwenModel:
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
         # query i sees the whole prefix and suffix keys up to itself
         allowed = torch.ones(S, P + S, dtype=torch.bool, device=x.device).tril(diagonal=P)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=Hkv != H)
-        o = o.transpose(1, 2).reshape(B, S, H * hd)
-        if s.hybrid:
-            o = o * torch.sigmoid(gate)
-        return F.linear(o, layer["o"]), ((k, v) if save else None)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.s.kv_heads != self.s.heads)
+        return self._attention_out(o, gate, layer), ((k, v) if save else None)
 
     def _delta_net(self, x, layer, prev, save):
         s = self.s
@@ -320,6 +330,81 @@ class QwenModel:
         if rows is not None:
             return choice_logits(hidden, self.w.final_norm, self.w.lm_head, rows, eps=self.s.eps)
         return F.linear(rms(hidden, self.w.final_norm, self.s.eps), self.w.lm_head).float()
+
+
+    def decode_step(self, tokens: torch.Tensor, cache: "DecodeCache") -> torch.Tensor:
+        """One greedy-decoding step for every row of ``cache``: hidden states [B, d] of
+        ``tokens`` [B], each row at its own length and position; the cache advances in place."""
+        s = self.s
+        B = tokens.shape[0]
+        x = F.embedding(tokens[:, None], self.w.embed)
+        positions = cache.positions[None, :, None].expand(3, B, 1)
+        cache.reserve(1)
+        rows = torch.arange(B, device=tokens.device)
+        # additive mask: each row sees its own keys only (a float mask keeps SDPA on its fused
+        # CPU kernel; a boolean one falls back to a much slower path there)
+        hide = None
+        if cache.capacity:
+            visible = torch.arange(cache.capacity, device=tokens.device)[None, :] <= cache.lengths[:, None]
+            hide = torch.zeros(B, 1, 1, cache.capacity, dtype=x.dtype, device=tokens.device)
+            hide.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        for i, layer in enumerate(self.w.layers):
+            h = rms(x, layer["in_norm"], s.eps)
+            if layer["kind"] == "full_attention":
+                q, k, v, gate = self._qkv(h, layer, positions)
+                kb, vb = cache.layers[i]
+                kb[rows, :, cache.lengths] = k[:, :, 0]
+                vb[rows, :, cache.lengths] = v[:, :, 0]
+                o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=hide,
+                                                   enable_gqa=s.kv_heads != s.heads)
+                h = self._attention_out(o, gate, layer)
+            else:
+                h, cache.layers[i] = self._delta_net(h, layer, cache.layers[i], True)
+            x = x + h
+            h = rms(x, layer["post_norm"], s.eps)
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        cache.lengths += 1
+        cache.positions += 1
+        return x[:, 0]
+
+
+class DecodeCache:
+    """Per-row decoding state of a batch: K/V buffers of the full-attention layers (rows of
+    different lengths right-padded; a row attends to its own length only) that grow by doubling,
+    and the DeltaNet conv/recurrent states stacked over rows."""
+
+    def __init__(self, states: Sequence[PrefixState], shape: QwenShape, room: int, device):
+        first = states[0].layers
+        self.lengths = torch.tensor([st.length for st in states], device=device)
+        self.positions = torch.tensor([st.next_position for st in states], device=device)
+        longest = int(self.lengths.max())
+        self.layers: list = []
+        for i, kind in enumerate(shape.layer_types):
+            if kind == "full_attention":
+                k0 = first[i][0]
+                bufs = [k0.new_zeros(len(states), k0.shape[1], longest + room, k0.shape[3]) for _ in range(2)]
+                for b, st in enumerate(states):
+                    for buf, t in zip(bufs, st.layers[i]):
+                        buf[b, :, : t.shape[2]] = t[0]
+                self.layers.append(bufs)
+            else:
+                self.layers.append(tuple(torch.cat([st.layers[i][j] for st in states]) for j in range(2)))
+        self.kinds = shape.layer_types
+
+    @property
+    def capacity(self) -> int:
+        """Length of the K/V buffers (0 without full-attention layers)."""
+        return next((pair[0].shape[2] for kind, pair in zip(self.kinds, self.layers) if kind == "full_attention"), 0)
+
+    def reserve(self, steps: int) -> None:
+        """Room for ``steps`` more tokens in every K/V buffer (doubling when short)."""
+        need = int(self.lengths.max()) + steps
+        for i, kind in enumerate(self.kinds):
+            if kind != "full_attention" or self.layers[i][0].shape[2] >= need:
+                continue
+            self.layers[i] = [torch.cat([b, torch.zeros_like(b)[:, :, : max(need - b.shape[2], b.shape[2])]], dim=2)
+                              for b in self.layers[i]]
 
 
 class TorchQwenBackend:
@@ -530,7 +615,7 @@ class TorchQwenBackend:
         try:
             if isinstance(batch[0].spec, Choice):
                 return self._run_choice(batch, state)
-            return [self._generate(r, state) for r in batch]
+            return self._generate(batch, state)
         finally:
             if slot is not None:
                 self.prefix_cache.release(slot)
@@ -588,37 +673,58 @@ class TorchQwenBackend:
             self._grammars = GrammarCache(self.tokenizer, self.shape.vocab_size, self.eos_token_ids)
         return self._grammars.matcher(spec)
 
-    def _generate(self, request: Request, state: PrefixState | None) -> Output:
-        """Greedy decoding for one row, continuing from the prefix state (exact: no padding);
-        constrained by the JSON grammar for Json specs."""
-        spec = request.spec
-        matcher = self._matcher(spec)
-        ids, images = self._suffix(request, state)
-        hidden, st = self._forward_rows([ids], [images], state, save=True)
+    def _generate(self, batch: Sequence[Request], state: PrefixState | None) -> list[Output]:
+        """Greedy decoding of a batch that shares one prefix state (and one Text/Json spec):
+        each row's suffix runs alone from the prefix state (exact: no padding), then all rows
+        decode together, one token per row per step; Json rows under their grammar."""
+        spec = batch[0].spec
+        matchers = [self._matcher(r.spec) for r in batch]
+        last, states = [], []
+        for r in batch:
+            ids, images = self._suffix(r, state)
+            hidden, st = self._forward_rows([ids], [images], state, save=True)
+            last.append(hidden[:, -1])
+            states.append(st)
+        hidden = torch.cat(last)
+        cache = DecodeCache(states, self.shape, min(spec.max_new_tokens, 256), self.device)
+        del states, last
         track = torch.tensor(spec.track_ids, device=self.device) if getattr(spec, "track_ids", ()) else None
-        tokens, tracked, finished = [], [], False
+        tokens = [[] for _ in batch]
+        tracked = [[] for _ in batch]
+        finished = [False] * len(batch)
+        done = [False] * len(batch)
         for _ in range(spec.max_new_tokens):
-            logits = self.model.logits(hidden[:, -1])[0]
-            if matcher is not None:
-                logits = matcher.mask(logits)
-            token = int(logits.argmax())
-            if matcher is not None:
-                matcher.accept(token)
-            if token in self.eos_token_ids:
-                finished = True
+            logits = self.model.logits(hidden)
+            step = []
+            for b, matcher in enumerate(matchers):
+                if done[b]:
+                    step.append(self.pad_token_id)
+                    continue
+                z = logits[b] if matcher is None else matcher.mask(logits[b])
+                token = int(z.argmax())
+                if matcher is not None:
+                    matcher.accept(token)
+                if token in self.eos_token_ids:
+                    finished[b] = done[b] = True
+                else:
+                    tokens[b].append(token)
+                    if track is not None:
+                        tracked[b].append(logits[b, track])
+                    done[b] = len(tokens[b]) == spec.max_new_tokens
+                step.append(token)
+            if all(done):
                 break
-            tokens.append(token)
+            self.tokens_computed += sum(not d for d in done)
+            hidden = self.model.decode_step(torch.tensor(step, device=self.device), cache)
+        outputs = []
+        for b, r in enumerate(batch):
+            out = Output(index=r.index, token_ids=tokens[b],
+                         finished=matchers[b].finished if matchers[b] is not None else finished[b])
             if track is not None:
-                tracked.append(logits[track])
-            if len(tokens) == spec.max_new_tokens:
-                break
-            hidden, st = self.model.forward(torch.tensor([[token]], device=self.device), st, save=True)
-            self.tokens_computed += 1
-        if matcher is not None:
-            finished = matcher.finished
-        return Output(index=request.index, token_ids=tokens, finished=finished,
-                      tracked_logits=torch.stack(tracked).cpu().numpy().astype(np.float64)
-                      if tracked else (np.zeros((0, len(spec.track_ids))) if track is not None else None))
+                out.tracked_logits = (torch.stack(tracked[b]).cpu().numpy().astype(np.float64) if tracked[b]
+                                      else np.zeros((0, len(spec.track_ids))))
+            outputs.append(out)
+        return outputs
 
 
 class ImageEmbeddingCache:

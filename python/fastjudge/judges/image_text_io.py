@@ -68,7 +68,10 @@ def judge_options(args, name: str) -> dict:
     if name == "visexmem":
         opts.update(aggregate=getattr(args, "aggregate", "mean"),
                     explain=not getattr(args, "no_explain", False),
-                    propose_boxes=getattr(args, "propose_boxes", False))
+                    propose_boxes=getattr(args, "propose_boxes", False),
+                    max_claims=getattr(args, "max_claims", 12),
+                    max_claim_chars=getattr(args, "max_claim_chars", 120),
+                    max_explanation_chars=getattr(args, "max_explanation_chars", 300))
     return opts
 
 
@@ -96,6 +99,9 @@ def add_visexmem_parser(sub) -> None:
     p.add_argument("--propose-boxes", action="store_true",
                    help="items without boxes: let the model propose candidate regions "
                         "(default: the image quadrants)")
+    p.add_argument("--max-claims", type=int, default=12, help="most claims per caption (12)")
+    p.add_argument("--max-claim-chars", type=int, default=120, help="longest claim text (120)")
+    p.add_argument("--max-explanation-chars", type=int, default=300, help="longest explanation (300)")
     p.add_argument("--holistic", action="store_true",
                    help="the holistic yes/no baseline instead (one P(yes) per pair)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
