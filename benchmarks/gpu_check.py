@@ -12,6 +12,11 @@
    processor on CUDA when torchvision is installed; time of the kernel vs the torch reference
    run eagerly on the GPU and vs the processor.
 3. the backends' faithfulness tests on CUDA (FASTJUDGE_TEST_DEVICE=cuda).
+4. FP8 GEMM (``fastjudge.backends.fp8.fp8_linear``, ``torch._scaled_mm``; Ada/Hopper): against the
+   dequantized float32 reference, and its time against a bf16 GEMM of the same shape.
+5. the trtllm backend (tests/test_builders.py, TensorRT-LLM tests): FP8 Flan-T5 engines and the
+   FP8 Qwen3.5 checkpoint in the LLM API against transformers with ModelOpt fake quantization.
+   Skipped, saying why, where TensorRT-LLM is not installed.
 
 Times are medians over many runs, measured with CUDA events, inputs rotated over several copies so
 that caches do not flatter. Prints one table and writes OUT_DIR/gpu_check.json.
@@ -285,6 +290,64 @@ def run_faithfulness(dry: bool, seconds: float, rows: list, report: dict) -> Non
                  f"{r['summary']} ({r['seconds']:.0f} s)"))
 
 
+def check_scaled_mm(device, dry: bool, timer: Timer, rows: list, report: dict) -> None:
+    try:
+        from fastjudge.backends.fp8 import e4m3_scale, fp8_linear, fp8_linear_reference, quantize_e4m3
+    except ImportError as e:
+        report["scaled_mm"] = {"skipped": f"fastjudge not importable ({e})"}
+        rows.append(("scaled_mm", "FP8 GEMM", report["scaled_mm"]["skipped"]))
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        report["scaled_mm"] = {"skipped": "FP8 GEMMs need compute capability 8.9+ (Ada, Hopper)"}
+        rows.append(("scaled_mm", "FP8 GEMM", report["scaled_mm"]["skipped"]))
+        return
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for M, K, N in ([(16, 64, 48)] if dry else [(64, 4096, 4096), (2048, 4096, 11008)]):
+        w = torch.randn(N, K, generator=g) * 0.02
+        sw = e4m3_scale(w.abs().max())
+        w8, sw = quantize_e4m3(w, sw).to(device), sw.to(device)
+        xs = [(torch.randn(M, K, generator=g) * 2).to(device=device, dtype=torch.bfloat16) for _ in range(4)]
+        sx = e4m3_scale(xs[0].float().abs().max()).to(device)
+        y = fp8_linear(xs[0], w8, sw, sx, out_dtype=torch.float32)
+        ref = fp8_linear_reference(xs[0].float(), w8, sw, sx)
+        rel = maxdiff(y, ref) / float(ref.abs().max())
+        w16 = (w8.float() * sw).to(torch.bfloat16)
+        r = {"rel_maxdiff_vs_reference": rel, "ok": rel <= 1e-4,
+             "ms_fp8": 1e3 * timer(lambda x: fp8_linear(x, w8, sw, sx), xs),
+             "ms_bf16": 1e3 * timer(lambda x: F.linear(x, w16), xs)}
+        out[f"{M}x{K}x{N}"] = r
+        rows.append((f"scaled_mm {M}x{K}x{N}", "rel max|diff| vs reference / ms fp8 vs bf16",
+                     f"{rel:.1e} {'OK' if r['ok'] else 'FAIL'} / {r['ms_fp8']:.3f} vs {r['ms_bf16']:.3f}"))
+    report["scaled_mm"] = out
+
+
+def run_trtllm_checks(dry: bool, seconds: float, rows: list, report: dict) -> None:
+    """The trtllm backend's faithfulness tests where TensorRT-LLM is installed; skipped, with
+    the reason in the table, where it is not."""
+    reason = None
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        reason = "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm]')"
+    elif dry:
+        reason = "dry run (no CUDA device)"
+    if reason:
+        report["trtllm_tests"] = {"skipped": reason}
+        rows.append(("trtllm backend", "faithfulness vs FP8 fake quant", f"skipped: {reason}"))
+        return
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_builders.py",
+           "-k", "trtllm_t5_engines or trtllm_qwen_llm_api or scaled_mm_on_gpu"]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, seconds))
+        tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+        r = {"returncode": p.returncode, "summary": tail[0], "seconds": time.perf_counter() - t0,
+             "output_tail": (p.stdout + p.stderr)[-4000:]}
+    except subprocess.TimeoutExpired:
+        r = {"returncode": None, "summary": f"timed out after {seconds:.0f} s", "seconds": seconds}
+    report["trtllm_tests"] = r
+    rows.append(("trtllm backend", "faithfulness vs FP8 fake quant", f"{r['summary']} ({r['seconds']:.0f} s)"))
+
+
 def print_table(rows: list) -> None:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
@@ -335,11 +398,27 @@ def main(argv=None) -> int:
         report.setdefault("seconds", {})[name] = time.perf_counter() - t0
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    try:
+        check_scaled_mm(device, dry, timer, rows, report)
+        if any(not v.get("ok", True) for v in report["scaled_mm"].values() if isinstance(v, dict)):
+            failures.append("scaled_mm (accuracy)")
+    except Exception as e:
+        import traceback
+
+        failures.append("scaled_mm")
+        report["scaled_mm_error"] = traceback.format_exc()[-3000:]
+        rows.append(("scaled_mm", "ERROR", repr(e)[:200]))
+    report["seconds"]["scaled_mm"] = time.perf_counter() - t0
     if not args.skip_tests:
+        trtllm_here = importlib.util.find_spec("tensorrt_llm") is not None and not dry
         left = args.budget_s - (time.perf_counter() - t_start)
-        run_faithfulness(dry, left - 10, rows, report)
+        run_faithfulness(dry, left - 10 - (240 if trtllm_here else 0), rows, report)
         if report["faithfulness_tests"].get("returncode") not in (0,):
             failures.append("faithfulness_tests")
+        run_trtllm_checks(dry, args.budget_s - (time.perf_counter() - t_start) - 10, rows, report)
+        if "skipped" not in report["trtllm_tests"] and report["trtllm_tests"].get("returncode") != 0:
+            failures.append("trtllm_tests")
     for part in ("choice_head", "crop_encode"):
         vals = report.get(part, {})
         vals = vals.values() if part == "choice_head" else [vals]

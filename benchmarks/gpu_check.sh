@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of the Triton kernels and the backends' faithfulness on a CUDA machine with PyTorch,
-# Triton and transformers preinstalled (no network). Under 8 minutes; prints a table and writes
-# OUT_DIR/gpu_check.json.
+# GPU check of the Triton kernels, the backends' faithfulness, FP8 GEMMs and (where TensorRT-LLM
+# is installed) the trtllm backend on a CUDA machine with PyTorch, Triton and transformers
+# preinstalled (no network). Under 8 minutes; prints a table and writes OUT_DIR/gpu_check.json.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR            # on the CUDA machine
 #   bash benchmarks/gpu_check.sh OUT_DIR --dry-run  # the same code on CPU with the torch reference
@@ -19,6 +19,13 @@ if ! "$PY" -c "import fastjudge._engine, fastjudge.kernels" 2>/dev/null; then
   echo "gpu_check: fastjudge not installed; trying an offline build" >&2
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index . >"$OUT/pip_install.log" 2>&1 \
     || echo "gpu_check: offline build failed (see $OUT/pip_install.log)" >&2
+fi
+
+# The trtllm backend's checks run only where TensorRT-LLM is installed; say which up front.
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('tensorrt_llm') is None)" 2>/dev/null; then
+  echo "gpu_check: TensorRT-LLM found: the trtllm backend's faithfulness checks will run" >&2
+else
+  echo "gpu_check: TensorRT-LLM not installed: the trtllm backend's checks are skipped" >&2
 fi
 
 unset TRITON_INTERPRET

@@ -19,9 +19,14 @@ from .loading import CheckpointError, read_config
 
 def load_backend(model: str | os.PathLike, backend: str = "torch", device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None):
-    """Open a judge checkpoint with the backend that fits its architecture."""
+    """Open a judge checkpoint with the backend that fits its architecture. ``backend="trtllm"``:
+    ``model`` is a ``fastjudge build`` output directory (see ``backends/trtllm.py``)."""
+    if backend == "trtllm":
+        from .trtllm import TrtllmBackend
+
+        return TrtllmBackend(model, max_input_tokens=max_input_tokens)
     if backend != "torch":
-        raise ValueError(f"unknown backend {backend!r}; available: 'torch'")
+        raise ValueError(f"unknown backend {backend!r}; available: 'torch', 'trtllm'")
     model_type = read_config(model).get("model_type")
     from .torch_qwen import QWEN_MODEL_TYPES, TorchQwenBackend
     from .torch_t5 import T5_MODEL_TYPES, TorchT5Backend

@@ -44,7 +44,7 @@ def load_state_dict(model_dir: str | os.PathLike, allow_pickle: bool = False) ->
         state: dict[str, torch.Tensor] = {}
         for file in safetensors_files:
             state.update(load_file(str(file)))
-        return state
+        return _dequantize_if_fp8(path, state)
     pickle_files = sorted(f for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES and f.is_file())
     if not pickle_files:
         raise CheckpointError(f"{path}: no *.safetensors weights found.")
@@ -59,6 +59,25 @@ def load_state_dict(model_dir: str | os.PathLike, allow_pickle: bool = False) ->
     for file in pickle_files:
         state.update(torch.load(str(file), map_location="cpu", weights_only=True))
     return state
+
+
+def _dequantize_if_fp8(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint (``fastjudge build``; see ``backends/fp8.py``) loads dequantized, so every
+    backend reads it unchanged: ``weight * weight_scale`` in the checkpoint's dtype."""
+    from .fp8 import FP8_DTYPE, dequantize_state, fp8_quant_algo
+
+    algo = fp8_quant_algo(path)
+    has_fp8 = any(t.dtype == FP8_DTYPE for t in state.values())
+    if algo is None and not has_fp8:
+        return state
+    if algo != "FP8":
+        found = f"quantization {algo!r}" if algo else "float8 tensors without an FP8 declaration"
+        raise CheckpointError(f"{path}: {found} is not supported; the torch backend loads per-tensor "
+                              "FP8 checkpoints declared in hf_quant_config.json (fastjudge build)")
+    try:
+        return dequantize_state(state)
+    except ValueError as bad:
+        raise CheckpointError(f"{path}: {bad}") from None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

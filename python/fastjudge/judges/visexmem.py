@@ -181,7 +181,6 @@ class _Item:
     index: int
     result: VisExResult
     image: LoadedImage
-    caption: str
     prefix: str  # shared prompt text (intro + image + caption)
     full_image: Image
     boxes: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -194,7 +193,14 @@ class VisExJudge(Judge):
 
     Bad input never stops a job: an unreadable image, malformed boxes, an empty caption or a
     caption that yields no claims give that item an ``error``; clipped or dropped boxes and
-    repaired part links are listed in its ``warnings``."""
+    repaired part links are listed in its ``warnings``.
+
+    Options beyond the issue's: ``propose_boxes`` (model-proposed candidates for examples
+    without boxes, instead of the quadrants); ``max_claims``, ``max_claim_chars``,
+    ``max_explanation_chars`` (grammar bounds, hence token budgets, of the written stages);
+    ``strict`` (repaired part links become an item error); ``image_root`` (for relative image
+    paths); ``crop_max_pixels`` (resize evidence crops to at most this many pixels, fewer image
+    tokens per claim; default: the checkpoint's processor limit)."""
 
     def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
                  aggregate: str = "mean", explain: bool = True, propose_boxes: bool = False,
@@ -277,7 +283,7 @@ class VisExJudge(Judge):
             return result
         caption = " ".join(text.split())
         prefix = f"{INTRO}\n\n{self.backend.image_placeholder(full.grid_thw)}\nCaption: {caption}\n\n"
-        item = _Item(index, result, loaded, caption, prefix, full)
+        item = _Item(index, result, loaded, prefix, full)
         if example.boxes is not None and not boxes:
             result.warnings.append("no usable boxes given; candidates come from the fallback")
         if boxes:

@@ -1,0 +1,88 @@
+"""``fastjudge build {flan-t5,qwen3.5}``: argument wiring (registered by ``fastjudge.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import DEFAULT_HELDOUT_FRACTION, DEFAULT_MIN_AGREEMENT as DEFAULT_THRESHOLD, DEFAULT_ONNX_OPSET as DEFAULT_OPSET
+
+KINDS = ("flan-t5", "qwen3.5")
+
+
+def add_build_parser(sub) -> None:
+    p = sub.add_parser("build", help="quantize a judge to FP8 and build TensorRT-LLM engines",
+                       description="FP8 post-training quantization (NVIDIA ModelOpt) of a judge checkpoint on "
+                                   "judge prompts, FP8 checkpoints for the torch backend and TensorRT-LLM, "
+                                   "TensorRT-LLM engines where TensorRT-LLM and a GPU are present, an "
+                                   "agreement report against the source judge, and fastjudge-engine.json.")
+    p.add_argument("kind", choices=KINDS, help="flan-t5 (T5 v1.1 family) or qwen3.5 (Qwen3.5 text/VL, Qwen3)")
+    p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory (safetensors)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--calib", default=None,
+                   help="LAVE items (JSONL, `fastjudge lave` input layout) for calibration and the "
+                        "agreement report (default: the bundled sample)")
+    p.add_argument("--images", default=None,
+                   help="qwen3.5 VL: JSONL of {\"image\": path, \"caption\": text} pairs added to calibration")
+    p.add_argument("--heldout-fraction", type=float, default=DEFAULT_HELDOUT_FRACTION,
+                   help=f"items held out of calibration for the agreement report ({DEFAULT_HELDOUT_FRACTION})")
+    p.add_argument("--max-calib", type=int, default=512, help="calibration items at most (512)")
+    p.add_argument("--max-heldout", type=int, default=256, help="held-out items at most (256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration/held-out split")
+    p.add_argument("--num-shots", type=int, default=8)
+    p.add_argument("--rationale", action="store_true", help="size the engines for rationale decoding")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="rationale length cap (100)")
+    p.add_argument("--device", default="auto", help="calibration device: cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="dtype of the reference judge and of calibration (bfloat16; float32 on CPUs "
+                        "without native bf16 is faster)")
+    p.add_argument("--no-fp8-kv", action="store_true", help="keep the KV cache in the engine dtype")
+    p.add_argument("--min-agreement", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"rating agreement below which the build warns loudly ({DEFAULT_THRESHOLD})")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 below --min-agreement")
+    p.add_argument("--max-batch-size", type=int, default=64, help="engine batch size (64)")
+    p.add_argument("--max-input-len", type=int, default=None,
+                   help="engine input length (default: longest calibration prompt plus headroom)")
+    p.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="flan-t5: dtype of the unquantized parts of the engines (bfloat16)")
+    p.add_argument("--skip-engines", action="store_true", help="write checkpoints only, even where TensorRT-LLM is")
+    p.add_argument("--no-onnx", action="store_true", help="qwen3.5 VL: skip the vision tower's ONNX export")
+    p.add_argument("--onnx-opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset ({DEFAULT_OPSET})")
+
+
+def options(args):
+    from .pipeline import BuildOptions
+
+    return BuildOptions(model=args.model, out=args.out, calib=args.calib, images=args.images,
+                        heldout_fraction=args.heldout_fraction, max_calib=args.max_calib,
+                        max_heldout=args.max_heldout, seed=args.seed, num_shots=args.num_shots,
+                        rationale=args.rationale, max_new_tokens=args.max_new_tokens, device=args.device,
+                        dtype=args.dtype, kv_fp8=not args.no_fp8_kv, min_agreement=args.min_agreement,
+                        max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
+                        engine_dtype=args.engine_dtype, skip_engines=args.skip_engines, onnx=not args.no_onnx,
+                        onnx_opset=args.onnx_opset)
+
+
+def run_build(args) -> int:
+    """0 when the build finished (even below the agreement threshold, after the warning);
+    1 below it with --strict; 2 when the build could not run."""
+    from .quantize import BuildError
+
+    opts = options(args)
+    try:
+        if args.kind == "flan-t5":
+            from .flan_t5 import build
+        else:
+            from .qwen3_5 import build
+        manifest = build(opts)
+    except BuildError as bad:
+        print(f"fastjudge build: error: {bad}", file=sys.stderr)
+        return 2
+    passed = manifest["agreement"]["fp8"].get("passed", False)
+    return 1 if args.strict and not passed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastjudge")
+    add_build_parser(parser.add_subparsers(dest="command", required=True))
+    return run_build(parser.parse_args(argv))

@@ -1,0 +1,654 @@
+"""FP8 builders on tiny random-weight checkpoints, on the CPU: calibration prompts, ModelOpt
+quantization, the FP8 checkpoints (Hugging Face layout and TensorRT-LLM's T5 layout, checked
+against ModelOpt's own exporters), the manifest, the agreement report, the torch backend on the
+FP8 checkpoint, the vision tower's ONNX export, ``fastjudge build`` end to end with the
+TensorRT-LLM stages skipped, and the trtllm backend's manifest checks and missing-TensorRT-LLM
+error. Tests that need TensorRT-LLM and a GPU skip here (``benchmarks/gpu_check.sh`` runs them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("modelopt")
+
+from fastjudge.backends.fp8 import (FP8_DTYPE, dequantize_e4m3, dequantize_state, e4m3_scale, fp8_linear,
+                                    fp8_linear_reference, quantize_e4m3)
+from fastjudge.builders import agreement as agr
+from fastjudge.builders.calibration import judge_prompts, load_examples, prompts_sha256, split_examples
+from fastjudge.builders.manifest import MANIFEST_NAME, ManifestError, read_manifest
+from fastjudge.builders.cli import main as build_main
+from fastjudge.checkpoints import build_random_qwen, build_random_qwen_vl
+from fastjudge.cli import main
+from fastjudge.demo import tokenizer_corpus
+from fastjudge.judges.lave import LaveJudge, LaveResult
+
+HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
+GPU_TRTLLM = HAVE_TRTLLM and torch.cuda.is_available()
+# Small builds: few shots (short prompts) and few items keep the file fast on two cores.
+SMALL = ["--dtype", "float32", "--num-shots", "2", "--max-calib", "8", "--max-heldout", "6"]
+
+
+def run_build(kind, model, out, *extra):
+    return build_main(["build", kind, "--model", str(model), "--out", str(out), *SMALL, *extra])
+
+
+@pytest.fixture(scope="module")
+def t5_cli_run(t5_dir, tmp_path_factory):
+    """``fastjudge build flan-t5`` end to end through the top-level command, with a threshold no
+    build can meet (agreement is at most 100%) and --strict: the loud warning and exit status 1
+    come with a complete build."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("t5-fp8")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(["build", "flan-t5", "--model", str(t5_dir), "--out", str(out), *SMALL,
+                   "--min-agreement", "1.01", "--strict"])
+    return out, rc, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def t5_build(t5_cli_run):
+    return t5_cli_run[0]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return build_random_qwen(tmp_path_factory.mktemp("qwen3_5-tiny"), tokenizer_corpus(), seed=3)
+
+
+@pytest.fixture(scope="module")
+def qwen_build(qwen_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen-fp8")
+    assert run_build("qwen3.5", qwen_dir, out, "--num-shots", "1", "--max-calib", "4", "--max-heldout", "3") == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def image_pairs(tmp_path_factory):
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, (h, w) in enumerate([(80, 120), (56, 84)]):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(d / f"img{i}.png")
+        rows.append({"image": f"img{i}.png", "caption": f"A photo of object {i} on a table."})
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d / "pairs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_build(tmp_path_factory, image_pairs):
+    model = build_random_qwen_vl(tmp_path_factory.mktemp("qwen3_5-vl-tiny"), tokenizer_corpus(), seed=5)
+    out = tmp_path_factory.mktemp("qwen-vl-fp8")
+    assert run_build("qwen3.5", model, out, "--num-shots", "1", "--max-calib", "2", "--max-heldout", "2",
+                     "--images", str(image_pairs)) == 0
+    return model, out
+
+
+# --------------------------------------------------------------------------------------------
+# calibration prompts
+
+def test_calibration_split_and_prompts(lave_judge, tmp_path):
+    examples, source = load_examples()
+    assert len(examples) == 40 and "sample" in source
+    data = split_examples(examples, source, heldout_fraction=0.25, seed=0)
+    assert (len(data.calibration), len(data.heldout)) == (30, 10)
+    assert not {e.id for e in data.calibration} & {e.id for e in data.heldout}
+    again = split_examples(examples, source, heldout_fraction=0.25, seed=0)
+    assert [e.id for e in again.heldout] == [e.id for e in data.heldout]
+    prompts = judge_prompts(lave_judge, data.calibration[:3])
+    for p, e in zip(prompts, data.calibration[:3]):  # exactly the judge's model input
+        assert np.array_equal(p, lave_judge.backend.encode_prompt(lave_judge.build_prompt(e)))
+    assert prompts_sha256(prompts) == prompts_sha256([p.copy() for p in prompts])
+    assert prompts_sha256(prompts) != prompts_sha256(prompts[:2])
+    # user JSONL: malformed lines skipped, items the judge rejects left out of the prompts
+    f = tmp_path / "items.jsonl"
+    f.write_text('{"id": "a", "question": "Is it red?", "references": ["yes"], "prediction": "yes"}\n'
+                 "not json\n"
+                 '{"id": "b", "question": "What?", "references": [], "prediction": "x"}\n')
+    items, _ = load_examples(f)
+    assert [e.id for e in items] == ["a", "b"]
+    assert len(judge_prompts(lave_judge, items)) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 math
+
+def test_fp8_quantize_dequantize_and_scaled_mm():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g) * 0.05
+    s = e4m3_scale(w.abs().max())
+    assert s.dtype == torch.float32 and s.shape == ()
+    w8 = quantize_e4m3(w, s)
+    assert w8.dtype == FP8_DTYPE and float(w8.float().abs().max()) == 448.0
+    assert torch.allclose(dequantize_e4m3(w8, s), w, rtol=2 ** -3, atol=float(s) * 2 ** -6)
+    x = torch.randn(5, 7, 64, generator=g)
+    sx = e4m3_scale(x.abs().max())
+    # torch._scaled_mm: PyTorch's CPU kernel here, FP8 tensor cores on Hopper (gpu_check.py)
+    y = fp8_linear(x, w8, s, sx, out_dtype=torch.float32)
+    assert y.shape == (5, 7, 48)
+    assert torch.allclose(y, fp8_linear_reference(x, w8, s, sx), rtol=1e-5, atol=1e-5)
+    state = {"a.weight": w8, "a.weight_scale": s, "a.input_scale": sx, "b.weight": torch.ones(2, 2)}
+    deq = dequantize_state(state)
+    assert set(deq) == {"a.weight", "b.weight"} and deq["a.weight"].dtype == torch.float32
+    with pytest.raises(ValueError, match="weight_scale"):
+        dequantize_state({"a.weight": w8})
+
+
+def test_loading_refuses_undeclared_or_other_quantization(tmp_path):
+    from safetensors.torch import save_file
+
+    from fastjudge.backends.loading import CheckpointError, load_state_dict
+
+    w8 = quantize_e4m3(torch.ones(4, 4), e4m3_scale(1.0))
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"a.weight": w8, "a.weight_scale": e4m3_scale(1.0)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="without an FP8 declaration"):
+        load_state_dict(tmp_path)
+    (tmp_path / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4"}}')
+    with pytest.raises(CheckpointError, match="NVFP4"):
+        load_state_dict(tmp_path)
+    (tmp_path / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "FP8"}}')
+    assert torch.equal(load_state_dict(tmp_path)["a.weight"], torch.ones(4, 4))
+
+
+def test_exported_weights_equal_modelopt_fake_quant(t5_dir):
+    """What the checkpoints store is what ModelOpt's fake quantization simulated."""
+    from transformers import T5ForConditionalGeneration
+
+    from fastjudge.builders.flan_t5 import calibration_loop
+    from fastjudge.builders.quantize import collect_amax, quantize_fp8
+
+    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    quantize_fp8(model, calibration_loop([np.arange(3, 40)], 0))
+    linears, kv = collect_amax(model)
+    layer = model.encoder.block[0].layer[0].SelfAttention.q
+    amax = linears["encoder.block.0.layer.0.SelfAttention.q"]
+    with torch.no_grad():
+        fake = layer.weight_quantizer(layer.weight).float()
+    s = e4m3_scale(amax.weight)
+    assert torch.allclose(fake, dequantize_e4m3(quantize_e4m3(layer.weight, s), s), rtol=1e-6, atol=1e-9)
+    assert amax.input is not None and "decoder.block.0.layer.1.EncDecAttention" in kv
+    assert "lm_head" not in linears  # the LM head stays unquantized
+
+
+# --------------------------------------------------------------------------------------------
+# Flan-T5 build
+
+def _trt_ckpt(build):
+    out = {}
+    for comp in ("encoder", "decoder"):
+        d = build / "trtllm-checkpoint" / comp
+        out[comp] = (json.loads((d / "config.json").read_text()), load_file(str(d / "rank0.safetensors")))
+    return out
+
+
+def test_t5_build_manifest_and_token_ids(t5_build, t5_backend):
+    m = read_manifest(t5_build)
+    assert m["model"]["kind"] == "flan-t5" and m["model"]["model_type"] == "t5"
+    q = m["quantization"]
+    assert (q["algo"], q["kv_cache"]) == ("FP8", "FP8") and "lm_head" in q["excluded_modules"]
+    judge = m["judge"]
+    assert judge["rating_token_ids"] == list(LaveJudge(t5_backend, num_shots=2).rating_token_ids)
+    assert judge["rationale_rating_token_ids"] == list(LaveJudge(t5_backend, rationale=True).rating_token_ids)
+    assert judge["template_version"] == "lave/1" and len(judge["template_sha256"]) == 64
+    lim = m["limits"]
+    assert lim["max_input_len"] >= lim["longest_calibration_prompt"]
+    assert (lim["decoder_max_input_len"], lim["decoder_max_seq_len"]) == (1, 2)  # score-only: one step
+    cal = m["calibration"]
+    assert (cal["items"], cal["heldout_items"]) == (8, 6) and len(cal["sha256"]) == 64
+    for name in ("fp8", "fp8_checkpoint_torch"):
+        e = m["agreement"][name]
+        assert e["items"] == 6 and 0 <= e["rating_agreement"] <= 1 and e["max_abs_dprob"] >= 0
+        assert set(e) >= {"spearman_soft_score", "mean_abs_dprob", "reference", "candidate"}
+    stage = m["stages"]["engine_build"]
+    if not GPU_TRTLLM:
+        assert stage["status"] == "skipped" and stage["reason"]
+    script = (t5_build / "build_engines.sh").read_text()
+    assert script.count("trtllm-build") == 2 and "--gather_generation_logits" in script
+    assert "--max_seq_len 2" in script and f"--max_input_len {lim['max_input_len']}" in script
+    assert m["tools"]["modelopt"] and m["tools"]["torch"]
+
+
+def test_t5_trtllm_checkpoint_layout(t5_build, t5_dir):
+    """Tensor names, dtypes and shapes per TensorRT-LLM's T5 converter; FP8 tensors and scales
+    per its FP8 layers."""
+    from fastjudge.backends.loading import read_config
+    from fastjudge.builders.fp8_export import read_checkpoint
+
+    cfg = read_config(t5_dir)
+    src = read_checkpoint(t5_dir)
+    ckpt = _trt_ckpt(t5_build)
+    H, heads, dkv, ff, V = cfg["d_model"], cfg["num_heads"], cfg["d_kv"], cfg["d_ff"], cfg["vocab_size"]
+    for comp, (config, w) in ckpt.items():
+        assert config["architecture"] == ("EncoderModel" if comp == "encoder" else "DecoderModel")
+        assert config["quantization"]["quant_algo"] == "FP8"
+        assert config["quantization"]["kv_cache_quant_algo"] == ("FP8" if comp == "decoder" else None)
+        assert config["quantization"]["exclude_modules"] == ["lm_head"]
+        assert (config["layernorm_type"], config["mlp_type"], config["hidden_act"]) == (1, 1, "gelu_new")
+        assert config["q_scaling"] == pytest.approx(dkv ** -0.5)
+        attns = ["attention"] if comp == "encoder" else ["self_attention", "cross_attention"]
+        expected = {"transformer.vocab_embedding.weight", "transformer.ln_f.weight"}
+        if comp == "decoder":
+            expected |= {"lm_head.weight", "rel_attn_table"}
+        for i in range(cfg["num_layers"]):
+            p = f"transformer.layers.{i}"
+            expected |= {f"{p}.{attns[0]}.rel_attn_table", f"{p}.mlp_layernorm.weight",
+                         f"{p}.{'attention' if comp == 'encoder' else 'self_attention'}_layernorm.weight"}
+            if comp == "decoder":
+                expected.add(f"{p}.cross_attention_layernorm.weight")
+            for a in attns:
+                if comp == "decoder":
+                    expected.add(f"{p}.{a}.kv_cache_scaling_factor")
+                for lin in ("qkv", "dense"):
+                    expected |= {f"{p}.{a}.{lin}.{t}" for t in ("weight", "weights_scaling_factor",
+                                                                 "activation_scaling_factor")}
+            for lin in ("fc", "gate", "proj"):
+                expected |= {f"{p}.mlp.{lin}.{t}" for t in ("weight", "weights_scaling_factor",
+                                                             "activation_scaling_factor")}
+        assert set(w) == expected
+        for name, t in w.items():
+            if name.endswith("scaling_factor"):
+                assert t.dtype == torch.float32 and t.shape == (1,) and float(t) > 0, name
+            elif name.endswith(".weight") and name.split(".")[-2] in ("qkv", "dense", "fc", "gate", "proj"):
+                assert t.dtype == FP8_DTYPE, name
+            else:
+                assert t.dtype == torch.bfloat16, name
+        p = "transformer.layers.0"
+        assert w[f"{p}.{attns[0]}.qkv.weight"].shape == (3 * heads * dkv, H)
+        assert w[f"{p}.{attns[0]}.dense.weight"].shape == (H, heads * dkv)
+        assert w[f"{p}.mlp.fc.weight"].shape == (ff, H) and w[f"{p}.mlp.proj.weight"].shape == (H, ff)
+        assert w[f"{p}.{attns[0]}.rel_attn_table"].shape == (heads, cfg["relative_attention_num_buckets"])
+        assert torch.equal(w[f"{p}.mlp.fc.weights_scaling_factor"], w[f"{p}.mlp.gate.weights_scaling_factor"])
+        # the fused q/k/v dequantize to the source weights (to E4M3 precision)
+        hf = f"{comp}.block.0.layer.0.SelfAttention"
+        qkv = dequantize_e4m3(w[f"{p}.{attns[0]}.qkv.weight"], w[f"{p}.{attns[0]}.qkv.weights_scaling_factor"])
+        ref = torch.cat([src[f"{hf}.{x}.weight"] for x in "qkv"])
+        step = float(w[f"{p}.{attns[0]}.qkv.weights_scaling_factor"])
+        assert torch.all((qkv - ref).abs() <= ref.abs() * 2 ** -4 + step * 2 ** -9)
+        assert w["transformer.vocab_embedding.weight"].shape == (V, H)
+    assert torch.equal(ckpt["decoder"][1]["lm_head.weight"], src["lm_head.weight"].to(torch.bfloat16))
+
+
+def test_t5_trtllm_checkpoint_matches_modelopt_exporter(t5_dir, tmp_path):
+    """The same calibrated model through ModelOpt's TensorRT-LLM exporter (TensorRT-LLM's
+    documented FP8 path for T5): identical FP8 bytes and scales. ModelOpt 0.47 needs two
+    workarounds to export T5 under transformers 5, and writes kv_cache_scaling_factor 1.0 where
+    fastjudge writes the calibrated max(K, V amax) / 448; the encoder has no KV cache, so
+    fastjudge writes no KV scales there."""
+    from safetensors.torch import load_file
+    from transformers import T5ForConditionalGeneration
+
+    import modelopt.torch.export as mte
+    import modelopt.torch.export.tensorrt_llm_utils as mo_utils
+    from fastjudge.backends.loading import read_config
+    from fastjudge.builders.flan_t5 import calibration_loop, trtllm_t5_checkpoint
+    from fastjudge.builders.fp8_export import read_checkpoint
+    from fastjudge.builders.quantize import collect_amax, quantize_fp8
+
+    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    quantize_fp8(model, calibration_loop([rng.integers(3, 500, n) for n in (30, 50)], 0))
+    ours = trtllm_t5_checkpoint(read_checkpoint(t5_dir), read_config(t5_dir), *collect_amax(model))
+    model.config.__dict__["model_type"] = "t5"  # workaround 1: config.__dict__ lookups
+    mo_utils.MODEL_NAME_TO_HF_ARCH_MAP.setdefault("t5", "EncoderModel")  # workaround 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mte.export_tensorrt_llm_checkpoint(model, "t5", dtype=torch.bfloat16, export_dir=str(tmp_path),
+                                           inference_tensor_parallel=1)
+    for comp in ("encoder", "decoder"):
+        ref = load_file(str(tmp_path / comp / "rank0.safetensors"))
+        ref = {k: v for k, v in ref.items()
+               if k.rsplit(".", 1)[-1] not in ("k_cache_scaling_factor", "v_cache_scaling_factor")}
+        _, w = ours[comp]
+        extra = set(ref) - set(w)
+        assert extra <= {"rel_attn_table"} | {k for k in ref if k.endswith("kv_cache_scaling_factor")}, extra
+        assert set(w) <= set(ref)
+        for k, t in w.items():
+            r = ref[k]
+            assert (t.dtype, t.shape) == (r.dtype, r.shape), k
+            if k.endswith("kv_cache_scaling_factor"):
+                continue
+            if t.dtype == FP8_DTYPE:
+                assert torch.equal(t.view(torch.uint8), r.view(torch.uint8)), k
+            else:
+                assert torch.allclose(t.float(), r.float(), rtol=1e-6, atol=0), k
+
+
+def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
+    from fastjudge.backends.loading import load_state_dict
+    from fastjudge.backends.torch_t5 import TorchT5Backend
+
+    ckpt = t5_build / "checkpoint"
+    raw = load_file(str(ckpt / "model.safetensors"))
+    q = "encoder.block.0.layer.0.SelfAttention.q"
+    assert raw[f"{q}.weight"].dtype == FP8_DTYPE
+    assert raw[f"{q}.weight_scale"].shape == () and raw[f"{q}.input_scale"].dtype == torch.float32
+    assert raw["encoder.block.0.layer.0.SelfAttention.k.k_scale"].shape == ()
+    assert raw["lm_head.weight"].dtype == torch.float32  # unquantized, as in the source
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    assert (hq["quant_algo"], hq["kv_cache_quant_algo"]) == ("FP8", "FP8")
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+    state = load_state_dict(ckpt)
+    assert not any(k.endswith(("_scale", "input_scale")) for k in state)
+    assert torch.equal(state[f"{q}.weight"], dequantize_e4m3(raw[f"{q}.weight"], raw[f"{q}.weight_scale"]))
+    judge = LaveJudge(TorchT5Backend(ckpt, device="cpu", dtype="float32"), num_shots=2)
+    results = judge.score(load_examples()[0][:4])
+    assert all(r.error is None and r.rating in (1, 2, 3) for r in results)
+    # the judge from the directory path picks the torch backend and loads it the same way
+    assert LaveJudge(str(ckpt), device="cpu", dtype="float32", num_shots=2).rating_token_ids == judge.rating_token_ids
+
+
+def test_fp8_checkpoint_equals_weight_fake_quant(t5_build, t5_dir):
+    """The torch backend on the FP8 checkpoint computes what transformers computes with the
+    same E4M3 weights (ModelOpt's weight fake quantization, activations left unquantized)."""
+    from transformers import T5ForConditionalGeneration
+
+    from fastjudge.backends.torch_t5 import TorchT5Backend
+
+    ckpt = t5_build / "checkpoint"
+    fp8 = TorchT5Backend(ckpt, device="cpu", dtype="float32")
+    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    state = dequantize_state(load_file(str(ckpt / "model.safetensors")))
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=False)
+    examples = load_examples()[0][:5]
+    ours = LaveJudge(fp8, num_shots=2).score(examples)
+    theirs = LaveJudge(agr.TransformersChoiceBackend(model, fp8, True), num_shots=2).score(examples)
+    diff = max(abs(a - b) for r, s in zip(ours, theirs) for a, b in zip(r.probs, s.probs))
+    assert diff < 1e-4 and [r.rating for r in ours] == [r.rating for r in theirs]
+
+
+def test_cli_build_end_to_end_strict_below_threshold(t5_cli_run):
+    out, rc, stdout, stderr = t5_cli_run
+    assert rc == 1  # --strict and below --min-agreement
+    assert "WARNING:" in stderr and "below 101%" in stderr and "!!!!" in stderr
+    assert "agreement on held-out items" in stdout and f"wrote {out / MANIFEST_NAME}" in stdout
+    assert GPU_TRTLLM or "TensorRT-LLM engine build skipped: no CUDA device" in stdout
+    m = read_manifest(out)
+    assert m["agreement"]["fp8"]["passed"] is False and "below" in m["agreement"]["fp8"]["warning"]
+    assert m["agreement"]["fp8"]["threshold"] == 1.01
+
+
+# --------------------------------------------------------------------------------------------
+# agreement report
+
+def _result(i, probs):
+    probs = np.asarray(probs, dtype=float)
+    r = LaveResult(index=i, probs=list(probs), rating=int(np.argmax(probs)) + 1)
+    r.soft_score = float(probs @ [0, 0.5, 1])
+    return r
+
+
+def test_agreement_figures_and_loud_warning(capsys):
+    rng = np.random.default_rng(0)
+    ref = [_result(i, rng.dirichlet([1, 1, 1])) for i in range(100)]
+    same = agr.compare(ref, ref)
+    assert (same.items, same.rating_agreement, same.max_abs_dprob) == (100, 1.0, 0.0)
+    assert same.spearman_soft_score == pytest.approx(1.0)
+    # three of 100 ratings differ: 97%, under the default 98%
+    flipped = [_result(r.index, np.roll(r.probs, 1)) if r.index < 3 else r for r in ref]
+    assert all(f.rating != r.rating for f, r in zip(flipped[:3], ref[:3]))
+    a = agr.compare(ref, flipped)
+    assert a.items == 100 and a.rating_agreement == pytest.approx(0.97)
+    assert 0 < a.max_abs_dprob <= 1 and a.spearman_soft_score < 1
+    entry = agr.agreement_entry(ref, flipped, agr.DEFAULT_THRESHOLD, "test judge", {})
+    assert agr.DEFAULT_THRESHOLD == 0.98
+    assert entry["passed"] is False and "97.0%" in entry["warning"] and "below 98%" in entry["warning"]
+    assert "WARNING: test judge" in capsys.readouterr().err
+    entry = agr.agreement_entry(ref, ref, 0.98, "test judge", {})
+    assert entry["passed"] and entry["warning"] is None and capsys.readouterr().err == ""
+    errors = [LaveResult(index=0, error="bad")]
+    assert agr.compare(errors, errors).items == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen3.5 builds
+
+def test_qwen_build_checkpoint_matches_trtllm_expectations(qwen_build, qwen_dir):
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
+
+    m = read_manifest(qwen_build)
+    ckpt = qwen_build / m["artifacts"]["checkpoint"]
+    w = load_file(str(ckpt / "model.safetensors"))
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    assert (hq["quant_algo"], hq["kv_cache_quant_algo"]) == ("FP8", "FP8")
+    inline = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert inline["quant_method"] == "modelopt" and inline["kv_cache_scheme"]["num_bits"] == 8
+    cfg = json.loads((qwen_dir / "config.json").read_text())
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}"
+        for lin in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            assert w[f"{p}.{lin}.weight"].dtype == FP8_DTYPE
+            assert w[f"{p}.{lin}.weight_scale"].shape == () and w[f"{p}.{lin}.input_scale"].shape == ()
+        if kind == "full_attention":
+            assert w[f"{p}.self_attn.q_proj.weight"].dtype == FP8_DTYPE
+            assert w[f"{p}.self_attn.k_proj.k_scale"].dtype == torch.float32
+            assert w[f"{p}.self_attn.v_proj.v_scale"].shape == ()
+        else:
+            assert w[f"{p}.linear_attn.out_proj.weight"].dtype == FP8_DTYPE
+            # packed into in_proj_qkvz by TensorRT-LLM: no per-tensor scale may ride along
+            for lin in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
+                assert w[f"{p}.linear_attn.{lin}.weight"].dtype == torch.float32
+                assert f"{p}.linear_attn.{lin}.weight_scale" not in w
+                assert f"{p}.linear_attn.{lin}" in hq["exclude_modules"]
+            assert w[f"{p}.linear_attn.conv1d.weight"].dtype == torch.float32
+    assert "lm_head" in hq["exclude_modules"] and w["lm_head.weight"].dtype == torch.float32
+    base = TorchQwenBackend(qwen_dir, device="cpu", dtype="float32")
+    judge = m["judge"]
+    assert judge["rating_token_ids"] == list(LaveJudge(base, num_shots=1).rating_token_ids)
+    assert judge["rationale_rating_token_ids"] == list(LaveJudge(base, rationale=True).rating_token_ids)
+    assert judge["yes_no_token_ids"] == [base.response_ids("yes")[0], base.response_ids("no")[0]]
+    assert all(len(base.response_ids(x)) == 1 for x in ("yes", "no"))
+    results = LaveJudge(TorchQwenBackend(ckpt, device="cpu", dtype="float32"), num_shots=1).score(
+        load_examples()[0][:3])
+    assert all(r.error is None and r.rating in (1, 2, 3) for r in results)
+    assert m["agreement"]["fp8"]["items"] == 3 and m["stages"]["trtllm"]["reason"]
+
+
+def test_qwen_checkpoint_matches_modelopt_hf_exporter(qwen_dir, tmp_path):
+    """The same calibrated model through ModelOpt's Hugging Face exporter (the format
+    TensorRT-LLM's LLM API reads): identical tensor names, dtypes, FP8 bytes and scales."""
+    import modelopt.torch.export as mte
+    from fastjudge.builders.fp8_export import fp8_state, read_checkpoint
+    from fastjudge.builders.qwen3_5 import EXCLUDE, calibration_loop, hf_model
+    from fastjudge.builders.quantize import collect_amax, quantize_fp8
+
+    model = hf_model(str(qwen_dir), "qwen3_5_text", torch.float32).eval()
+    rng = np.random.default_rng(0)
+    quantize_fp8(model, calibration_loop([rng.integers(3, 500, n) for n in (20, 40)], [], None), exclude=EXCLUDE)
+    linears, kv = collect_amax(model)
+    ours = fp8_state(read_checkpoint(qwen_dir), linears,
+                     {a: (f"{a}.k_proj", f"{a}.v_proj", k, v) for a, (k, v) in kv.items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mte.export_hf_checkpoint(model, export_dir=str(tmp_path))
+    ref = {k.replace("model.language_model.", "model."): v
+           for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    assert set(ours) == set(ref)
+    for k, t in ours.items():
+        assert (t.dtype, t.shape) == (ref[k].dtype, ref[k].shape), k
+        if t.dtype == FP8_DTYPE:
+            assert torch.equal(t.view(torch.uint8), ref[k].view(torch.uint8)), k
+        else:
+            assert torch.allclose(t.float(), ref[k].float(), rtol=1e-6, atol=0), k
+
+
+def test_qwen_vl_build_images_and_onnx(qwen_vl_build):
+    import onnx
+
+    model, out = qwen_vl_build
+    m = read_manifest(out)
+    assert m["model"]["multimodal"] and m["calibration"]["images"] == 2
+    ckpt = out / m["artifacts"]["checkpoint"]
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())["quantization"]
+    assert "model.visual.*" in hq["exclude_modules"]
+    w = load_file(str(ckpt / "model.safetensors"))
+    assert all(t.dtype != FP8_DTYPE for k, t in w.items() if k.startswith("model.visual."))
+    assert w["model.language_model.layers.1.self_attn.q_proj.weight"].dtype == FP8_DTYPE
+    onnx_path = out / m["artifacts"]["vision_onnx"]
+    onnx.checker.check_model(str(onnx_path), full_check=True)
+    info = m["artifacts"]["vision_onnx_info"]
+    assert info["opset"] == 18 and info["onnx_checker"] == "passed"
+    assert info["dynamic_axes"]["pixel_values"] == {"0": "patches"}
+    graph = onnx.load(str(onnx_path)).graph
+    assert [i.name for i in graph.input] == ["pixel_values", "pos_indices", "pos_weights", "rope_positions",
+                                             "segment_ids"]
+    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "patches"
+    ort = info["onnxruntime_check"]
+    if importlib.util.find_spec("onnxruntime") is not None:
+        # three images of different sizes in one call against QwenVision.encode
+        assert len(ort["grids"]) == 3 and ort["max_abs_diff"] < 1e-5
+    from fastjudge.backends.qwen_vision import QwenVision
+
+    assert QwenVision.from_pretrained(ckpt, device="cpu", dtype="float32") is not None
+
+
+# --------------------------------------------------------------------------------------------
+# trtllm backend
+
+def test_trtllm_backend_manifest_checks(t5_build, qwen_build, tmp_path):
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.trtllm import TrtllmBackend
+
+    for build in (t5_build, qwen_build):
+        b = TrtllmBackend(build, load_engine=False)  # manifest + tokenizer, no TensorRT-LLM
+        assert b.max_input_tokens == read_manifest(build)["limits"]["max_input_len"]
+        with pytest.raises(RuntimeError, match="load_engine=False"):
+            b.run([])
+    # tokenization is the torch backend's
+    tq = TrtllmBackend(qwen_build, load_engine=False)
+    torch_q = TorchQwenBackend(qwen_build / "checkpoint", device="cpu", dtype="float32")
+    judge = LaveJudge(torch_q, num_shots=1)
+    text = judge.build_prompt(load_examples()[0][0])
+    assert np.array_equal(tq.encode_prompt(text), torch_q.encode_prompt(text))
+    assert LaveJudge(tq, num_shots=1).rating_token_ids == judge.rating_token_ids
+    # a manifest that disagrees with the tokenizer is refused before anything loads
+    bad = tmp_path / "bad"
+    shutil.copytree(t5_build, bad, ignore=shutil.ignore_patterns("trtllm-checkpoint"))
+    m = json.loads((bad / MANIFEST_NAME).read_text())
+    m["judge"]["rating_token_ids"] = [7, 8, 9]
+    (bad / MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="rating_token_ids"):
+        TrtllmBackend(bad)
+    m["judge"]["rating_token_ids"] = read_manifest(t5_build)["judge"]["rating_token_ids"]
+    m["model"]["kind"] = "llama"
+    (bad / MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="kind"):
+        TrtllmBackend(bad)
+    m["format_version"] = 99
+    (bad / MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="version"):
+        TrtllmBackend(bad)
+    with pytest.raises(ManifestError, match="fastjudge build"):
+        TrtllmBackend(tmp_path)
+
+
+@pytest.mark.skipif(HAVE_TRTLLM, reason="TensorRT-LLM is installed")
+def test_trtllm_backend_clear_error_without_tensorrt_llm(t5_build, qwen_build):
+    from fastjudge.backends import load_backend
+    from fastjudge.backends.trtllm import TensorRTLLMUnavailable
+
+    for build in (t5_build, qwen_build):
+        with pytest.raises(TensorRTLLMUnavailable, match=r"pip install 'fastjudge\[trtllm\]'"):
+            load_backend(build, backend="trtllm")
+    with pytest.raises(ImportError, match="torch backend"):
+        LaveJudge(str(t5_build), backend="trtllm")
+
+
+def test_json_grammar_ebnf_for_guided_decoding():
+    pytest.importorskip("xgrammar")
+    from fastjudge.backends.trtllm import json_grammar_ebnf
+
+    ebnf = json_grammar_ebnf('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    assert "root ::=" in ebnf and "true" in ebnf
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT-LLM on a GPU (benchmarks/gpu_check.sh)
+
+@pytest.mark.skipif(not GPU_TRTLLM, reason="needs TensorRT-LLM and a CUDA device")
+def test_trtllm_t5_engines_faithful_to_fake_quant(t5_build, t5_dir):
+    """The engines against the FP8 judge they were built from (ModelOpt fake quantization of
+    the same calibration), on the held-out items."""
+    from fastjudge.backends.trtllm import TrtllmBackend
+
+    m = read_manifest(t5_build)
+    assert m["stages"]["engine_build"]["status"] == "done"
+    _faithfulness(TrtllmBackend(t5_build), t5_dir, t5_build, encoder_decoder=True)
+
+
+@pytest.mark.skipif(not GPU_TRTLLM, reason="needs TensorRT-LLM and a CUDA device")
+def test_trtllm_qwen_llm_api_faithful_to_fake_quant(qwen_build, qwen_dir):
+    from fastjudge.backends.trtllm import TrtllmBackend
+
+    _faithfulness(TrtllmBackend(qwen_build), qwen_dir, qwen_build, encoder_decoder=False)
+
+
+def _faithfulness(backend, source, build, encoder_decoder):
+    """TensorRT-LLM against transformers with ModelOpt's fake quantization calibrated exactly
+    as the build was (same prompts, same dtype), on the build's held-out items: probabilities
+    within 0.02; a rating may differ only where the reference's top two are within 0.04."""
+    from fastjudge.builders.pipeline import BuildOptions, open_judge
+
+    m = read_manifest(build)
+    cal = m["calibration"]
+    opts = BuildOptions(model=str(source), out=str(build), num_shots=m["judge"]["num_shots"],
+                        dtype=m["quantization"]["calibration_dtype"], max_calib=cal["items"],
+                        max_heldout=cal["heldout_items"], heldout_fraction=cal["heldout_fraction"], seed=cal["seed"])
+    reference, heldout = _fake_quant_backend(source, opts, encoder_decoder)
+    ref = agr.score(open_judge(reference, opts), heldout)
+    trt = agr.score(open_judge(backend, opts), heldout)
+    assert len(trt) == len(ref) == cal["heldout_items"]
+    for r, t in zip(ref, trt):
+        assert t.error is None and r.error is None
+        assert max(abs(a - b) for a, b in zip(r.probs, t.probs)) < 0.02, (r, t)
+        top = sorted(r.probs)
+        assert t.rating == r.rating or top[-1] - top[-2] < 0.04, (r, t)
+
+
+def _fake_quant_backend(source, opts, encoder_decoder):
+    import fastjudge.builders.flan_t5 as ft5
+    import fastjudge.builders.qwen3_5 as q35
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.builders.pipeline import open_judge, prepare_prompts
+    from fastjudge.builders.quantize import quantize_fp8
+
+    dtype = getattr(torch, opts.dtype)
+    base = (TorchT5Backend if encoder_decoder else TorchQwenBackend)(source, device="cuda", dtype=dtype)
+    prompts = prepare_prompts(open_judge(base, opts), opts)
+    if encoder_decoder:
+        from transformers import T5ForConditionalGeneration
+
+        model = T5ForConditionalGeneration.from_pretrained(str(source), dtype=dtype).cuda().eval()
+        quantize_fp8(model, ft5.calibration_loop(prompts.calibration, base.shape.decoder_start_token_id))
+    else:
+        model_type = json.loads((source / "config.json").read_text())["model_type"]
+        model = q35.hf_model(str(source), model_type, dtype).cuda().eval()
+        quantize_fp8(model, q35.calibration_loop(prompts.calibration, [], None), exclude=q35.EXCLUDE)
+    return agr.TransformersChoiceBackend(model, base, encoder_decoder), prompts.data.heldout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMMs need an Ada or Hopper GPU")
+def test_scaled_mm_on_gpu():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 512, generator=g) * 0.05)
+    s = e4m3_scale(w.abs().max())
+    w8 = quantize_e4m3(w, s).cuda()
+    x = torch.randn(64, 512, generator=g).cuda().to(torch.bfloat16)
+    y = fp8_linear(x, w8, s.cuda(), out_dtype=torch.float32)
+    ref = fp8_linear_reference(x.float(), w8, s.cuda())
+    assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2)
