@@ -652,3 +652,28 @@ def test_scaled_mm_on_gpu():
     y = fp8_linear(x, w8, s.cuda(), out_dtype=torch.float32)
     ref = fp8_linear_reference(x.float(), w8, s.cuda())
     assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_qwen_fp8_gemm_path_on_the_fp8_checkpoint(qwen_build):
+    """``fp8_gemm=True`` keeps the quantized projections FP8 and runs them through
+    ``torch._scaled_mm`` (PyTorch's CPU kernel here; FP8 tensor cores on Hopper): each such
+    projection equals the float32 reference of the same FP8 math, and the judge agrees with the
+    dequantized load up to the activation quantization it adds."""
+    from fastjudge.backends.fp8 import Fp8Weight
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
+
+    ckpt = qwen_build / read_manifest(qwen_build)["artifacts"]["checkpoint"]
+    gemm = TorchQwenBackend(ckpt, device="cpu", dtype="float32", fp8_gemm=True)
+    plain = TorchQwenBackend(ckpt, device="cpu", dtype="float32", fp8_gemm=False)
+    attn = next(layer for layer in gemm.model.w.layers if layer["kind"] == "full_attention")
+    assert isinstance(attn["q"], Fp8Weight) and isinstance(attn["kv"], Fp8Weight)
+    assert not any(isinstance(v, Fp8Weight) for layer in plain.model.w.layers for v in layer.values())
+    x = torch.randn(5, attn["q"].shape[1])
+    w = attn["q"]
+    assert torch.allclose(w(x), fp8_linear_reference(x, w.weight, w.weight_scale, w.input_scale),
+                          rtol=1e-5, atol=1e-5)
+    examples = load_examples()[0][:6]
+    a = LaveJudge(gemm, num_shots=1).score(examples)
+    b = LaveJudge(plain, num_shots=1).score(examples)
+    assert all(r.error is None for r in a)
+    assert max(abs(p - q) for r, s in zip(a, b) for p, q in zip(r.probs, s.probs)) < 0.05

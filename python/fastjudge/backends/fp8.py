@@ -124,3 +124,39 @@ def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale
     xq = dequantize_e4m3(quantize_e4m3(x2, sx), sx)
     y = xq @ dequantize_e4m3(weight_fp8, weight_scale).t()
     return y.reshape(*x.shape[:-1], weight_fp8.shape[0])
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """FP8 tensor-core GEMMs: CUDA devices of compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Weight:
+    """A linear layer's FP8 weight ``[out, in]`` with its per-tensor scales, applied by
+    :func:`fp8_linear` (the model code calls :func:`linear` for every projection)."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None):
+        self.weight, self.weight_scale, self.input_scale = weight, weight_scale.float().reshape(()), input_scale
+        self.shape = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, out_dtype=x.dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_e4m3(self.weight, self.weight_scale, dtype)
+
+
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """``x @ weight.T`` for a plain weight tensor or an :class:`Fp8Weight`."""
+    return weight(x) if isinstance(weight, Fp8Weight) else torch.nn.functional.linear(x, weight)
+
+
+def fuse(weights: list, dtype: torch.dtype):
+    """Projections that read the same input, stacked into one GEMM. FP8 weights stay FP8 when
+    they share one weight scale (the builders calibrate fused groups to one scale, as
+    TensorRT-LLM runs them); otherwise, or when some are not FP8, all are dequantized."""
+    if all(isinstance(w, Fp8Weight) for w in weights) and len({float(w.weight_scale) for w in weights}) == 1:
+        scales = [w.input_scale for w in weights if w.input_scale is not None]
+        input_scale = torch.stack([s.float().reshape(()) for s in scales]).max() if len(scales) == len(weights) else None
+        return Fp8Weight(torch.cat([w.weight for w in weights]), weights[0].weight_scale, input_scale)
+    return torch.cat([w.dequantize(dtype) if isinstance(w, Fp8Weight) else w for w in weights])

@@ -31,10 +31,12 @@ def read_config(model_dir: str | os.PathLike) -> dict:
     return json.loads(config.read_text())
 
 
-def load_state_dict(model_dir: str | os.PathLike, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: str | os.PathLike, allow_pickle: bool = False,
+                    keep_fp8: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint, from safetensors; pickle files only when the user opts in.
 
     Pickle-based weights can run arbitrary code when loaded, so they are refused by default.
+    FP8 checkpoints load dequantized unless ``keep_fp8`` (for backends that run FP8 GEMMs).
     """
     path = Path(model_dir)
     safetensors_files = sorted(path.glob("*.safetensors"))
@@ -44,7 +46,7 @@ def load_state_dict(model_dir: str | os.PathLike, allow_pickle: bool = False) ->
         state: dict[str, torch.Tensor] = {}
         for file in safetensors_files:
             state.update(load_file(str(file)))
-        return _dequantize_if_fp8(path, state)
+        return _dequantize_if_fp8(path, state, keep_fp8)
     pickle_files = sorted(f for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES and f.is_file())
     if not pickle_files:
         raise CheckpointError(f"{path}: no *.safetensors weights found.")
@@ -61,7 +63,7 @@ def load_state_dict(model_dir: str | os.PathLike, allow_pickle: bool = False) ->
     return state
 
 
-def _dequantize_if_fp8(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dequantize_if_fp8(path: Path, state: dict[str, torch.Tensor], keep: bool = False) -> dict[str, torch.Tensor]:
     """An FP8 checkpoint (``fastjudge build``; see ``backends/fp8.py``) loads dequantized, so every
     backend reads it unchanged: ``weight * weight_scale`` in the checkpoint's dtype."""
     from .fp8 import FP8_DTYPE, dequantize_state, fp8_quant_algo
@@ -74,6 +76,8 @@ def _dequantize_if_fp8(path: Path, state: dict[str, torch.Tensor]) -> dict[str, 
         found = f"quantization {algo!r}" if algo else "float8 tensors without an FP8 declaration"
         raise CheckpointError(f"{path}: {found} is not supported; the torch backend loads per-tensor "
                               "FP8 checkpoints declared in hf_quant_config.json (fastjudge build)")
+    if keep:
+        return state
     try:
         return dequantize_state(state)
     except ValueError as bad:

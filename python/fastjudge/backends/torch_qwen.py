@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..runtime.requests import Choice, Image, Output, Request, Text, choice_probs
+from .fp8 import FP8_DTYPE, Fp8Weight, fp8_gemm_supported, fuse, linear
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 from .qwen_vision import image_token_count, mrope_positions
 
@@ -105,15 +106,32 @@ def _delta_rule():
 
 
 class QwenWeights:
+    """The language model's tensors, projections fused where they read the same input. A state
+    with FP8 weights (``load_state_dict(keep_fp8=True)``) gives :class:`fp8.Fp8Weight`
+    projections, run as FP8 GEMMs; every other tensor is dequantized."""
+
     def __init__(self, state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
         prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state) \
             else "model."
 
         def take(name: str, full: bool = False) -> torch.Tensor:
+            w = dense(name, full)
+            return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+        def dense(name: str, full: bool = False):
             key = name if full else prefix + name
             if key not in state:
                 raise CheckpointError(f"checkpoint lacks tensor {key!r}")
-            return state[key].to(device=device, dtype=dtype)
+            w = state[key]
+            if w.dtype != FP8_DTYPE:
+                return w.to(device=device, dtype=dtype)
+            base = key[: -len("weight")]
+            input_scale = state.get(base + "input_scale")
+            return Fp8Weight(w.to(device), state[base + "weight_scale"].to(device),
+                             None if input_scale is None else input_scale.to(device))
+
+        def fused(*names: str):
+            return fuse([dense(n) for n in names], dtype)
 
         def norm(name: str) -> torch.Tensor:
             # Kept in float32: norms are computed in float32 as transformers does. Qwen3.5's
@@ -129,22 +147,22 @@ class QwenWeights:
             p = f"layers.{i}."
             layer = {"kind": kind, "in_norm": norm(p + "input_layernorm.weight"),
                      "post_norm": norm(p + "post_attention_layernorm.weight"),
-                     "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                     "down": take(p + "mlp.down_proj.weight")}
+                     "gate_up": fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                     "down": dense(p + "mlp.down_proj.weight")}
             if kind == "full_attention":
                 a = p + "self_attn."
-                layer.update(q=take(a + "q_proj.weight"),
-                             kv=torch.cat([take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
-                             o=take(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
+                layer.update(q=dense(a + "q_proj.weight"),
+                             kv=fused(a + "k_proj.weight", a + "v_proj.weight"),
+                             o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
                              k_norm=norm(a + "k_norm.weight"))
             elif kind == "linear_attention":
                 a = p + "linear_attn."
                 layer.update(
-                    in_proj=torch.cat([take(a + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]),
+                    in_proj=fused(*(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
                     conv=take(a + "conv1d.weight"), dt_bias=take(a + "dt_bias"),
                     neg_A=-state[prefix + a + "A_log"].to(device=device, dtype=torch.float32).exp(),
                     gated_norm=state[prefix + a + "norm.weight"].to(device=device, dtype=dtype),
-                    out=take(a + "out_proj.weight"))
+                    out=dense(a + "out_proj.weight"))
             else:
                 raise CheckpointError(f"unsupported layer type {kind!r}")
             self.layers.append(layer)
@@ -208,20 +226,25 @@ class QwenModel:
         rot, rest = x[..., :rd], x[..., rd:]
         return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
+    def _mlp(self, x, layer):
+        h = rms(x, layer["post_norm"], self.s.eps)
+        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer["down"])
+
     def _qkv(self, x, layer, positions):
         """Queries [B, H, S, hd], keys and values [B, Hkv, S, hd] (normed, rotated) and the
         output gate (Qwen3.5) of ``x`` [B, S, d]."""
         s = self.s
         B, S, _ = x.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
-        q = F.linear(x, layer["q"])
+        q = linear(x, layer["q"])
         gate = None
         if s.hybrid:
             q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(B, S, H * hd)
         else:
             q = q.view(B, S, H, hd)
-        k, v = F.linear(x, layer["kv"]).view(B, S, 2, Hkv, hd).unbind(2)
+        k, v = linear(x, layer["kv"]).view(B, S, 2, Hkv, hd).unbind(2)
         q = rms(q, layer["q_norm"], s.eps).transpose(1, 2)
         k = rms(k, layer["k_norm"], s.eps).transpose(1, 2)
         cos, sin = self._rope(positions, x.dtype)
@@ -232,7 +255,7 @@ class QwenModel:
         o = o.transpose(1, 2).reshape(B, S, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, layer["o"])
+        return linear(o, layer["o"])
 
     def _attention(self, x, layer, prev, positions, save):
         B, S, _ = x.shape
@@ -253,7 +276,7 @@ class QwenModel:
         B, S, _ = x.shape
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
         conv_dim = 2 * key_dim + val_dim
-        proj = F.linear(x, layer["in_proj"])
+        proj = linear(x, layer["in_proj"])
         mixed, z, b, a = proj.split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
         K = s.conv_kernel
         inputs = mixed.transpose(1, 2)  # [B, C, S]
@@ -276,7 +299,7 @@ class QwenModel:
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
         normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * layer["gated_norm"]
         gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(x.dtype)
-        out = F.linear(gated.reshape(B, S, val_dim), layer["out"])
+        out = linear(gated.reshape(B, S, val_dim), layer["out"])
         return out, ((window[:, :, -(K - 1):], final) if save else None)
 
     def forward(self, ids: torch.Tensor, prev: PrefixState | None, save: bool = False,
@@ -318,9 +341,7 @@ class QwenModel:
             else:
                 h, st = self._delta_net(h, layer, p, save)
             x = x + h
-            h = rms(x, layer["post_norm"], s.eps)
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + self._mlp(x, layer)
             states.append(st)
         return x, (PrefixState(states, start + S, next_position) if save else None)
 
@@ -361,9 +382,7 @@ class QwenModel:
             else:
                 h, cache.layers[i] = self._delta_net(h, layer, cache.layers[i], True)
             x = x + h
-            h = rms(x, layer["post_norm"], s.eps)
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + self._mlp(x, layer)
         cache.lengths += 1
         cache.positions += 1
         return x[:, 0]
@@ -414,7 +433,10 @@ class TorchQwenBackend:
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, fp8_gemm: bool | None = None):
+        """``fp8_gemm``: run an FP8 checkpoint's quantized projections as FP8 GEMMs
+        (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
+        with FP8 tensor cores (compute capability 8.9+)."""
         from transformers import AutoTokenizer
 
         from ..runtime.prefix_cache import PrefixCache
@@ -425,7 +447,9 @@ class TorchQwenBackend:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.shape = QwenShape.from_config(cfg)
-        state = load_state_dict(model_dir, allow_pickle=allow_pickle)
+        if fp8_gemm is None:
+            fp8_gemm = fp8_gemm_supported(self.device)
+        state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=fp8_gemm)
         self.model = QwenModel(QwenWeights(state, self.shape, self.device, self.dtype), self.shape)
         self.vision = None
         if cfg.get("vision_config"):
