@@ -654,22 +654,30 @@ def test_scaled_mm_on_gpu():
     assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2)
 
 
-def test_qwen_fp8_gemm_path_on_the_fp8_checkpoint(qwen_build):
+@pytest.mark.parametrize("kind", ["flan-t5", "qwen3.5"])
+def test_fp8_gemm_path_on_the_fp8_checkpoint(kind, request):
     """``fp8_gemm=True`` keeps the quantized projections FP8 and runs them through
     ``torch._scaled_mm`` (PyTorch's CPU kernel here; FP8 tensor cores on Hopper): each such
     projection equals the float32 reference of the same FP8 math, and the judge agrees with the
     dequantized load up to the activation quantization it adds."""
     from fastjudge.backends.fp8 import Fp8Weight
     from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.torch_t5 import TorchT5Backend
 
-    ckpt = qwen_build / read_manifest(qwen_build)["artifacts"]["checkpoint"]
-    gemm = TorchQwenBackend(ckpt, device="cpu", dtype="float32", fp8_gemm=True)
-    plain = TorchQwenBackend(ckpt, device="cpu", dtype="float32", fp8_gemm=False)
-    attn = next(layer for layer in gemm.model.w.layers if layer["kind"] == "full_attention")
-    assert isinstance(attn["q"], Fp8Weight) and isinstance(attn["kv"], Fp8Weight)
-    assert not any(isinstance(v, Fp8Weight) for layer in plain.model.w.layers for v in layer.values())
-    x = torch.randn(5, attn["q"].shape[1])
-    w = attn["q"]
+    build = request.getfixturevalue("t5_build" if kind == "flan-t5" else "qwen_build")
+    ckpt = build / read_manifest(build)["artifacts"]["checkpoint"]
+    cls = TorchT5Backend if kind == "flan-t5" else TorchQwenBackend
+    gemm = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=True)
+    plain = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=False)
+
+    def layers(backend):
+        w = backend.model.w
+        return w.encoder if kind == "flan-t5" else w.layers
+
+    fp8 = [v for layer in layers(gemm) for v in layer.values() if isinstance(v, Fp8Weight)]
+    assert fp8 and not any(isinstance(v, Fp8Weight) for layer in layers(plain) for v in layer.values())
+    w = fp8[0]
+    x = torch.randn(5, w.shape[1])
     assert torch.allclose(w(x), fp8_linear_reference(x, w.weight, w.weight_scale, w.input_scale),
                           rtol=1e-5, atol=1e-5)
     examples = load_examples()[0][:6]

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..runtime.requests import Choice, Output, Request, choice_probs
+from .fp8 import FP8_DTYPE, Fp8Weight, fp8_gemm_supported, fuse, linear
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
 log = logging.getLogger("fastjudge")
@@ -123,13 +124,27 @@ def activation(name: str):
 
 
 class T5Weights:
-    """The checkpoint's tensors, reshaped for the engine's fused layout."""
+    """The checkpoint's tensors, reshaped for the engine's fused layout. A state with FP8
+    weights (``load_state_dict(keep_fp8=True)``) keeps the encoder's projections FP8
+    (:class:`fp8.Fp8Weight`, run as FP8 GEMMs: the encoder is where the FLOPs are); the decoder
+    step reads its cross-attention weights directly (reassociated), so decoder weights are
+    dequantized."""
 
     def __init__(self, state: dict[str, torch.Tensor], shape: T5Shape, device, dtype):
-        def take(name: str) -> torch.Tensor:
+        def dense(name: str):
             if name not in state:
                 raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-            return state[name].to(device=device, dtype=dtype)
+            w = state[name]
+            if w.dtype != FP8_DTYPE:
+                return w.to(device=device, dtype=dtype)
+            base = name[: -len("weight")]
+            input_scale = state.get(base + "input_scale")
+            return Fp8Weight(w.to(device), state[base + "weight_scale"].to(device),
+                             None if input_scale is None else input_scale.to(device))
+
+        def take(name: str) -> torch.Tensor:
+            w = dense(name)
+            return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
 
         self.shape = shape
         self.embed = take("shared.weight")
@@ -139,30 +154,30 @@ class T5Weights:
         self.enc_final_norm = take("encoder.final_layer_norm.weight")
         self.dec_final_norm = take("decoder.final_layer_norm.weight")
 
-        def ff(prefix: str) -> dict:
+        def ff(prefix: str, get) -> dict:
             if shape.gated:
-                wi = torch.cat([take(f"{prefix}.DenseReluDense.wi_0.weight"),
-                                take(f"{prefix}.DenseReluDense.wi_1.weight")], 0)
+                wi = fuse([get(f"{prefix}.DenseReluDense.wi_{n}.weight") for n in (0, 1)], dtype)
             else:
-                wi = take(f"{prefix}.DenseReluDense.wi.weight")
+                wi = get(f"{prefix}.DenseReluDense.wi.weight")
             return {"ff_norm": take(f"{prefix}.layer_norm.weight"), "wi": wi,
-                    "wo": take(f"{prefix}.DenseReluDense.wo.weight")}
+                    "wo": get(f"{prefix}.DenseReluDense.wo.weight")}
 
-        def self_attn(prefix: str) -> dict:
-            q, k, v = (take(f"{prefix}.SelfAttention.{n}.weight") for n in "qkv")
-            return {"norm": take(f"{prefix}.layer_norm.weight"), "qkv": torch.cat([q, k, v], 0),
-                    "o": take(f"{prefix}.SelfAttention.o.weight")}
+        def self_attn(prefix: str, get) -> dict:
+            qkv = fuse([get(f"{prefix}.SelfAttention.{n}.weight") for n in "qkv"], dtype)
+            return {"norm": take(f"{prefix}.layer_norm.weight"), "qkv": qkv,
+                    "o": get(f"{prefix}.SelfAttention.o.weight")}
 
         def cross_attn(prefix: str) -> dict:
             names = {n: take(f"{prefix}.EncDecAttention.{n}.weight") for n in "qkvo"}
             return {"x_norm": take(f"{prefix}.layer_norm.weight"),
                     **{f"x_{n}": w for n, w in names.items()}}
 
-        self.encoder = [{**self_attn(f"encoder.block.{i}.layer.0"), **ff(f"encoder.block.{i}.layer.1")}
+        self.encoder = [{**self_attn(f"encoder.block.{i}.layer.0", dense),
+                         **ff(f"encoder.block.{i}.layer.1", dense)}
                         for i in range(shape.num_layers)]
-        self.decoder = [{**self_attn(f"decoder.block.{i}.layer.0"),
+        self.decoder = [{**self_attn(f"decoder.block.{i}.layer.0", take),
                          **cross_attn(f"decoder.block.{i}.layer.1"),
-                         **ff(f"decoder.block.{i}.layer.2")}
+                         **ff(f"decoder.block.{i}.layer.2", take)}
                         for i in range(shape.num_decoder_layers)]
         # Per-head views of cross-attention projections for the reassociated score-only step.
         h, dk, d = shape.num_heads, shape.d_kv, shape.d_model
@@ -202,13 +217,13 @@ class T5Model:
 
     # -- blocks ------------------------------------------------------------------------------
     def feed_forward(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
-        h = F.linear(rms_norm(x, layer["ff_norm"], self.s.eps), layer["wi"])
+        h = linear(rms_norm(x, layer["ff_norm"], self.s.eps), layer["wi"])
         if self.s.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate) * up
         else:
             h = self.act(h)
-        return x + F.linear(h, layer["wo"])
+        return x + linear(h, layer["wo"])
 
     def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
@@ -219,7 +234,7 @@ class T5Model:
         bias = self.encoder_bias(max(lengths))
         starts = np.concatenate([[0], np.cumsum(lengths)])
         for layer in self.w.encoder:
-            qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])  # [T, 3*inner]
+            qkv = linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])  # [T, 3*inner]
             out = torch.empty(x.shape[0], inner, dtype=x.dtype, device=x.device)
             for i, n in enumerate(lengths):
                 a, b = int(starts[i]), int(starts[i + 1])
@@ -228,7 +243,7 @@ class T5Model:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0),
                                                    scale=1.0)
                 out[a:b] = o[0].transpose(0, 1).reshape(n, inner)
-            x = x + F.linear(out, layer["o"])
+            x = x + linear(out, layer["o"])
             x = self.feed_forward(x, layer)
         return rms_norm(x, self.w.enc_final_norm, s.eps)
 
@@ -350,7 +365,11 @@ class TorchT5Backend:
     kind = "encoder-decoder"
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None):
+                 allow_pickle: bool = False, max_input_tokens: int | None = None,
+                 fp8_gemm: bool | None = None):
+        """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
+        (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
+        with FP8 tensor cores (compute capability 8.9+)."""
         from transformers import AutoTokenizer
 
         cfg = read_config(model_dir)
@@ -359,7 +378,9 @@ class TorchT5Backend:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.shape = T5Shape.from_config(cfg)
-        state = load_state_dict(model_dir, allow_pickle=allow_pickle)
+        if fp8_gemm is None:
+            fp8_gemm = fp8_gemm_supported(self.device)
+        state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=fp8_gemm)
         self.model = T5Model(T5Weights(state, self.shape, self.device, self.dtype))
         del state
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
