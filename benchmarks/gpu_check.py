@@ -271,7 +271,7 @@ def check_crop_encode(ce, device, dry: bool, timer: Timer, rows: list, report: d
 
 # ----------------------------------------------------------------------------------------------
 def run_faithfulness(dry: bool, seconds: float, rows: list, report: dict) -> None:
-    files = ["tests/test_t5_faithfulness.py", "tests/test_qwen_faithfulness.py"]
+    files = ["tests/test_t5_faithfulness.py", "tests/test_qwen_faithfulness.py", "tests/test_visexmem.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     if dry:
         cmd.append("--collect-only")

@@ -3,10 +3,21 @@ Hugging Face directories with tokenizers trained here, loaded through the user's
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from fastjudge.checkpoints import build_random_t5
 from fastjudge.demo import tokenizer_corpus
+
+#: Where the faithfulness tests run our backends (transformers stays on the CPU in float32):
+#: "cpu" here; ``benchmarks/gpu_check.py`` sets FASTJUDGE_TEST_DEVICE=cuda on a GPU machine.
+TEST_DEVICE = os.environ.get("FASTJUDGE_TEST_DEVICE", "cpu")
+if TEST_DEVICE.startswith("cuda"):
+    # float32 must mean float32 for 1e-4 comparisons: no TF32 in matmuls or cuDNN convolutions
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from fastjudge.backends.torch_qwen import TorchQwenBackend
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import sample_rows, tokenizer_corpus
 from fastjudge.runtime.requests import Choice, Request, Text
+from conftest import TEST_DEVICE
 
 ARCHS = {"qwen3_5": ("qwen3_5", False), "qwen3_5_vl": ("qwen3_5", True), "qwen3": ("qwen3", False)}
 
@@ -52,7 +53,7 @@ def hf_next_token_probs(hf, ids, candidates):
 
 
 def test_lave_score_only_matches_transformers(qwen_dir):
-    judge = LaveJudge(qwen_dir, device="cpu", dtype="float32", max_batch_size=5)
+    judge = LaveJudge(qwen_dir, device=TEST_DEVICE, dtype="float32", max_batch_size=5)
     hf = hf_model(qwen_dir)
     items = examples(16)
     results = judge.score(items)
@@ -69,7 +70,7 @@ def test_lave_score_only_matches_transformers(qwen_dir):
 def test_reuse_equals_full_prompt_alone_for_widely_different_suffixes(qwen35_dir):
     """One shared prefix, suffixes of 1 to ~150 tokens right-padded in one batch: every row
     equals its full prompt run alone, with no reuse, through both engines."""
-    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32")
+    backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
     hf = hf_model(qwen35_dir)
     rng = np.random.default_rng(0)
     prefix = rng.integers(5, 900, size=70)
@@ -90,7 +91,7 @@ def test_reuse_equals_full_prompt_alone_for_widely_different_suffixes(qwen35_dir
 
 
 def test_greedy_text_matches_generate(qwen_dir):
-    backend = TorchQwenBackend(qwen_dir, device="cpu", dtype="float32")
+    backend = TorchQwenBackend(qwen_dir, device=TEST_DEVICE, dtype="float32")
     hf = hf_model(qwen_dir)
     judge = LaveJudge(backend, rationale=True)
     items = examples(3)
@@ -110,13 +111,13 @@ def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
     """A budget that holds one prefix state: the two LAVE prefixes evict each other, results
     are unchanged, and a state too large to cache at all is used uncached."""
     items = examples(10)
-    roomy = LaveJudge(qwen35_dir, device="cpu", dtype="float32").score(items)
-    probe = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32")
+    roomy = LaveJudge(qwen35_dir, device=TEST_DEVICE, dtype="float32").score(items)
+    probe = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
     probe_judge = LaveJudge(probe)
     probe_judge.score(items[:1])
     one_state = next(iter(probe.prefix_cache.states.values())).nbytes
     for budget in (int(one_state * 1.5), 1):
-        backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32", prefix_cache_bytes=budget)
+        backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32", prefix_cache_bytes=budget)
         tight = LaveJudge(backend, max_batch_size=2).score(items)
         assert backend.prefix_cache.bytes_used <= budget
         assert len(backend.prefix_cache) <= 1
@@ -125,7 +126,7 @@ def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
 
 
 def test_chat_template_with_thinking_disabled(qwen35_dir):
-    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32")
+    backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
     text = backend.format_prompt("Question: x?")
     assert text.startswith("<|im_start|>user\nQuestion: x?<|im_end|>\n<|im_start|>assistant\n")
     assert text.endswith("<think>\n\n</think>\n\n")
@@ -134,7 +135,7 @@ def test_chat_template_with_thinking_disabled(qwen35_dir):
 
 
 def test_bad_items_and_prompt_limit(qwen35_dir):
-    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype="float32", max_input_tokens=100)
+    backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32", max_input_tokens=100)
     results = LaveJudge(backend).score([VQAExample("q?", [], "a"), examples(1)[0]])
     assert "references are empty" in results[0].error
     assert "above the model limit of 100" in results[1].error and results[1].score is None
@@ -142,8 +143,8 @@ def test_bad_items_and_prompt_limit(qwen35_dir):
 
 def test_bfloat16_close_to_float32(qwen35_dir):
     items = examples(6)
-    f32 = LaveJudge(qwen35_dir, device="cpu", dtype="float32").score(items)
-    bf16_judge = LaveJudge(qwen35_dir, device="cpu", dtype="bfloat16")
+    f32 = LaveJudge(qwen35_dir, device=TEST_DEVICE, dtype="float32").score(items)
+    bf16_judge = LaveJudge(qwen35_dir, device=TEST_DEVICE, dtype="bfloat16")
     assert bf16_judge.backend.dtype == torch.bfloat16
     bf16 = bf16_judge.score(items)
     diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in zip(f32, bf16))

@@ -15,6 +15,7 @@ from fastjudge.backends.loading import CheckpointError
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.demo import sample_rows
 from fastjudge.runtime.requests import Choice, Request, Text
+from conftest import TEST_DEVICE
 
 
 def hf_model(model_dir):
@@ -40,7 +41,7 @@ def hf_rating_probs(model, tokenizer, prompt: str, rating_ids, response_prefix=(
 @pytest.mark.parametrize("layout", ["flan", "tied"])
 def test_score_only_matches_transformers(layout, t5_dir, t5_tied_dir):
     model_dir = t5_dir if layout == "flan" else t5_tied_dir
-    judge = LaveJudge(model_dir, device="cpu", dtype="float32")
+    judge = LaveJudge(model_dir, device=TEST_DEVICE, dtype="float32")
     hf = hf_model(model_dir)
     items = examples()
     results = judge.score(items)  # mixed lengths, general and binary prompts, planned batches
@@ -124,9 +125,9 @@ def test_pickle_weights_refused_unless_allowed(tmp_path, t5_dir):
     (target / "model.safetensors").unlink()
     torch.save(state, target / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="allow_pickle"):
-        TorchT5Backend(target, device="cpu", dtype="float32")
-    backend = TorchT5Backend(target, device="cpu", dtype="float32", allow_pickle=True)
-    reference = TorchT5Backend(t5_dir, device="cpu", dtype="float32")
+        TorchT5Backend(target, device=TEST_DEVICE, dtype="float32")
+    backend = TorchT5Backend(target, device=TEST_DEVICE, dtype="float32", allow_pickle=True)
+    reference = TorchT5Backend(t5_dir, device=TEST_DEVICE, dtype="float32")
     req = [Request(0, reference.encode_prompt("Question: a? Output:"), Choice((3, 4, 5)))]
     np.testing.assert_array_equal(backend.run(req)[0].logits, reference.run(req)[0].logits)
 
@@ -142,8 +143,8 @@ def test_not_a_t5_checkpoint(tmp_path):
 def test_bfloat16_close_to_float32(t5_dir):
     """bf16 is a speed mode, not a faithfulness mode: it stays close, and says so."""
     items = examples(8)
-    f32 = LaveJudge(t5_dir, device="cpu", dtype="float32").score(items)
-    bf16_judge = LaveJudge(t5_dir, device="cpu", dtype="bfloat16")
+    f32 = LaveJudge(t5_dir, device=TEST_DEVICE, dtype="float32").score(items)
+    bf16_judge = LaveJudge(t5_dir, device=TEST_DEVICE, dtype="bfloat16")
     assert bf16_judge.backend.dtype == torch.bfloat16
     bf16 = bf16_judge.score(items)
     diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in zip(f32, bf16))

@@ -19,6 +19,7 @@ from fastjudge.demo import tokenizer_corpus
 from fastjudge.judges.visexmem import AGGREGATES, ClaimResult, aggregate, validate_parts
 from fastjudge.runtime.grammar import PART_TYPES
 from fastjudge.runtime.scheduler import run_requests
+from conftest import TEST_DEVICE
 
 TOL = 1e-4
 BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)
@@ -32,7 +33,7 @@ def vl_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def judge(vl_dir):
     # small text budgets: random weights write to the limit, and every step is a model call
-    return VisExJudge(vl_dir, device="cpu", dtype="float32", **BUDGETS)
+    return VisExJudge(vl_dir, device=TEST_DEVICE, dtype="float32", **BUDGETS)
 
 
 @pytest.fixture(scope="module")
