@@ -247,3 +247,35 @@ def test_visexmem_cli_resumable(tmp_path, vl_dir):
     second = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in second] == ["a", "b", "c"] and second[:2] == first
     assert "not found" in second[2]["error"]
+
+
+def test_served_over_http_and_rescored(tmp_path, judge, vl_dir):
+    """``fastjudge serve --judge visexmem``'s app: base64 images in, claims out; a path is
+    refused (the server reads no files for clients); and ``rescore --judge holistic``."""
+    import base64
+
+    from PIL import Image as PILImage
+    from starlette.testclient import TestClient
+
+    from fastjudge.cli import main
+    from fastjudge.serve import create_app
+
+    png = io.BytesIO()
+    PILImage.fromarray(image(30, 48, 48)).save(png, format="PNG")
+    b64 = base64.b64encode(png.getvalue()).decode()
+    with TestClient(create_app(VisExJudge(judge.backend, explain=False, **BUDGETS), "visexmem")) as c:
+        ok = c.post("/v1/score", json={"items": [{"id": "x", "image_b64": b64, "text": "A cup."}]})
+        assert ok.status_code == 200, ok.text
+        [r] = ok.json()["results"]
+        assert r["id"] == "x" and r["error"] is None and r["claims"] and 0 <= r["score"] <= 1
+        refused = c.post("/v1/score", json={"items": [{"image": "/etc/passwd", "text": "A cup."}]})
+        assert refused.status_code == 422 and "image_b64" in refused.json()["error"]
+    PILImage.fromarray(image(31, 48, 48)).save(tmp_path / "a.png")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "image": "a.png", "text": "A cup."}) + "\n"
+                   + json.dumps({"id": "b", "image": "missing.png", "text": "A cup."}) + "\n")
+    assert main(["rescore", "--judge", "holistic", "--model", str(vl_dir), "--input", str(src),
+                 "--output", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert 0 <= rows["a"]["score"] <= 1 and rows["a"]["decision"] in ("yes", "no")
+    assert "not found" in rows["b"]["error"]

@@ -202,16 +202,28 @@ def build_random_qwen(out_dir: str | os.PathLike, corpus: Iterable[str], arch: s
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
+# Vision towers of the multimodal checkpoints, by text shape. "tiny" is for tests.
+QWEN_VISION_SHAPES = {
+    "tiny": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2),
+    "mini": dict(depth=2, hidden_size=128, intermediate_size=512, num_heads=4),
+    "small": dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4),
+    "medium": dict(depth=6, hidden_size=256, intermediate_size=1024, num_heads=4),
+}
+
+
 def build_random_qwen_vl(out_dir: str | os.PathLike, corpus: Iterable[str], seed: int = 0,
-                         vocab_size: int = 1000) -> Path:
-    """A tiny random-weight multimodal Qwen3.5 (``Qwen3_5ForConditionalGeneration``) checkpoint
+                         vocab_size: int = 1000, shape: str = "tiny") -> Path:
+    """A random-weight multimodal Qwen3.5 (``Qwen3_5ForConditionalGeneration``) checkpoint
     for image+text prompts: a BPE tokenizer that also carries the vision special tokens
     (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``), the config's
     image/video/vision start/end token ids set to them, and a ``preprocessor_config.json``
     consistent with the vision config (Qwen3-VL/Qwen3.5 processor fields).
 
-    The text rotary uses ``partial_rotary_factor=0.5`` and ``mrope_section=[2, 1, 1]`` so that,
-    with head_dim 16, each of the t/h/w position rows drives some rotary frequencies."""
+    ``shape`` names the language model's dimensions (``QWEN_SHAPES``) and the vision tower's
+    (``QWEN_VISION_SHAPES``); "tiny" is the test checkpoint. The text rotary uses
+    ``partial_rotary_factor=0.5`` and an interleaved ``mrope_section`` that splits the rotary
+    frequency pairs (``head_dim / 4`` of them) over t/h/w: ``[2, 1, 1]`` for tiny's head_dim 16,
+    ``[6, 5, 5]`` for head_dim 64, so each position row drives some frequencies."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
@@ -220,15 +232,17 @@ def build_random_qwen_vl(out_dir: str | os.PathLike, corpus: Iterable[str], seed
     tokenizer.add_tokens(QWEN_VISION_TOKENS, special_tokens=True)
     tokenizer.save_pretrained(str(out))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
-    dims = dict(QWEN_SHAPES["tiny"])
+    dims = dict(QWEN_SHAPES[shape])
     n = dims["num_hidden_layers"]
     layer_types = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    pairs = int(dims["head_dim"] * 0.5) // 2  # rotary frequency pairs: sum of mrope_section
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-            "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+            "mrope_section": [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3],
+            "mrope_interleaved": True}
     text = Qwen3_5TextConfig(vocab_size=len(tokenizer), tie_word_embeddings=False,
                              layer_types=layer_types, rope_parameters=rope, **dims)
     patch, merge, temporal = 14, 2, 2
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+    vision = dict(**QWEN_VISION_SHAPES[shape],
                   out_hidden_size=dims["hidden_size"], patch_size=patch,
                   temporal_patch_size=temporal, spatial_merge_size=merge)
     config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,

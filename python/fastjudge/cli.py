@@ -8,8 +8,7 @@ import sys
 from itertools import islice
 from typing import Iterable, Iterator
 
-LAVE_RESULT_FIELDS = ("score", "soft_score", "rating", "probs", "rationale", "rating_source",
-                      "prompt_tokens", "error")
+from .judges.registry import LAVE_RESULT_FIELDS  # noqa: F401 (the output row's result fields)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +19,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rationale", action="store_true",
                    help="decode a rationale before the rating (slower; the paper's setting)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="rationale length cap (100)")
+
+
+def _add_lave_args(p: argparse.ArgumentParser) -> None:
+    """LAVE options and job batching (``fastjudge lave``, ``fastjudge rescore``)."""
+    p.add_argument("--num-shots", type=int, default=8)
+    p.add_argument("--demos", help="JSON file of general-question demonstrations")
+    p.add_argument("--binary-demos", help="JSON file of yes/no-question demonstrations")
+    p.add_argument("--no-filter", action="store_true", help="keep outlier reference answers")
+    p.add_argument("--filter-p", type=float, default=0.25)
+    p.add_argument("--use-caption", action="store_true", help="add the image caption to prompts")
+    p.add_argument("--on-unparsable", choices=("constrain", "official"), default="constrain")
+    p.add_argument("--max-batch-tokens", type=int, default=None)
+    p.add_argument("--max-input-tokens", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=1024,
+                   help="items planned together; results are written as batches finish")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="allow pickle-based weights (*.bin); only for trusted checkpoints")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,19 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     lave.add_argument("--output", required=True,
                       help="JSONL; rerunning resumes, skipping ids already written")
     _add_model_args(lave)
-    lave.add_argument("--num-shots", type=int, default=8)
-    lave.add_argument("--demos", help="JSON file of general-question demonstrations")
-    lave.add_argument("--binary-demos", help="JSON file of yes/no-question demonstrations")
-    lave.add_argument("--no-filter", action="store_true", help="keep outlier reference answers")
-    lave.add_argument("--filter-p", type=float, default=0.25)
-    lave.add_argument("--use-caption", action="store_true", help="add the image caption to prompts")
-    lave.add_argument("--on-unparsable", choices=("constrain", "official"), default="constrain")
-    lave.add_argument("--max-batch-tokens", type=int, default=None)
-    lave.add_argument("--max-input-tokens", type=int, default=None)
-    lave.add_argument("--chunk-size", type=int, default=1024,
-                      help="items planned together; results are written as batches finish")
-    lave.add_argument("--allow-pickle", action="store_true",
-                      help="allow pickle-based weights (*.bin); only for trusted checkpoints")
+    _add_lave_args(lave)
     lave.add_argument("--no-progress", action="store_true")
 
     demo = sub.add_parser("demo", help="run LAVE on bundled sample data (no download needed)")
@@ -93,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_parser
 
     add_serve_parser(sub)
+
+    from .rescore import add_rescore_parser
+
+    add_rescore_parser(sub)
+
+    from .judges.image_text_io import add_visexmem_parser
+
+    add_visexmem_parser(sub)
+
+    from .builders.cli import add_build_parser
+
+    add_build_parser(sub)
     return parser
 
 
@@ -164,6 +180,18 @@ def main(argv=None) -> int:
             from .serve import run_serve
 
             return run_serve(args)
+        if args.command == "visexmem":
+            from .judges.image_text_io import run_visexmem
+
+            return run_visexmem(args)
+        if args.command == "rescore":
+            from .rescore import run_rescore
+
+            return run_rescore(args)
+        if args.command == "build":
+            from .builders.cli import run_build
+
+            return run_build(args)
         return run_lave(args)
     except (OSError, ValueError) as bad:  # bad paths, checkpoints, demonstration files
         print(f"fastjudge: error: {bad}", file=sys.stderr)

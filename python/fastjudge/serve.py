@@ -23,8 +23,9 @@ Limits: bodies above ``max_body_bytes`` → 413; more items than the queue can t
 a request not finished within ``timeout_s`` → 504; malformed JSON → 400; wrong shapes or
 types → 422. Each error body is ``{"error": message}``.
 
-Judges come from a registry: ``register_judge(name, factory)`` where ``factory(args)`` builds
-a judge from the parsed command-line arguments. Only ``lave`` exists today.
+Judges come from a registry (:mod:`fastjudge.judges.registry`, shared with
+``fastjudge rescore``): ``register_judge(name, factory, parse_item)`` where ``factory(args)``
+builds a judge from the parsed command-line arguments. Only ``lave`` exists today.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import json
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
+from .judges.registry import JUDGES, ItemError, add_judge_options, register_judge  # noqa: F401 (re-exported)
 from .runtime.async_batcher import AsyncBatcher, QueueFullError
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -48,54 +50,6 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-# -- judge registry --------------------------------------------------------------------------
-def _lave_factory(args) -> Any:
-    from .judges.lave import LaveJudge
-
-    return LaveJudge(args.model, device=getattr(args, "device", "auto"),
-                     dtype=getattr(args, "dtype", None),
-                     rationale=getattr(args, "rationale", False),
-                     max_new_tokens=getattr(args, "max_new_tokens", 100))
-
-
-def _lave_item(d: Any, where: str):
-    from .judges.lave import VQAExample
-
-    if not isinstance(d, dict):
-        raise RequestError(422, f"{where}: expected a JSON object, got {type(d).__name__}")
-    missing = [k for k in ("question", "references", "prediction") if k not in d]
-    if missing:
-        raise RequestError(422, f"{where}: missing field(s) {', '.join(missing)}")
-    if not isinstance(d["question"], str):
-        raise RequestError(422, f"{where}: question must be a string")
-    if not isinstance(d["prediction"], str):
-        raise RequestError(422, f"{where}: prediction must be a string")
-    refs = d["references"]
-    if not isinstance(refs, list) or not all(
-            isinstance(r, str) or (isinstance(r, dict) and isinstance(r.get("answer"), str))
-            for r in refs):
-        raise RequestError(422, f"{where}: references must be a list of strings "
-                                "(or of {\"answer\": str} objects)")
-    caption = d.get("caption")
-    if caption is not None and not isinstance(caption, str):
-        raise RequestError(422, f"{where}: caption must be a string or null")
-    ident = d.get("id")
-    if ident is not None and not isinstance(ident, (str, int, float, bool)):
-        raise RequestError(422, f"{where}: id must be a string or a number")
-    return VQAExample(d["question"], refs, d["prediction"], caption, ident)
-
-
-# name -> (factory(args) -> judge, item parser(dict, where) -> example)
-JUDGES: dict[str, tuple[Callable, Callable]] = {"lave": (_lave_factory, _lave_item)}
-
-
-def register_judge(name: str, factory: Callable, parse_item: Callable) -> None:
-    """Make ``fastjudge serve --judge NAME`` available. ``factory(args)`` returns a judge with
-    ``stream(examples)`` (results with ``index``, ``score``, ``error``); ``parse_item(obj,
-    where)`` turns one JSON item into an example or raises ``RequestError(422, msg)``."""
-    JUDGES[name] = (factory, parse_item)
 
 
 def _result_dict(r) -> dict:
@@ -195,7 +149,7 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
 
     if judge_name not in JUDGES:
         raise ValueError(f"unknown judge {judge_name!r}; available: {', '.join(sorted(JUDGES))}")
-    parse_item = JUDGES[judge_name][1]
+    parse_item = JUDGES[judge_name].parse_item
     batcher = AsyncBatcher(judge, max_wait_ms=max_wait_ms, max_queue_items=max_queue)
     metrics = Metrics()
 
@@ -243,6 +197,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         except RequestError as bad:
             status = bad.status
             return error(bad.status, bad.message)
+        except ItemError as bad:
+            status = 422
+            return error(422, str(bad))
         except QueueFullError as full:
             status = 429
             return error(429, str(full))
@@ -357,6 +314,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="float32 or bfloat16")
     p.add_argument("--rationale", action="store_true", help="LAVE rationale mode")
     p.add_argument("--max-new-tokens", type=int, default=100)
+    add_judge_options(p)
 
 
 def run_serve(args) -> int:
@@ -365,7 +323,7 @@ def run_serve(args) -> int:
     except ImportError:
         raise ValueError('fastjudge serve needs starlette and uvicorn: '
                          'pip install "fastjudge[serve]"') from None
-    judge = JUDGES[args.judge][0](args)
+    judge = JUDGES[args.judge].factory(args)
     app = create_app(judge, args.judge, max_body_bytes=args.max_body_bytes,
                      max_queue=args.max_queue, timeout_s=args.timeout_s,
                      max_wait_ms=args.max_wait_ms)

@@ -15,13 +15,16 @@ PROGRESS_EVERY = 256  # rows per progress-bar update: cheap even at 100k+ rows/s
 class JsonlJob:
     """``means`` maps numeric output fields to the label of their mean in the summary."""
 
-    def __init__(self, name: str, output: str, means: dict[str, str], progress: bool = True):
+    def __init__(self, name: str, output: str, means: dict[str, str], progress: bool = True,
+                 writer=None):
+        """``writer``: where rows go (``done``, ``write``, ``close``, ``truncated_partial_line``);
+        default a :class:`ResumableWriter` on ``output``."""
         from tqdm import tqdm
 
         self.name = name
         self.output = output
         self.means = means
-        self.writer = ResumableWriter(output)
+        self.writer = writer if writer is not None else ResumableWriter(output)
         if self.writer.truncated_partial_line:
             print(f"fastjudge: removed a partial last line from {output} (interrupted run)",
                   file=sys.stderr)

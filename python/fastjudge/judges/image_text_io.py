@@ -14,8 +14,6 @@ import dataclasses
 import os
 from typing import Any
 
-from .visexmem import ImageTextExample
-
 VISEXMEM_RESULT_FIELDS = ("score", "claims", "explanation", "warnings", "prompt_tokens", "error")
 VISEXMEM_RESULT_TYPES = {"score": "float", "explanation": "str", "prompt_tokens": "int", "error": "str"}
 HOLISTIC_RESULT_FIELDS = ("score", "decision", "probs", "prompt_tokens", "error")
@@ -27,7 +25,7 @@ class RowError(ValueError):
     """An input row that is not an image-text item."""
 
 
-def example_from_row(row: Any, ident: Any = None, where: str = "item") -> ImageTextExample:
+def example_from_row(row: Any, ident: Any = None, where: str = "item"):
     """One input row as an example; ``RowError`` names what is wrong. Whether the image opens
     and the boxes fit is checked by the judge (a per-item error there)."""
     if not isinstance(row, dict):
@@ -47,6 +45,8 @@ def example_from_row(row: Any, ident: Any = None, where: str = "item") -> ImageT
     boxes = row.get("boxes")
     if boxes is not None and not isinstance(boxes, list):
         raise RowError(f"{where}: boxes must be a list of [x0, y0, x1, y1]")
+    from .visexmem import ImageTextExample  # (the judge module imports torch: only when used)
+
     return ImageTextExample(image=image, text=text, boxes=boxes, id=ident if ident is not None else row.get("id"))
 
 
@@ -85,12 +85,8 @@ def make_judge(args, name: str):
     return HolisticJudge(args.model, **judge_options(args, name))
 
 
-def add_visexmem_parser(sub) -> None:
-    p = sub.add_parser("visexmem", help="evaluate image-caption pairs with VisExMEM (JSONL in and out)")
-    p.add_argument("--model", required=True, help="Qwen3.5 vision-language checkpoint directory")
-    p.add_argument("--input", required=True,
-                   help="JSONL: id, image (path) or image_b64, text, optional boxes [[x0,y0,x1,y1], ...]")
-    p.add_argument("--output", required=True, help="JSONL; rerunning resumes, skipping ids already written")
+def add_image_text_args(p) -> None:
+    """Options of the image-text judges (``visexmem``, ``serve``/``rescore --judge visexmem``)."""
     p.add_argument("--image-root", default=None,
                    help="folder for relative image paths (default: the input file's folder)")
     p.add_argument("--aggregate", choices=("mean", "geometric", "harmonic", "min"), default="mean",
@@ -102,6 +98,41 @@ def add_visexmem_parser(sub) -> None:
     p.add_argument("--max-claims", type=int, default=12, help="most claims per caption (12)")
     p.add_argument("--max-claim-chars", type=int, default=120, help="longest claim text (120)")
     p.add_argument("--max-explanation-chars", type=int, default=300, help="longest explanation (300)")
+
+
+def make_factory(name: str):
+    """Registry factory: the judge from parsed arguments; relative image paths resolve against
+    ``--image-root``, else the input file's folder when there is one (file jobs)."""
+
+    def factory(args):
+        if getattr(args, "image_root", None) is None and getattr(args, "input", None):
+            args.image_root = os.path.dirname(os.path.abspath(args.input))
+        return make_judge(args, name)
+
+    return factory
+
+
+def parse_http_item(d: Any, where: str):
+    """One item of an HTTP request. The server reads no files on a client's behalf: images come
+    as ``image_b64``; a path is refused."""
+    from .registry import ItemError
+
+    if isinstance(d, dict) and "image_b64" not in d and "image" in d:
+        raise ItemError(f"{where}: the server does not read image paths; send the encoded image "
+                        "as image_b64 (base64)")
+    try:
+        return example_from_row(d, None, where)
+    except RowError as bad:
+        raise ItemError(str(bad)) from None
+
+
+def add_visexmem_parser(sub) -> None:
+    p = sub.add_parser("visexmem", help="evaluate image-caption pairs with VisExMEM (JSONL in and out)")
+    p.add_argument("--model", required=True, help="Qwen3.5 vision-language checkpoint directory")
+    p.add_argument("--input", required=True,
+                   help="JSONL: id, image (path) or image_b64, text, optional boxes [[x0,y0,x1,y1], ...]")
+    p.add_argument("--output", required=True, help="JSONL; rerunning resumes, skipping ids already written")
+    add_image_text_args(p)
     p.add_argument("--holistic", action="store_true",
                    help="the holistic yes/no baseline instead (one P(yes) per pair)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -122,9 +153,7 @@ def run_visexmem(args) -> int:
 
     name = "holistic" if args.holistic else "visexmem"
     fields = HOLISTIC_RESULT_FIELDS if args.holistic else VISEXMEM_RESULT_FIELDS
-    if args.image_root is None:
-        args.image_root = os.path.dirname(os.path.abspath(args.input))
-    judge = make_judge(args, name)
+    judge = make_factory(name)(args)
     lines = list(read_jsonl(args.input))  # before the output is touched: a bad path leaves none
     job = JsonlJob(name, args.output, means={"score": "mean score"}, progress=not args.no_progress)
     todo = iter([line for line in lines if line.id not in job.done])
