@@ -155,18 +155,17 @@ class Baseline:
         self.yes_no = list(yes_no_ids)
         self.seconds = defaultdict(float)
 
-    def prompt(self, caption: str, claim: str, evidence: list[tuple[str, list[int]]]) -> str:
-        regions = "\n".join(f"{e} {b}: {PLACEHOLDER}" for e, b in evidence)
-        evidence_text = "Evidence regions:\n" + regions if evidence else "Evidence regions: none selected"
-        user = f"{vx.INTRO}\n\n{PLACEHOLDER}\nCaption: {caption}\n\nClaim: {claim}\n{evidence_text}\n{vx.VERIFY_TASK}"
+    def prompt(self, user: str) -> str:
         text = self.tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                             add_generation_prompt=True, enable_thinking=False)
         return text + vx.DECISION_PREFIX
 
-    def inputs(self, image, caption: str, claim: str, evidence: list[tuple[str, list[int]]]):
-        images = [image] + [image.crop(tuple(b)) for _, b in evidence]
+    def inputs(self, image, user: str, boxes: list[list[int]]):
+        """``user``: the judge's prompt with one placeholder per image; ``boxes``: the crops
+        after the whole image, in prompt order."""
+        images = [image] + [image.crop(tuple(b)) for b in boxes]
         enc = self.processor(images=images, return_tensors="pt")
-        text = self.prompt(caption, claim, evidence)
+        text = self.prompt(user)
         counts = (enc["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
         parts = text.split(IMAGE_PAD)
         text = parts[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, parts[1:]))
@@ -179,20 +178,19 @@ class Baseline:
                             mm_token_type_ids=(ids == self.image_token_id).int(), logits_to_keep=1).logits[0, -1]
         return float(torch.softmax(logits[self.yes_no].double(), 0)[0])
 
-    def run(self, examples, claims) -> list[float]:
+    def run(self, examples, prompts) -> list[float]:
+        """``prompts[i]``: per claim of example i, ``(user text, crop boxes)``."""
         from PIL import Image
 
         self.seconds = defaultdict(float)
         out = []
-        for ex, specs in zip(examples, claims):
+        for ex, per_claim in zip(examples, prompts):
             t = time.perf_counter()
             image = Image.fromarray(ex.image)
-            w, h = image.size
-            boxes = [list(b) for b in grid_boxes(w, h)]
             self.seconds["prepare"] += time.perf_counter() - t
-            for text, ev in specs:
+            for user, boxes in per_claim:
                 t = time.perf_counter()
-                ids, pixels, grid = self.inputs(image, ex.text, text, [(e, boxes[int(e[1:]) - 1]) for e in ev])
+                ids, pixels, grid = self.inputs(image, user, boxes)
                 t2 = time.perf_counter()
                 out.append(self.support(ids, pixels, grid))
                 self.seconds["prepare"] += t2 - t
@@ -200,10 +198,36 @@ class Baseline:
         return out
 
 
-def grid_boxes(w: int, h: int):
-    from fastjudge.io.images import grid_boxes as quadrants
+def claim_results(it, specs) -> list[ClaimResult]:
+    out = []
+    for text, ev in specs:
+        c = ClaimResult(part_id=f"P{len(out) + 1}", text=text, type="attribute")
+        c.evidence_ids = list(ev)
+        c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in ev]
+        out.append(c)
+    return out
 
-    return quadrants(w, h)
+
+def baseline_prompts(judge: VisExJudge, examples, claims):
+    """The judge's verification prompts written with the processor's one-token image
+    placeholder (built untimed: the text is the same string either way), and each prompt's
+    crop boxes in order."""
+    items, _ = judge.prepare(examples)
+    judge._propose(items)
+
+    def placeholder(_image) -> str:
+        return PLACEHOLDER
+
+    prompts = []
+    for it, specs in zip(items, claims):
+        shared = judge.evidence_layout == "shared"
+        prefix = judge.evidence_prefix(it, placeholder) if shared else judge.base_prefix(it, placeholder)
+        per_claim = []
+        for c in claim_results(it, specs):
+            task, _ = judge.verification_task(it, c, placeholder)
+            per_claim.append((prefix + task, [list(b) for b in it.boxes] if shared else c.evidence_boxes))
+        prompts.append(per_claim)
+    return prompts
 
 
 # -- fastjudge -----------------------------------------------------------------------------------
@@ -230,7 +254,13 @@ class Stages:
             with self.stage("claim suffixes"):
                 return logits(hidden, rows)
 
+        self._restore = (backend, vision_encode, forward, logits)
         backend.vision.encode, backend.model.forward, backend.model.logits = encode, fwd, head
+
+    def uninstall(self) -> None:
+        """Give the backend its own methods back (it serves the next layout's run)."""
+        backend, vision_encode, forward, logits = self._restore
+        backend.vision.encode, backend.model.forward, backend.model.logits = vision_encode, forward, logits
 
     @contextmanager
     def stage(self, name: str):
@@ -263,10 +293,7 @@ def fast_requests(judge: VisExJudge, examples, claims, stages: Stages):
     with stages.stage("build requests (tokenize)"):
         requests = []
         for it, specs in zip(items, claims):
-            for text, ev in specs:
-                c = ClaimResult(part_id=f"P{len(requests)}", text=text, type="attribute")
-                c.evidence_ids = list(ev)
-                c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in ev]
+            for c in claim_results(it, specs):
                 requests.append(judge.verification_request(it, c, key=len(requests)))
     return items, requests
 
@@ -284,7 +311,7 @@ def fast_run(judge: VisExJudge, examples, claims, stages: Stages) -> list[float]
 
 # -- checks --------------------------------------------------------------------------------------
 @torch.inference_mode()
-def checks(judge: VisExJudge, base: Baseline, stages: Stages, examples, claims, ours, theirs,
+def checks(judge: VisExJudge, base: Baseline, stages: Stages, examples, claims, prompts, ours, theirs,
            same_pixel_claims: int):
     """Input identity and the two sources of support differences: the image processor's pixels
     vs crop_encode's, and the model path on identical inputs."""
@@ -297,7 +324,7 @@ def checks(judge: VisExJudge, base: Baseline, stages: Stages, examples, claims, 
     step = cfg.rescale_factor / min(cfg.image_std)
     same_ids, k = 0, 0
     steps = {"full": [0.0, []], "crops": [0.0, []]}
-    for it, ex, specs in zip(items, examples, claims):
+    for it, ex, per_claim in zip(items, examples, prompts):
         image = Image.fromarray(ex.image)
         for kind, crops, ours_px in (("full", [image], [it.full_image]),
                                      ("crops", [image.crop(b) for b in it.boxes], it.box_images)):
@@ -306,8 +333,8 @@ def checks(judge: VisExJudge, base: Baseline, stages: Stages, examples, claims, 
             diff = (enc["pixel_values"].float() - mine.float()).abs() / step
             steps[kind][0] = max(steps[kind][0], float(diff.max()))
             steps[kind][1].append(float((diff >= 0.5).float().mean()))
-        for text, ev in specs:
-            ids, _, _ = base.inputs(image, ex.text, text, [(e, list(it.boxes[int(e[1:]) - 1])) for e in ev])
+        for user, boxes in per_claim:
+            ids, _, _ = base.inputs(image, user, boxes)
             r = requests[k]
             same_ids += ids[0].tolist() == list(r.prompt_ids) + list(r.response_prefix)
             k += 1
@@ -339,6 +366,39 @@ def pipeline_once(judge: VisExJudge, examples) -> dict:
                 claims=sum(len(r.claims) for r in results), errors=sum(r.error is not None for r in results))
 
 
+def bench_one(judge: VisExJudge, base: Baseline, examples, claims, args) -> dict:
+    """Baseline and fastjudge on the same claims in the judge's evidence layout."""
+    backend = judge.backend
+    stages = Stages(judge)
+    prompts = baseline_prompts(judge, examples, claims)
+    base_runs = []
+
+    def run_base():
+        out = base.run(examples, prompts)
+        base_runs.append(dict(base.seconds))
+        return out
+
+    t_base, theirs = timed(run_base, args.repeats)
+    base_seconds = {k: statistics.median(r[k] for r in base_runs[1:]) for k in base_runs[-1]}
+    per_run = []
+
+    def run_fast():
+        out = fast_run(judge, examples, claims, stages)
+        per_run.append((dict(stages.seconds), dict(stages.calls), stages.patches,
+                        backend.tokens_computed, backend.prefix_cache.hit_rate))
+        return out
+
+    t_fast, ours = timed(run_fast, args.repeats, lambda: fresh(backend))
+    stages.uninstall()
+    timed_runs = per_run[1:]
+    stage_median = {k: statistics.median(r[0].get(k, 0.0) for r in timed_runs) for k in timed_runs[0][0]}
+    _, calls, patches, computed, hit = timed_runs[-1]
+    check = checks(judge, base, stages, examples, claims, prompts, ours, theirs, args.same_pixel_claims)
+    pipe = pipeline_once(judge, examples[: args.pipeline_items]) if args.pipeline_items else None
+    return dict(t_base=t_base, t_fast=t_fast, stages=stage_median, calls=calls, patches=patches,
+                computed=computed, hit=hit, base_seconds=base_seconds, pipe=pipe, **check)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["tiny", "mini"], choices=sorted(QWEN_SHAPES))
@@ -351,6 +411,8 @@ def main(argv=None) -> int:
                     help="claims re-run through transformers on fastjudge's own pixel values")
     ap.add_argument("--pipeline-items", type=int, default=2, help="items for the whole-pipeline run (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--layouts", nargs="+", default=["per-claim", "shared"], choices=["per-claim", "shared"],
+                    help="VisExJudge evidence layouts to measure (default: both)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -362,39 +424,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            judge = VisExJudge(model_dir, device="cpu", dtype=dtype)
-            backend = judge.backend
-            base = Baseline(model_dir, dtype, judge.yes_no_ids)
-            stages = Stages(judge)
-
-            base_runs = []
-
-            def run_base():
-                out = base.run(examples, claims)
-                base_runs.append(dict(base.seconds))
-                return out
-
-            t_base, theirs = timed(run_base, args.repeats)
-            base_seconds = {k: statistics.median(r[k] for r in base_runs[1:]) for k in base_runs[-1]}
-            per_run = []
-
-            def run_fast():
-                out = fast_run(judge, examples, claims, stages)
-                per_run.append((dict(stages.seconds), dict(stages.calls), stages.patches,
-                                backend.tokens_computed, backend.prefix_cache.hit_rate))
-                return out
-
-            t_fast, ours = timed(run_fast, args.repeats, lambda: fresh(backend))
-            timed_runs = per_run[1:]
-            stage_median = {k: statistics.median(r[0].get(k, 0.0) for r in timed_runs) for k in timed_runs[0][0]}
-            _, calls, patches, computed, hit = timed_runs[-1]
-            check = checks(judge, base, stages, examples, claims, ours, theirs, args.same_pixel_claims)
-            pipe = pipeline_once(judge, examples[: args.pipeline_items]) if args.pipeline_items else None
-            rows.append(dict(shape=shape, t_base=t_base, t_fast=t_fast, stages=stage_median, calls=calls,
-                             patches=patches, computed=computed, hit=hit, base_seconds=base_seconds,
-                             pipe=pipe, **check))
-            print(f"[{shape}] baseline {t_base:.2f}s fastjudge {t_fast:.2f}s speed-up {t_base / t_fast:.2f}x",
-                  file=sys.stderr)
+            backend = VisExJudge(model_dir, device="cpu", dtype=dtype).backend
+            base = None
+            for layout in args.layouts:
+                judge = VisExJudge(backend, evidence_layout=layout)
+                base = base or Baseline(model_dir, dtype, judge.yes_no_ids)
+                rows.append(bench_one(judge, base, examples, claims, args))
+                rows[-1]["shape"] = f"{shape}/{layout}"
+                print(f"[{shape} {layout}] baseline {rows[-1]['t_base']:.2f}s fastjudge {rows[-1]['t_fast']:.2f}s "
+                      f"speed-up {rows[-1]['t_base'] / rows[-1]['t_fast']:.2f}x", file=sys.stderr)
 
     print(f"\nVisExMEM verification: {args.images} images ({width}x{height}) x {args.claims} claims "
           f"(1-2 quadrant crops each), {args.dtype}, median of {args.repeats}, "

@@ -79,6 +79,11 @@ def test_pipeline_outputs_are_schema_valid(judge, results):
     assert judge.stage_seconds["verify"] > 0 and judge.stage_seconds["decompose"] > 0
 
 
+@pytest.fixture(scope="module")
+def shared_judge(judge):
+    return VisExJudge(judge.backend, evidence_layout="shared", **BUDGETS)
+
+
 def _item_with_evidence(judge, seed, caption, evidence):
     items, _ = judge.prepare([ImageTextExample(image(seed), caption)])
     item = items[0]
@@ -99,9 +104,11 @@ def hf_support(hf, judge, request) -> float:
     return float(torch.softmax(logits[list(judge.yes_no_ids)].double(), 0)[0])
 
 
-def test_claim_support_matches_transformers(judge, hf):
+@pytest.mark.parametrize("layout", ["per-claim", "shared"])
+def test_claim_support_matches_transformers(layout, judge, shared_judge, hf):
     """Claims with zero, one and two evidence crops, batched together behind shared prefixes,
-    against transformers on each full input alone."""
+    against transformers on each full input alone (both evidence layouts)."""
+    judge = shared_judge if layout == "shared" else judge
     cases = [(0, "A red bus.", ()), (0, "A red bus.", ("E2",)), (0, "A red bus.", ("E1", "E4")),
              (3, "A red bus.", ("E3",))]
     requests = []
@@ -161,6 +168,19 @@ def test_validate_parts_repairs_links():
     assert by["P4"]["target_part_id"] == "P5" and by["P5"]["head_part_id"] is None  # cycle cut
     assert len(problems) == 4 and any("cycle" in p for p in problems)
     assert validate_parts([part("P1"), part("P2", head="P1")])[1] == []
+
+
+def test_shared_layout_pipeline(shared_judge):
+    [r] = shared_judge.score([ImageTextExample(image(12), "A green lamp on a desk.", boxes=[[0, 0, 40, 30]])])
+    assert r.error is None and r.claims and isinstance(r.explanation, str)
+    assert all(c.evidence_ids in ([], ["E1"]) and 0 <= c.support <= 1 for c in r.claims)
+    # every claim's verification shares one prefix holding the whole image and all crops
+    item, a = _item_with_evidence(shared_judge, 13, "A lamp.", ("E1",))
+    _, b = _item_with_evidence(shared_judge, 13, "A lamp.", ("E2", "E3"))
+    ra, rb = (shared_judge.verification_request(item, c) for c in (a, b))
+    backend = shared_judge.backend
+    assert backend.group_key(ra) == backend.group_key(rb)
+    assert len(backend._prefix_of(ra)[1]) == 1 + len(item.boxes) == len(ra.images)
 
 
 def test_other_aggregates_and_no_explain(vl_dir, judge):

@@ -266,9 +266,14 @@ class QwenModel:
             P = pk.shape[2]
             k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
-        # query i sees the whole prefix and suffix keys up to itself
-        allowed = torch.ones(S, P + S, dtype=torch.bool, device=x.device).tril(diagonal=P)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.s.kv_heads != self.s.heads)
+        gqa = self.s.kv_heads != self.s.heads
+        if P == 0:  # plain causal attention: SDPA's own causal kernel, no mask tensor
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            # query i sees the whole prefix and suffix keys up to itself; an additive float mask
+            # (a boolean one sends CPU SDPA to a much slower path)
+            hide = torch.full((S, P + S), float("-inf"), dtype=q.dtype, device=x.device).triu(diagonal=P + 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=hide, enable_gqa=gqa)
         return self._attention_out(o, gate, layer), ((k, v) if save else None)
 
     def _delta_net(self, x, layer, prev, save):

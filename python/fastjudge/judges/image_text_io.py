@@ -71,7 +71,8 @@ def judge_options(args, name: str) -> dict:
                     propose_boxes=getattr(args, "propose_boxes", False),
                     max_claims=getattr(args, "max_claims", 12),
                     max_claim_chars=getattr(args, "max_claim_chars", 120),
-                    max_explanation_chars=getattr(args, "max_explanation_chars", 300))
+                    max_explanation_chars=getattr(args, "max_explanation_chars", 300),
+                    evidence_layout=getattr(args, "evidence_layout", "per-claim"))
     return opts
 
 
@@ -95,6 +96,9 @@ def add_image_text_args(p) -> None:
     p.add_argument("--propose-boxes", action="store_true",
                    help="items without boxes: let the model propose candidate regions "
                         "(default: the image quadrants)")
+    p.add_argument("--evidence-layout", choices=("per-claim", "shared"), default="per-claim",
+                   help="per-claim: each claim's selected crops in its own prompt part (default); "
+                        "shared: all candidate crops once in the example's shared prefix (faster)")
     p.add_argument("--max-claims", type=int, default=12, help="most claims per caption (12)")
     p.add_argument("--max-claim-chars", type=int, default=120, help="longest claim text (120)")
     p.add_argument("--max-explanation-chars", type=int, default=300, help="longest explanation (300)")

@@ -16,6 +16,14 @@ For each image-caption pair, in stages over a whole batch of examples:
    for the vision tower; the answer ``{"decision": "yes"|"no"}`` is read in one step as a
    ``Choice`` over the two words: ``support`` = P(yes) renormalised over {yes, no},
    ``decision`` = yes when support >= 0.5.
+
+   Evidence layout: ``"per-claim"`` (default) puts each claim's selected crops in that claim's
+   part of the prompt, so the model sees exactly the image, the claim and its selected regions.
+   ``"shared"`` puts every candidate region with its crop into the example's shared prefix (so
+   each crop runs once per example, not once per claim) and names the selected ids in the
+   claim's part; the model then also sees the unselected candidates. It is faster by the crops'
+   share of the prompt; which one a trained VisExMEM model expects is unknown (its prompts are
+   not public).
 4. **Aggregation** -- the global score is the arithmetic mean of claim support (default), or
    the geometric or harmonic mean, or the minimum (the paper's Table 9).
 5. **Explanation** (``explain=True``) -- after the decisions are fixed, from the same evidence
@@ -45,6 +53,7 @@ from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from .base import Judge
 
 AGGREGATES = ("mean", "geometric", "harmonic", "min")
+EVIDENCE_LAYOUTS = ("per-claim", "shared")
 LINK_FIELDS = ("parent_part_id", "head_part_id", "target_part_id")
 STAGES = ("decompose", "propose", "select", "verify", "explain")
 DECISION_PREFIX = '{"decision": "'
@@ -181,7 +190,7 @@ class _Item:
     index: int
     result: VisExResult
     image: LoadedImage
-    prefix: str  # shared prompt text (intro + image + caption)
+    caption: str
     full_image: Image
     boxes: list[tuple[int, int, int, int]] = field(default_factory=list)
     box_images: list[Image] = field(default_factory=list)
@@ -198,6 +207,7 @@ class VisExJudge(Judge):
     Options beyond the issue's: ``propose_boxes`` (model-proposed candidates for examples
     without boxes, instead of the quadrants); ``max_claims``, ``max_claim_chars``,
     ``max_explanation_chars`` (grammar bounds, hence token budgets, of the written stages);
+    ``evidence_layout`` (``"per-claim"`` or ``"shared"``, see the module docstring);
     ``strict`` (repaired part links become an item error); ``image_root`` (for relative image
     paths); ``crop_max_pixels`` (resize evidence crops to at most this many pixels, fewer image
     tokens per claim; default: the checkpoint's processor limit)."""
@@ -205,12 +215,14 @@ class VisExJudge(Judge):
     def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
                  aggregate: str = "mean", explain: bool = True, propose_boxes: bool = False,
                  max_claims: int = 12, max_claim_chars: int = 120, max_explanation_chars: int = 300,
-                 strict: bool = False, image_root: str | os.PathLike | None = None,
+                 evidence_layout: str = "per-claim", strict: bool = False, image_root: str | os.PathLike | None = None,
                  crop_max_pixels: int | None = None, max_batch_tokens: int | None = None,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
                  max_input_tokens: int | None = None):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+        if evidence_layout not in EVIDENCE_LAYOUTS:
+            raise ValueError(f"evidence_layout must be one of {EVIDENCE_LAYOUTS}, got {evidence_layout!r}")
         if min(max_claims, max_claim_chars, max_explanation_chars) < 1:
             raise ValueError("max_claims, max_claim_chars and max_explanation_chars must be >= 1")
         if isinstance(model, (str, os.PathLike)):
@@ -229,6 +241,7 @@ class VisExJudge(Judge):
         self.max_claims = max_claims
         self.max_claim_chars = max_claim_chars
         self.max_explanation_chars = max_explanation_chars
+        self.evidence_layout = evidence_layout
         self.strict = strict
         self.image_root = image_root
         self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
@@ -281,9 +294,7 @@ class VisExJudge(Judge):
         except (ImageError, ValueError, TypeError) as bad:
             result.error = f"invalid example: {bad}"
             return result
-        caption = " ".join(text.split())
-        prefix = f"{INTRO}\n\n{self.backend.image_placeholder(full.grid_thw)}\nCaption: {caption}\n\n"
-        item = _Item(index, result, loaded, prefix, full)
+        item = _Item(index, result, loaded, " ".join(text.split()), full)
         if example.boxes is not None and not boxes:
             result.warnings.append("no usable boxes given; candidates come from the fallback")
         if boxes:
@@ -300,16 +311,51 @@ class VisExJudge(Judge):
                 item.result.warnings.append(f"box {list(box)} cannot be encoded ({bad}); dropped")
         item.boxes, item.box_images = kept, images
 
-    def _request(self, item: _Item, key: int, task: str, spec, images: Sequence[Image] = (),
-                 response_prefix: tuple[int, ...] = ()) -> Request:
-        ids = self.backend.encode_prompt(item.prefix + task)
+    # -- prompts ----------------------------------------------------------------------------------
+    # Every prompt is a shared prefix + a task. ``placeholder(image)`` writes an image into the
+    # text: the backend's expanded image tokens here; a transformers processor's single
+    # placeholder in the benchmark's baseline, which rebuilds the same prompts.
+    def base_prefix(self, item: _Item, placeholder=None) -> str:
+        """Intro, the whole image and the caption: shared by every stage of an example."""
+        placeholder = placeholder or self._placeholder
+        return f"{INTRO}\n\n{placeholder(item.full_image)}\nCaption: {item.caption}\n\n"
+
+    def evidence_prefix(self, item: _Item, placeholder=None) -> str:
+        """``base_prefix`` + the candidate regions, each with its crop: the shared prefix of the
+        evidence stages in the ``"shared"`` layout."""
+        placeholder = placeholder or self._placeholder
+        regions = "\n".join(f"E{i}: {list(b)} {placeholder(im)}"
+                             for i, (b, im) in enumerate(zip(item.boxes, item.box_images), start=1))
+        return f"{self.base_prefix(item, placeholder)}{self._candidates_head(item)}\n{regions}\n\n"
+
+    def _placeholder(self, image: Image) -> str:
+        return self.backend.image_placeholder(image.grid_thw)
+
+    @staticmethod
+    def _candidates_head(item: _Item) -> str:
+        return (f"Candidate regions (pixel boxes x0, y0, x1, y1 in a {item.image.width}x{item.image.height} "
+                "image):")
+
+    def _request(self, item: _Item, key: int, prefix: str, task: str, spec,
+                 images: Sequence[Image] = (), response_prefix: tuple[int, ...] = ()) -> Request:
+        """``images``: every image of the prompt after the whole image, in order."""
+        ids = self.backend.encode_prompt(prefix + task)
         if len(ids) + len(response_prefix) > self.backend.max_input_tokens:
             raise ValueError(f"prompt is {len(ids)} tokens, above the model limit of "
                              f"{self.backend.max_input_tokens}")
         item.result.prompt_tokens = max(item.result.prompt_tokens or 0, len(ids))
         return Request(index=key, prompt_ids=ids, spec=spec, response_prefix=response_prefix,
-                       prefix_len=self.backend.shared_prefix_len(ids, item.prefix),
+                       prefix_len=self.backend.shared_prefix_len(ids, prefix),
                        images=(item.full_image,) + tuple(images))
+
+    def _evidence_request(self, item: _Item, key: int, task: str, spec, suffix_images: Sequence[Image] = (),
+                          response_prefix: tuple[int, ...] = ()) -> Request:
+        """A request of an evidence stage (select, verify, explain): behind the candidate crops
+        in the shared layout, behind the base prefix in the per-claim layout."""
+        if self.evidence_layout == "shared":
+            return self._request(item, key, self.evidence_prefix(item), task, spec,
+                                 tuple(item.box_images) + tuple(suffix_images), response_prefix)
+        return self._request(item, key, self.base_prefix(item), task, spec, suffix_images, response_prefix)
 
     def _run(self, stage: str, requests: Sequence[Request]) -> dict[int, Output]:
         start = time.perf_counter()
@@ -345,7 +391,7 @@ class VisExJudge(Judge):
         schema["properties"]["parts"]["minItems"] = 1  # a caption with words has a claim
         spec = Json.from_schema(schema)
         done = self._stage("decompose", ((it, None) for it in items),
-                           lambda it, _, key: self._request(it, key, DECOMPOSE_TASK, spec))
+                           lambda it, _, key: self._request(it, key, self.base_prefix(it), DECOMPOSE_TASK, spec))
         for it, _, out in done:
             parsed = self._json(out)
             if parsed is None:
@@ -368,7 +414,7 @@ class VisExJudge(Judge):
         if self.propose_boxes:
             spec = Json.from_schema(boxes_schema())
             done = self._stage("propose", ((it, None) for it in items if not it.boxes),
-                               lambda it, _, key: self._request(it, key, PROPOSE_TASK, spec))
+                               lambda it, _, key: self._request(it, key, self.base_prefix(it), PROPOSE_TASK, spec))
             for it, _, out in done:
                 parsed = self._json(out) or {"boxes": []}
                 rel = [relative_to_pixels(b["bbox_2d"], it.image.width, it.image.height) for b in parsed["boxes"]]
@@ -382,16 +428,14 @@ class VisExJudge(Judge):
                     it.result.warnings.append("no usable proposed boxes; candidates are the image quadrants")
                 self._set_boxes(it, grid_boxes(it.image.width, it.image.height))
 
-    @staticmethod
-    def _candidates(item: _Item) -> str:
-        lines = [f"Candidate regions (pixel boxes x0, y0, x1, y1 in a {item.image.width}x{item.image.height} image):"]
-        lines += [f"E{i}: {list(b)}" for i, b in enumerate(item.boxes, start=1)]
-        return "\n".join(lines)
-
     def _select(self, items: list[_Item]) -> None:
         def make(it: _Item, c: ClaimResult, key: int) -> Request:
             spec = Json.from_schema(evidence_schema([f"E{i}" for i in range(1, len(it.boxes) + 1)]))
-            return self._request(it, key, f"{self._candidates(it)}\nClaim: {c.text}\n{SELECT_TASK}", spec)
+            if self.evidence_layout == "shared":  # the candidates and their crops are in the prefix
+                return self._evidence_request(it, key, f"Claim: {c.text}\n{SELECT_TASK}", spec)
+            listing = "\n".join(f"E{i}: {list(b)}" for i, b in enumerate(it.boxes, start=1))
+            task = f"{self._candidates_head(it)}\n{listing}\nClaim: {c.text}\n{SELECT_TASK}"
+            return self._evidence_request(it, key, task, spec)
 
         for it, c, out in self._stage("select", ((it, c) for it in items for c in it.claims), make):
             parsed = self._json(out)
@@ -401,15 +445,23 @@ class VisExJudge(Judge):
             c.evidence_ids = sorted(chosen, key=lambda e: int(e[1:]))
             c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in c.evidence_ids]
 
-    def verification_request(self, item: _Item, claim: ClaimResult, key: int = 0) -> Request:
-        """One claim's verification request: the shared image + caption prefix, the claim, its
-        evidence regions as crops, and the forced ``{"decision": "`` answer start."""
-        regions = [f"{e} {b}: {self.backend.image_placeholder(item.box_images[int(e[1:]) - 1].grid_thw)}"
-                   for e, b in zip(claim.evidence_ids, claim.evidence_boxes)]
-        evidence = "Evidence regions:\n" + "\n".join(regions) if regions else "Evidence regions: none selected"
+    def verification_task(self, item: _Item, claim: ClaimResult, placeholder=None) -> tuple[str, list[Image]]:
+        """The claim's part of its verification prompt, and the images in it. Per-claim layout:
+        the selected regions, each with its crop; shared layout: the selected ids (their crops
+        are in the prefix)."""
+        if self.evidence_layout == "shared":
+            evidence = ", ".join(claim.evidence_ids) or "none selected"
+            return f"Claim: {claim.text}\nEvidence regions: {evidence}\n{VERIFY_TASK}", []
+        placeholder = placeholder or self._placeholder
         images = [item.box_images[int(e[1:]) - 1] for e in claim.evidence_ids]
-        return self._request(item, key, f"Claim: {claim.text}\n{evidence}\n{VERIFY_TASK}",
-                             Choice(self.yes_no_ids), images, self.decision_prefix)
+        regions = [f"{e} {b}: {placeholder(im)}" for e, b, im in zip(claim.evidence_ids, claim.evidence_boxes, images)]
+        evidence = "Evidence regions:\n" + "\n".join(regions) if regions else "Evidence regions: none selected"
+        return f"Claim: {claim.text}\n{evidence}\n{VERIFY_TASK}", images
+
+    def verification_request(self, item: _Item, claim: ClaimResult, key: int = 0) -> Request:
+        """One claim's verification request, with the forced ``{"decision": "`` answer start."""
+        task, images = self.verification_task(item, claim)
+        return self._evidence_request(item, key, task, Choice(self.yes_no_ids), images, self.decision_prefix)
 
     def _verify(self, items: list[_Item]) -> None:
         for it, c, out in self._stage("verify", ((it, c) for it in items for c in it.claims),
@@ -426,11 +478,11 @@ class VisExJudge(Judge):
                 evidence = ", ".join(f"{e} {b}" for e, b in zip(c.evidence_ids, c.evidence_boxes)) or "none"
                 task = (f"Claim: {c.text}\nEvidence regions: {evidence}\nDecision: {c.decision} "
                         f"(support {c.support:.2f})\n{EXPLAIN_CLAIM_TASK}")
-                return self._request(it, key, task, spec)
+                return self._evidence_request(it, key, task, spec)
             listing = "\n".join(f"- {c.part_id} ({c.type}): {c.text} -> {c.decision} (support {c.support:.2f}; "
                                 f"evidence {', '.join(c.evidence_ids) or 'none'})" for c in it.claims)
             task = f"Claims and decisions:\n{listing}\nOverall score: {it.result.score:.2f}\n{EXPLAIN_OVERALL_TASK}"
-            return self._request(it, key, task, spec)
+            return self._evidence_request(it, key, task, spec)
 
         jobs = ((it, t) for it in items for t in it.claims + [it.result])
         for it, target, out in self._stage("explain", jobs, make):
