@@ -146,6 +146,18 @@ class Fp8Weight:
         return dequantize_e4m3(self.weight, self.weight_scale, dtype)
 
 
+def projection_weight(state: dict[str, torch.Tensor], key: str, device, dtype):
+    """A linear layer's weight from a (possibly FP8) state: an :class:`Fp8Weight` with its
+    scales for an FP8 tensor, else the tensor in ``dtype`` on ``device``. KeyError if absent."""
+    w = state[key]
+    if w.dtype != FP8_DTYPE:
+        return w.to(device=device, dtype=dtype)
+    base = key[: -len("weight")]
+    input_scale = state.get(base + "input_scale")
+    return Fp8Weight(w.to(device), state[base + "weight_scale"].to(device),
+                     None if input_scale is None else input_scale.to(device))
+
+
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """``x @ weight.T`` for a plain weight tensor or an :class:`Fp8Weight`."""
     return weight(x) if isinstance(weight, Fp8Weight) else torch.nn.functional.linear(x, weight)

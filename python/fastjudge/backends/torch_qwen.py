@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..runtime.requests import Choice, Image, Output, Request, Text, choice_probs
-from .fp8 import FP8_DTYPE, Fp8Weight, fp8_gemm_supported, fuse, linear
+from .fp8 import Fp8Weight, fp8_gemm_supported, fuse, linear, projection_weight
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 from .qwen_vision import image_token_count, mrope_positions
 
@@ -122,13 +122,7 @@ class QwenWeights:
             key = name if full else prefix + name
             if key not in state:
                 raise CheckpointError(f"checkpoint lacks tensor {key!r}")
-            w = state[key]
-            if w.dtype != FP8_DTYPE:
-                return w.to(device=device, dtype=dtype)
-            base = key[: -len("weight")]
-            input_scale = state.get(base + "input_scale")
-            return Fp8Weight(w.to(device), state[base + "weight_scale"].to(device),
-                             None if input_scale is None else input_scale.to(device))
+            return projection_weight(state, key, device, dtype)
 
         def fused(*names: str):
             return fuse([dense(n) for n in names], dtype)

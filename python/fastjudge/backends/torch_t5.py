@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..runtime.requests import Choice, Output, Request, choice_probs
-from .fp8 import FP8_DTYPE, Fp8Weight, fp8_gemm_supported, fuse, linear
+from .fp8 import Fp8Weight, fp8_gemm_supported, fuse, linear, projection_weight
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
 log = logging.getLogger("fastjudge")
@@ -134,13 +134,7 @@ class T5Weights:
         def dense(name: str):
             if name not in state:
                 raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-            w = state[name]
-            if w.dtype != FP8_DTYPE:
-                return w.to(device=device, dtype=dtype)
-            base = name[: -len("weight")]
-            input_scale = state.get(base + "input_scale")
-            return Fp8Weight(w.to(device), state[base + "weight_scale"].to(device),
-                             None if input_scale is None else input_scale.to(device))
+            return projection_weight(state, name, device, dtype)
 
         def take(name: str) -> torch.Tensor:
             w = dense(name)

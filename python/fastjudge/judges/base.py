@@ -3,7 +3,24 @@ one dynamic batcher per judge."""
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
+
+
+def open_backend(model, backend: str = "torch", device: str = "auto", dtype=None,
+                 allow_pickle: bool = False, max_input_tokens: int | None = None, image: str | None = None):
+    """A judge's backend: ``model`` is a checkpoint directory (opened with the backend that fits
+    its architecture) or a backend object already open. ``image``: the judge's name, when it
+    needs a multimodal checkpoint."""
+    if isinstance(model, (str, os.PathLike)):
+        from ..backends import load_backend
+
+        model = load_backend(model, backend=backend, device=device, dtype=dtype,
+                             allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
+    if image and (not getattr(model, "multimodal", False) or model.image_config is None):
+        raise ValueError(f"{image} needs a Qwen3.5 vision-language checkpoint with a vision tower "
+                         "and a preprocessor_config.json")
+    return model
 
 
 class Judge:

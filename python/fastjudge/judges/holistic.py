@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 from ..io.images import ImageError, load_image
 from ..runtime.requests import Choice, Image, Request
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .base import Judge
+from .base import Judge, open_backend
 
 INTRO = "You are an image-text evaluator. Look at the image and answer the question with yes or no."
 
@@ -36,16 +36,7 @@ class HolisticJudge(Judge):
                  image_root: str | os.PathLike | None = None, max_batch_tokens: int | None = None,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
                  max_input_tokens: int | None = None):
-        if isinstance(model, (str, os.PathLike)):
-            from ..backends import load_backend
-
-            self.backend = load_backend(model, backend=backend, device=device, dtype=dtype,
-                                        allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
-        else:
-            self.backend = model
-        if not getattr(self.backend, "multimodal", False) or self.backend.image_config is None:
-            raise ValueError("the holistic judge needs a Qwen3.5 vision-language checkpoint with a "
-                             "vision tower and a preprocessor_config.json")
+        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="the holistic judge")
         self.image_root = image_root
         self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
         self.max_batch_size = max_batch_size

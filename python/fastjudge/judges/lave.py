@@ -25,7 +25,7 @@ import numpy as np
 
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .base import Judge
+from .base import Judge, open_backend
 
 RATINGS = (1, 2, 3)
 RATING_CUE = " So rating="
@@ -178,13 +178,7 @@ class LaveJudge(Judge):
             raise ValueError("filter_p must be in [0, 1)")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if isinstance(model, (str, os.PathLike)):
-            from ..backends import load_backend
-
-            self.backend = load_backend(model, backend=backend, device=device, dtype=dtype,
-                                        allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
-        else:
-            self.backend = model
+        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens)
         self.rationale = rationale
         self.num_shots = num_shots
         self.general_demos = load_demonstrations(demos, "general")[:num_shots]

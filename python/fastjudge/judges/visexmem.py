@@ -50,7 +50,7 @@ from ..runtime.grammar import (PART_TYPES, Json, boxes_schema, evidence_schema, 
                                parts_schema)
 from ..runtime.requests import Choice, Image, Output, Request
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .base import Judge
+from .base import Judge, open_backend
 
 AGGREGATES = ("mean", "geometric", "harmonic", "min")
 EVIDENCE_LAYOUTS = ("per-claim", "shared")
@@ -225,16 +225,7 @@ class VisExJudge(Judge):
             raise ValueError(f"evidence_layout must be one of {EVIDENCE_LAYOUTS}, got {evidence_layout!r}")
         if min(max_claims, max_claim_chars, max_explanation_chars) < 1:
             raise ValueError("max_claims, max_claim_chars and max_explanation_chars must be >= 1")
-        if isinstance(model, (str, os.PathLike)):
-            from ..backends import load_backend
-
-            self.backend = load_backend(model, backend=backend, device=device, dtype=dtype,
-                                        allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
-        else:
-            self.backend = model
-        if not getattr(self.backend, "multimodal", False) or self.backend.image_config is None:
-            raise ValueError("VisExMEM needs a Qwen3.5 vision-language checkpoint with a vision "
-                             "tower and a preprocessor_config.json")
+        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="VisExMEM")
         self.aggregate = aggregate
         self.explain = explain
         self.propose_boxes = propose_boxes
