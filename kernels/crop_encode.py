@@ -15,7 +15,9 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5) produces for that crop as an image:
    - ``"pil"`` (default): a width pass, rounded half up and clipped to uint8, then a height pass,
      rounded and clipped again. This is PIL's algorithm (the slow processor; qwen-vl-utils, with
      which Qwen's VL models were trained) and torch's CPU uint8 kernel (the fast processor on
-     CPU), both with fixed-point weights where this file uses float32 ones;
+     CPU), both with fixed-point weights where this file uses float32 ones. Pillow up to 12.3
+     always runs the width pass first; Pillow 13.0 runs the height pass first for some sizes
+     (e.g. 500x375 -> 504x364), and then differs by up to ~25 uint8 steps;
    - ``"float"``: one float32 pass, clamped and rounded half to even once: the fast processor on
      a CUDA device (torchvision casts to float there). At strong edges it differs from the CPU
      processors by up to 25 uint8 steps, because the bicubic overshoot of the first pass is not
