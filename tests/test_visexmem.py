@@ -106,8 +106,9 @@ def hf_support(hf, judge, request) -> float:
 
 @pytest.mark.parametrize("layout", ["per-claim", "shared"])
 def test_claim_support_matches_transformers(layout, judge, shared_judge, hf):
-    """Claims with zero, one and two evidence crops, batched together behind shared prefixes,
-    against transformers on each full input alone (both evidence layouts)."""
+    """Claims with zero, one and two evidence crops, of two images, run together (batched
+    behind each image's prefix state), against transformers on each full input alone (both
+    evidence layouts)."""
     judge = shared_judge if layout == "shared" else judge
     cases = [(0, "A red bus.", ()), (0, "A red bus.", ("E2",)), (0, "A red bus.", ("E1", "E4")),
              (3, "A red bus.", ("E3",))]
