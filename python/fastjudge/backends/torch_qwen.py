@@ -643,7 +643,7 @@ class TorchQwenBackend:
             if slot is not None:
                 self.prefix_cache.release(slot)
 
-    def _suffix(self, request: Request, state: PrefixState | None) -> tuple[np.ndarray, tuple[Image, ...]]:
+    def _suffix(self, request: Request) -> tuple[np.ndarray, tuple[Image, ...]]:
         """Tokens to run after the prefix state (prompt rest + forced response start) and the
         images among them."""
         ids = np.concatenate([request.prompt_ids[request.prefix_len:],
@@ -667,7 +667,7 @@ class TorchQwenBackend:
                                   positions=self._positions(rows, images, start, S))
 
     def _run_choice(self, batch, state) -> list[Output]:
-        suffixes = [self._suffix(r, state) for r in batch]
+        suffixes = [self._suffix(r) for r in batch]
         rows = [ids for ids, _ in suffixes]
         hidden, _ = self._forward_rows(rows, [ims for _, ims in suffixes], state)
         last = torch.tensor([len(x) - 1 for x in rows], device=self.device)
@@ -704,7 +704,7 @@ class TorchQwenBackend:
         matchers = [self._matcher(r.spec) for r in batch]
         last, states = [], []
         for r in batch:
-            ids, images = self._suffix(r, state)
+            ids, images = self._suffix(r)
             hidden, st = self._forward_rows([ids], [images], state, save=True)
             last.append(hidden[:, -1])
             states.append(st)

@@ -88,6 +88,18 @@ def load_image(image, root: str | os.PathLike | None = None) -> LoadedImage:
     return LoadedImage(torch.from_numpy(array.copy() if not array.flags.writeable else array).permute(2, 0, 1).contiguous(), digest.digest())
 
 
+def encode_region(loaded: LoadedImage, box: tuple[int, int, int, int], config):
+    """One region of an image (the whole image: ``(0, 0, width, height)``) encoded for the vision
+    tower as a request ``Image``, keyed by the image's content, the box and the preprocessing."""
+    from fastjudge.kernels.crop_encode import crop_encode
+
+    from ..runtime.requests import Image
+
+    pixels, grid = crop_encode(loaded.pixels, torch.tensor([box]), config)
+    key = loaded.key + np.asarray(box, dtype=np.int64).tobytes() + repr(config).encode()
+    return Image(pixels, tuple(int(v) for v in grid[0]), key)
+
+
 def check_boxes(boxes: Sequence | None, width: int, height: int) -> tuple[list[tuple[int, int, int, int]], list[str]]:
     """Boxes as whole-pixel ``(x0, y0, x1, y1)`` inside the image, and warnings for what was
     clipped or dropped (see the module docstring). ``ImageError`` for malformed boxes."""

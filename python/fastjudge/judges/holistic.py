@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from ..io.images import ImageError, load_image
-from ..runtime.requests import Choice, Image, Request
+from ..io.images import ImageError, encode_region, load_image
+from ..runtime.requests import Choice, Request
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from .base import Judge, open_backend
 
@@ -50,16 +50,11 @@ class HolisticJudge(Judge):
         return ids[0]
 
     def _request(self, index: int, example) -> Request:
-        from fastjudge.kernels.crop_encode import crop_encode
-        import torch
-
         text = example.text
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text (the caption) must be a non-empty string")
         loaded = load_image(example.image, self.image_root)
-        pixels, grid = crop_encode(loaded.pixels, torch.tensor([[0, 0, loaded.width, loaded.height]]),
-                                   self.backend.image_config)
-        image = Image(pixels, tuple(int(v) for v in grid[0]), loaded.key)
+        image = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.backend.image_config)
         question = f'Does this image show "{" ".join(text.split())}"? Answer yes or no.'
         prompt = f"{INTRO}\n\n{self.backend.image_placeholder(image.grid_thw)}\n{question}"
         ids = self.backend.encode_prompt(prompt)

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
-import torch
 
-from ..io.images import ImageError, LoadedImage, check_boxes, grid_boxes, load_image, relative_to_pixels
+from ..io.images import (ImageError, LoadedImage, check_boxes, encode_region, grid_boxes, load_image,
+                         relative_to_pixels)
 from ..runtime.grammar import (PART_TYPES, Json, boxes_schema, evidence_schema, explanation_schema,
                                parts_schema)
 from ..runtime.requests import Choice, Image, Output, Request
@@ -262,14 +262,6 @@ class VisExJudge(Judge):
         return tuple(yes[:n]), (yes[n], no[n])
 
     # -- preparing examples -------------------------------------------------------------------------
-    def _image(self, loaded: LoadedImage, box: tuple[int, int, int, int], config) -> Image:
-        """One crop (or the whole image) encoded for the vision tower."""
-        from fastjudge.kernels.crop_encode import crop_encode
-
-        pixels, grid = crop_encode(loaded.pixels, torch.tensor([box]), config)
-        key = loaded.key + np.asarray(box, dtype=np.int64).tobytes() + repr(config).encode()
-        return Image(pixels, tuple(int(v) for v in grid[0]), key)
-
     def _prepare(self, index: int, example: ImageTextExample) -> _Item | VisExResult:
         result = VisExResult(index=index, id=getattr(example, "id", None))
         try:
@@ -281,7 +273,7 @@ class VisExJudge(Judge):
             loaded = load_image(example.image, self.image_root)
             boxes, warnings = check_boxes(example.boxes, loaded.width, loaded.height)
             result.warnings += warnings
-            full = self._image(loaded, (0, 0, loaded.width, loaded.height), self.image_config)
+            full = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.image_config)
         except (ImageError, ValueError, TypeError) as bad:
             result.error = f"invalid example: {bad}"
             return result
@@ -296,7 +288,7 @@ class VisExJudge(Judge):
         kept, images = [], []
         for box in boxes:
             try:
-                images.append(self._image(item.image, box, self.crop_config))
+                images.append(encode_region(item.image, box, self.crop_config))
                 kept.append(box)
             except ValueError as bad:  # e.g. an aspect ratio the processor refuses
                 item.result.warnings.append(f"box {list(box)} cannot be encoded ({bad}); dropped")
@@ -420,8 +412,13 @@ class VisExJudge(Judge):
                 self._set_boxes(it, grid_boxes(it.image.width, it.image.height))
 
     def _select(self, items: list[_Item]) -> None:
+        specs: dict[int, Json] = {}  # by candidate count: the schema is built once, not per claim
+
         def make(it: _Item, c: ClaimResult, key: int) -> Request:
-            spec = Json.from_schema(evidence_schema([f"E{i}" for i in range(1, len(it.boxes) + 1)]))
+            n = len(it.boxes)
+            if n not in specs:
+                specs[n] = Json.from_schema(evidence_schema([f"E{i}" for i in range(1, n + 1)]))
+            spec = specs[n]
             if self.evidence_layout == "shared":  # the candidates and their crops are in the prefix
                 return self._evidence_request(it, key, f"Claim: {c.text}\n{SELECT_TASK}", spec)
             listing = "\n".join(f"E{i}: {list(b)}" for i, b in enumerate(it.boxes, start=1))
