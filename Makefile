@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
-SOURCES := pyproject.toml CMakeLists.txt $(shell find engine kernels python -type f -not -path '*/__pycache__/*' 2>/dev/null)
+SOURCES := pyproject.toml CMakeLists.txt $(shell find engine python -type f -not -path '*/__pycache__/*' 2>/dev/null)
 
 .PHONY: install test demo bench clean
 

@@ -74,8 +74,8 @@ def main(argv=None) -> int:
                                          vocab_size=4000)
             judge = LaveJudge(model_dir, device="cpu", dtype=dtype)
             backend = judge.backend
-            texts = [backend.format_prompt(judge.build_prompt(e)) for e in examples]
-            prompt_tokens = sum(len(backend.encode_prompt(judge.build_prompt(e))) for e in examples)
+            texts = [backend.codec.format_prompt(judge.build_prompt(e)) for e in examples]
+            prompt_tokens = sum(len(backend.codec.encode_prompt(judge.build_prompt(e))) for e in examples)
             base = Baseline(model_dir, dtype, judge.rating_token_ids, args.batch_size)
 
             def fresh_cache():

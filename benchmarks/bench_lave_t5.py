@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                 dtype = getattr(torch, dtype_name)
                 judge = LaveJudge(model_dir, dtype=dtype, device="cpu")
                 prompts = [judge.build_prompt(e) for e in examples]
-                lengths = [len(judge.backend.encode_prompt(p)) for p in prompts]
+                lengths = [len(judge.backend.codec.encode_prompt(p)) for p in prompts]
                 base = Baseline(model_dir, dtype, judge.rating_token_ids, args.batch_size)
                 t_base, base_ratings = timed(lambda: base.score(prompts), args.repeats)
                 t_fast, results = timed(lambda: judge.score(examples), args.repeats)

@@ -27,8 +27,9 @@ import time
 import numpy as np
 
 from fastjudge import _engine
-from fastjudge.runtime.planner import padded_tokens, plan_batches, plan_batches_python
-from fastjudge.runtime.prefix_index import PrefixIndex, PrefixIndexPython
+from fastjudge.runtime.planner import padded_tokens, plan_batches
+from fastjudge.runtime.prefix_index import PrefixIndex
+from fastjudge.testing import PrefixIndexPython, plan_batches_python
 
 
 def median_seconds(fn, repeats: int) -> tuple[float, object]:

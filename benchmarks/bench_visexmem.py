@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from fastjudge import ImageTextExample, VisExJudge
-from fastjudge.backends.torch_qwen import ImageEmbeddingCache
+from fastjudge.backends.caches import ImageEmbeddingCache
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.judges import visexmem as vx

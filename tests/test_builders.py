@@ -110,7 +110,7 @@ def test_calibration_split_and_prompts(lave_judge, tmp_path):
     assert [e.id for e in again.heldout] == [e.id for e in data.heldout]
     prompts = judge_prompts(lave_judge, data.calibration[:3])
     for p, e in zip(prompts, data.calibration[:3]):  # exactly the judge's model input
-        assert np.array_equal(p, lave_judge.backend.encode_prompt(lave_judge.build_prompt(e)))
+        assert np.array_equal(p, lave_judge.backend.codec.encode_prompt(lave_judge.build_prompt(e)))
     assert prompts_sha256(prompts) == prompts_sha256([p.copy() for p in prompts])
     assert prompts_sha256(prompts) != prompts_sha256(prompts[:2])
     # user JSONL: malformed lines skipped, items the judge rejects left out of the prompts
@@ -449,8 +449,8 @@ def test_qwen_build_checkpoint_matches_trtllm_expectations(qwen_build, qwen_dir)
     judge = m["judge"]
     assert judge["rating_token_ids"] == list(LaveJudge(base, num_shots=1).rating_token_ids)
     assert judge["rationale_rating_token_ids"] == list(LaveJudge(base, rationale=True).rating_token_ids)
-    assert judge["yes_no_token_ids"] == [base.response_ids("yes")[0], base.response_ids("no")[0]]
-    assert all(len(base.response_ids(x)) == 1 for x in ("yes", "no"))
+    assert judge["yes_no_token_ids"] == [base.codec.response_ids("yes")[0], base.codec.response_ids("no")[0]]
+    assert all(len(base.codec.response_ids(x)) == 1 for x in ("yes", "no"))
     results = LaveJudge(TorchQwenBackend(ckpt, device="cpu", dtype="float32"), num_shots=1).score(
         load_examples()[0][:3])
     assert all(r.error is None and r.rating in (1, 2, 3) for r in results)
@@ -532,7 +532,7 @@ def test_trtllm_backend_manifest_checks(t5_build, qwen_build, tmp_path):
     torch_q = TorchQwenBackend(qwen_build / "checkpoint", device="cpu", dtype="float32")
     judge = LaveJudge(torch_q, num_shots=1)
     text = judge.build_prompt(load_examples()[0][0])
-    assert np.array_equal(tq.encode_prompt(text), torch_q.encode_prompt(text))
+    assert np.array_equal(tq.codec.encode_prompt(text), torch_q.codec.encode_prompt(text))
     assert LaveJudge(tq, num_shots=1).rating_token_ids == judge.rating_token_ids
     # a manifest that disagrees with the tokenizer is refused before anything loads
     bad = tmp_path / "bad"

@@ -14,20 +14,22 @@ pytest.importorskip("xgrammar")
 
 from fastjudge.checkpoints import train_bpe_tokenizer  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
-from fastjudge.runtime.grammar import (  # noqa: E402
+from fastjudge.judges.visexmem.schemas import (  # noqa: E402
     PART_TYPES,
+    boxes_schema,
+    evidence_schema,
+    explanation_schema,
+    parts_schema,
+)
+from fastjudge.runtime.grammar import (  # noqa: E402
     GrammarCache,
     GrammarError,
     Json,
     JsonMatcher,
     _pattern_max_chars,
-    boxes_schema,
     canonical_schema,
     decode_json,
-    evidence_schema,
-    explanation_schema,
     json_token_bound,
-    parts_schema,
 )
 
 PAD = 24  # model vocabulary rows past the tokenizer (lm_head padding)

@@ -370,17 +370,17 @@ class TestRatingTokens:
     def test_score_only_ids(self, lave_judge, t5_backend):
         ids = lave_judge.rating_token_ids
         assert len(ids) == 3 and len(set(ids)) == 3
-        assert [t5_backend.decode([i]) for i in ids] == ["1", "2", "3"]
-        assert [t5_backend.response_ids(str(r)) for r in (1, 2, 3)] == [[i] for i in ids]
+        assert [t5_backend.codec.decode([i]) for i in ids] == ["1", "2", "3"]
+        assert [t5_backend.codec.response_ids(str(r)) for r in (1, 2, 3)] == [[i] for i in ids]
 
     def test_rationale_ids_after_cue(self, t5_backend):
         judge = LaveJudge(t5_backend, rationale=True)
         ids = judge.rating_token_ids
         assert len(set(ids)) == 3
-        assert [t5_backend.decode([i]).strip() for i in ids] == ["1", "2", "3"]
-        cue = t5_backend.response_ids(RATING_CUE)
+        assert [t5_backend.codec.decode([i]).strip() for i in ids] == ["1", "2", "3"]
+        cue = t5_backend.codec.response_ids(RATING_CUE)
         for r, i in zip("123", ids):
-            assert t5_backend.response_ids(RATING_CUE + r) == cue + [i]
+            assert t5_backend.codec.response_ids(RATING_CUE + r) == cue + [i]
 
 
 # -- bad items ------------------------------------------------------------------------------------
@@ -433,8 +433,8 @@ class TestBadItems:
         long = VQAExample("What color?", [f"a very long reference answer number {i}" for i in range(40)],
                           "red", id="long")
         probe = LaveJudge(t5_backend, num_shots=0)
-        n_short = len(t5_backend.encode_prompt(probe.build_prompt(short)))
-        n_long = len(t5_backend.encode_prompt(probe.build_prompt(long)))
+        n_short = len(t5_backend.codec.encode_prompt(probe.build_prompt(short)))
+        n_long = len(t5_backend.codec.encode_prompt(probe.build_prompt(long)))
         assert n_long > n_short + 20
         limit = n_short + 10
         backend = TorchT5Backend(t5_dir, device="cpu", dtype="float32", max_input_tokens=limit)
@@ -482,7 +482,7 @@ class TestScore:
             assert r.soft_score == pytest.approx(sum(p * (i - 1) / 2 for i, p in zip((1, 2, 3), r.probs)))
             assert r.rating == int(np.argmax(r.probs)) + 1
             assert r.rating_source == "choice" and r.rationale is None
-            assert r.prompt_tokens == len(lave_judge.backend.encode_prompt(lave_judge.build_prompt(SCORED[r.index])))
+            assert r.prompt_tokens == len(lave_judge.backend.codec.encode_prompt(lave_judge.build_prompt(SCORED[r.index])))
 
     def test_deterministic_and_batch_invariant(self, lave_judge):
         together = lave_judge.score(SCORED)
@@ -562,12 +562,12 @@ class TestRationaleMode:
     def test_rationales_match_between_policies(self, official_results, constrained_results, t5_backend):
         assert [r.rationale for r in official_results] == [r.rationale for r in constrained_results]
         assert all(r.rationale.strip() for r in official_results)
-        assert all(len(t5_backend.response_ids(r.rationale)) <= 8 + 1 for r in official_results)
+        assert all(len(t5_backend.codec.response_ids(r.rationale)) <= 8 + 1 for r in official_results)
 
     def test_rationale_prompt_tokens(self, official_results, t5_backend):
         judge = LaveJudge(t5_backend, **RATIONALE_KW)
         for ex, r in zip(SCORED, official_results):
-            assert r.prompt_tokens == len(t5_backend.encode_prompt(judge.build_prompt(ex)))
+            assert r.prompt_tokens == len(t5_backend.codec.encode_prompt(judge.build_prompt(ex)))
 
     def test_stream_each_index_once(self, t5_backend):
         judge = LaveJudge(t5_backend, **RATIONALE_KW)

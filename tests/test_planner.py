@@ -8,12 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastjudge import _engine
-from fastjudge.runtime.planner import (
-    DEFAULT_MAX_BATCH_SIZE,
-    padded_tokens,
-    plan_batches,
-    plan_batches_python,
-)
+from fastjudge.runtime.planner import DEFAULT_MAX_BATCH_SIZE, padded_tokens, plan_batches
+from fastjudge.testing import plan_batches_python
 
 PLANNERS = [plan_batches, plan_batches_python]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -17,7 +17,8 @@ from hypothesis.stateful import (
 )
 
 from fastjudge import _engine
-from fastjudge.runtime.prefix_index import CacheFullError, PrefixIndex, PrefixIndexPython
+from fastjudge.runtime.prefix_index import CacheFullError, PrefixIndex
+from fastjudge.testing import PrefixIndexPython
 
 INDEXES = [PrefixIndex, PrefixIndexPython]
 

@@ -61,7 +61,7 @@ def test_lave_score_only_matches_transformers(qwen_dir):
     assert len(backend.prefix_cache) == 2  # general and yes/no demonstration prefixes
     for ex, res in zip(items, results):
         assert res.error is None
-        ids = backend.encode_prompt(judge.build_prompt(ex))
+        ids = backend.codec.encode_prompt(judge.build_prompt(ex))
         ref = hf_next_token_probs(hf, ids, judge.rating_token_ids)
         np.testing.assert_allclose(res.probs, ref, rtol=1e-4, atol=1e-6)
         assert res.rating == int(np.argmax(ref)) + 1
@@ -97,13 +97,15 @@ def test_greedy_text_matches_generate(qwen_dir):
     items = examples(3)
     max_new = 12
     for ex in items:
-        ids = backend.encode_prompt(judge.build_prompt(ex))
-        req = Request(0, ids, Text(max_new), prefix_len=backend.shared_prefix_len(ids, judge._prompt_parts(ex)[0]))
+        encoded = backend.codec.encode(*judge._prompt_parts(ex))
+        ids = encoded.ids
+        assert np.array_equal(ids, backend.codec.encode_prompt(judge.build_prompt(ex)))
+        req = encoded.request(0, Text(max_new))
         assert req.prefix_len > 0
         out = backend.run([req])[0]
         gen = hf.generate(torch.tensor([ids.tolist()]), max_new_tokens=max_new, do_sample=False,
-                          num_beams=1, eos_token_id=sorted(backend.eos_token_ids))[0, len(ids):].tolist()
-        stop = next((i for i, t in enumerate(gen) if t in backend.eos_token_ids), len(gen))
+                          num_beams=1, eos_token_id=sorted(backend.codec.eos_token_ids))[0, len(ids):].tolist()
+        stop = next((i for i, t in enumerate(gen) if t in backend.codec.eos_token_ids), len(gen))
         assert out.token_ids == gen[:stop]
 
 
@@ -127,11 +129,11 @@ def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
 
 def test_chat_template_with_thinking_disabled(qwen35_dir):
     backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
-    text = backend.format_prompt("Question: x?")
+    text = backend.codec.format_prompt("Question: x?")
     assert text.startswith("<|im_start|>user\nQuestion: x?<|im_end|>\n<|im_start|>assistant\n")
     assert text.endswith("<think>\n\n</think>\n\n")
     judge = LaveJudge(backend)
-    assert [backend.decode([t]) for t in judge.rating_token_ids] == ["1", "2", "3"]
+    assert [backend.codec.decode([t]) for t in judge.rating_token_ids] == ["1", "2", "3"]
 
 
 def test_bad_items_and_prompt_limit(qwen35_dir):

@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
     pixel_values, grid_thw = crop_encode(img, torch.tensor([[0, 0, W, H]]),
                                          CropEncodeConfig.from_preprocessor_config(d), impl="torch")
     return dict(dir=d, backend=backend, vision=vision, hf=hf, pv=pixel_values, grid=grid_thw,
-                tok=backend.tokenizer, cfg=hf.config)
+                tok=backend.codec.tokenizer, cfg=hf.config)
 
 
 def ids_of(tok, text):

@@ -16,7 +16,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from fastjudge.cli import main  # noqa: E402
 from fastjudge.io.parquet import read_parquet_rows  # noqa: E402
 from fastjudge.judges import registry  # noqa: E402
-from fastjudge.rescore import local_rows, prepare  # noqa: E402
+from fastjudge.io.jobs import local_rows, prepare  # noqa: E402
 
 from test_cli import VALID, read_rows, write_lines  # noqa: E402
 

@@ -49,7 +49,7 @@ def test_score_only_matches_transformers(layout, t5_dir, t5_tied_dir):
     worst = 0.0
     for ex, res in zip(items, results):
         assert res.error is None
-        ref = hf_rating_probs(hf, judge.backend.tokenizer, judge.build_prompt(ex), judge.rating_token_ids)
+        ref = hf_rating_probs(hf, judge.backend.codec.tokenizer, judge.build_prompt(ex), judge.rating_token_ids)
         np.testing.assert_allclose(res.probs, ref, rtol=1e-4, atol=1e-6)
         assert res.rating == int(np.argmax(ref)) + 1
         worst = max(worst, float(np.max(np.abs(np.asarray(res.probs) - ref) / ref)))
@@ -70,17 +70,17 @@ def test_batching_does_not_change_results(t5_backend):
 
 def test_greedy_text_matches_generate(t5_backend, t5_dir):
     hf = hf_model(t5_dir)
-    tok = t5_backend.tokenizer
+    tok = t5_backend.codec.tokenizer
     judge = LaveJudge(t5_backend, rationale=True)
     prompts = [judge.build_prompt(ex) for ex in examples(7)]
     prompts.append("Question: short one? Output:")  # very different lengths in one batch
     max_new = 24
-    requests = [Request(i, t5_backend.encode_prompt(p), Text(max_new)) for i, p in enumerate(prompts)]
+    requests = [Request(i, t5_backend.codec.encode_prompt(p), Text(max_new)) for i, p in enumerate(prompts)]
     outputs = t5_backend.run(requests)
     for prompt, out in zip(prompts, outputs):
         ids = torch.tensor([tok(prompt).input_ids])
         gen = hf.generate(ids, max_new_tokens=max_new, do_sample=False, num_beams=1)[0, 1:].tolist()
-        eos = t5_backend.eos_token_id
+        eos = t5_backend.shape.eos_token_id
         expected = gen[: gen.index(eos)] if eos in gen else gen
         assert out.token_ids == expected
         assert out.finished == (eos in gen)
@@ -95,19 +95,19 @@ def test_rationale_fallback_step_matches_transformers(t5_backend, t5_dir):
     results = judge.score(items)
     constrained = [r for r in results if r.rating_source == "constrained"]
     assert constrained, "random weights should produce rationales without a final digit"
-    cue = t5_backend.response_ids(" So rating=")
+    cue = t5_backend.codec.response_ids(" So rating=")
     for res in constrained:
         prompt = judge.build_prompt(items[res.index])
         # the generated ids themselves (re-tokenizing the text need not give the same ids)
-        requests = [Request(0, t5_backend.encode_prompt(prompt), Text(10))]
+        requests = [Request(0, t5_backend.codec.encode_prompt(prompt), Text(10))]
         generated = t5_backend.run(requests)[0].token_ids
-        ref = hf_rating_probs(hf, t5_backend.tokenizer, prompt, judge.rating_token_ids,
+        ref = hf_rating_probs(hf, t5_backend.codec.tokenizer, prompt, judge.rating_token_ids,
                               response_prefix=[*generated, *cue])
         np.testing.assert_allclose(res.probs, ref, rtol=1e-4, atol=1e-6)
 
 
 def test_choice_rows_with_different_candidates_share_a_batch(t5_backend):
-    p = t5_backend.encode_prompt("Question: what? Output:")
+    p = t5_backend.codec.encode_prompt("Question: what? Output:")
     a = Request(0, p, Choice((3, 4, 5)))
     b = Request(1, p, Choice((5, 4)))
     out = t5_backend.run([a, b])
@@ -128,7 +128,7 @@ def test_pickle_weights_refused_unless_allowed(tmp_path, t5_dir):
         TorchT5Backend(target, device=TEST_DEVICE, dtype="float32")
     backend = TorchT5Backend(target, device=TEST_DEVICE, dtype="float32", allow_pickle=True)
     reference = TorchT5Backend(t5_dir, device=TEST_DEVICE, dtype="float32")
-    req = [Request(0, reference.encode_prompt("Question: a? Output:"), Choice((3, 4, 5)))]
+    req = [Request(0, reference.codec.encode_prompt("Question: a? Output:"), Choice((3, 4, 5)))]
     np.testing.assert_array_equal(backend.run(req)[0].logits, reference.run(req)[0].logits)
 
 

@@ -16,8 +16,7 @@ import torch
 from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
-from fastjudge.judges.visexmem import AGGREGATES, ClaimResult, aggregate, validate_parts
-from fastjudge.runtime.grammar import PART_TYPES
+from fastjudge.judges.visexmem import AGGREGATES, PART_TYPES, ClaimResult, aggregate, validate_parts
 from fastjudge.runtime.scheduler import run_requests
 from conftest import TEST_DEVICE
 
@@ -132,7 +131,7 @@ def test_prefix_reuse_is_exact_and_keyed_by_image(judge):
     assert judge.backend.group_key(reqs[0]) != judge.backend.group_key(reqs[1])
     reused = {o.index: o.probs for bt in run_requests(judge.backend, reqs, 1 << 16) for o in bt}
     for r in reqs:
-        r.prefix_len = 0
+        r.prefix_len = r.prefix_images = 0
     plain = {o.index: o.probs for bt in run_requests(judge.backend, reqs, 1 << 16) for o in bt}
     for k in (0, 1):
         np.testing.assert_allclose(reused[k], plain[k], atol=1e-6)
@@ -181,7 +180,7 @@ def test_shared_layout_pipeline(shared_judge):
     ra, rb = (shared_judge.verification_request(item, c) for c in (a, b))
     backend = shared_judge.backend
     assert backend.group_key(ra) == backend.group_key(rb)
-    assert len(backend._prefix_of(ra)[1]) == 1 + len(item.boxes) == len(ra.images)
+    assert ra.prefix_images == 1 + len(item.boxes) == len(ra.images)
 
 
 def test_other_aggregates_and_no_explain(vl_dir, judge):

@@ -1,10 +1,38 @@
-"""fastjudge: a compiled high-throughput inference engine for model-as-judge metrics."""
+"""fastjudge: a compiled high-throughput inference engine for model-as-judge metrics.
 
-from .judges.holistic import HolisticJudge, HolisticResult
-from .judges.lave import LaveJudge, LaveResult, VQAExample
-from .judges.visexmem import ClaimResult, ImageTextExample, VisExJudge, VisExResult
+The judges below are imported on first use (PEP 562), so ``import fastjudge.metrics`` and the
+other model-free parts load without torch or transformers installed.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
+#: Public name -> the module that defines it.
+_LAZY_EXPORTS = {
+    "HolisticJudge": "fastjudge.judges.holistic",
+    "HolisticResult": "fastjudge.judges.holistic",
+    "LaveJudge": "fastjudge.judges.lave",
+    "LaveResult": "fastjudge.judges.lave",
+    "VQAExample": "fastjudge.judges.lave",
+    "ClaimResult": "fastjudge.judges.visexmem",
+    "ImageTextExample": "fastjudge.judges.visexmem",
+    "VisExJudge": "fastjudge.judges.visexmem",
+    "VisExResult": "fastjudge.judges.visexmem",
+}
+
 __all__ = ["LaveJudge", "LaveResult", "VQAExample", "VisExJudge", "VisExResult", "ClaimResult",
            "ImageTextExample", "HolisticJudge", "HolisticResult", "__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,37 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from itertools import islice
-from typing import Iterable, Iterator
 
-from .judges.registry import LAVE_RESULT_FIELDS  # noqa: F401 (the output row's result fields)
+from .io.jobs import add_job_arguments
+from .judges.registry import (HOLISTIC_OPTIONS, LAVE_OPTIONS, LAVE_RESULT_FIELDS,  # noqa: F401
+                              VISEXMEM_OPTIONS, add_options, get_judge, option_values)
 
+RESUMABLE_OUTPUT = ("JSONL, or for *.parquet / *.pq a directory of Parquet part files; rerunning "
+                    "resumes, skipping ids already written")
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default=None,
-                   help="float32 or bfloat16 (default: bfloat16 on CUDA and on CPUs with native "
-                        "bf16 support, else float32)")
-    p.add_argument("--rationale", action="store_true",
-                   help="decode a rationale before the rating (slower; the paper's setting)")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="rationale length cap (100)")
-
-
-def _add_lave_args(p: argparse.ArgumentParser) -> None:
-    """LAVE options and job batching (``fastjudge lave``, ``fastjudge rescore``)."""
-    p.add_argument("--num-shots", type=int, default=8)
-    p.add_argument("--demos", help="JSON file of general-question demonstrations")
-    p.add_argument("--binary-demos", help="JSON file of yes/no-question demonstrations")
-    p.add_argument("--no-filter", action="store_true", help="keep outlier reference answers")
-    p.add_argument("--filter-p", type=float, default=0.25)
-    p.add_argument("--use-caption", action="store_true", help="add the image caption to prompts")
-    p.add_argument("--on-unparsable", choices=("constrain", "official"), default="constrain")
-    p.add_argument("--max-batch-tokens", type=int, default=None)
-    p.add_argument("--max-input-tokens", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=1024,
-                   help="items planned together; results are written as batches finish")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="allow pickle-based weights (*.bin); only for trusted checkpoints")
+# `fastjudge demo` takes these LAVE options (the sample job itself is fixed).
+DEMO_OPTIONS = tuple(o for o in LAVE_OPTIONS
+                     if o.name in ("device", "dtype", "rationale", "max_new_tokens"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,35 +23,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log model loading details")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    lave = sub.add_parser("lave", help="score VQA answers with LAVE (JSONL in, JSONL out)")
+    lave = sub.add_parser("lave", help="score VQA answers with LAVE (JSONL or Parquet in and out)")
     lave.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
-    lave.add_argument("--input", required=True,
-                      help="JSONL: id, question, references (list of str or of {'answer': ...}), "
-                           "prediction, optional caption")
-    lave.add_argument("--output", required=True,
-                      help="JSONL; rerunning resumes, skipping ids already written")
-    _add_model_args(lave)
-    _add_lave_args(lave)
-    lave.add_argument("--no-progress", action="store_true")
+    add_job_arguments(
+        lave, input_help="JSONL (or Parquet: *.parquet, *.pq): id, question, references (list "
+                         "of str or of {'answer': ...}), prediction, optional caption",
+        output_help=RESUMABLE_OUTPUT, chunk_size=1024,
+        chunk_help="items planned together; results are written as batches finish")
+    add_options(lave, LAVE_OPTIONS)
+
+    visexmem = sub.add_parser("visexmem", help="evaluate image-caption pairs with VisExMEM "
+                                               "(JSONL or Parquet in and out)")
+    visexmem.add_argument("--model", required=True,
+                          help="Qwen3.5 vision-language checkpoint directory")
+    add_job_arguments(
+        visexmem, input_help="JSONL (or Parquet: *.parquet, *.pq): id, image (path) or "
+                             "image_b64, text, optional boxes [[x0,y0,x1,y1], ...]",
+        output_help=RESUMABLE_OUTPUT, chunk_size=64,
+        chunk_help="pairs taken through the stages together; results are written per chunk")
+    visexmem.add_argument("--holistic", action="store_true",
+                          help="the holistic yes/no baseline instead (one P(yes) per pair)")
+    add_options(visexmem, VISEXMEM_OPTIONS + HOLISTIC_OPTIONS)
 
     demo = sub.add_parser("demo", help="run LAVE on bundled sample data (no download needed)")
     demo.add_argument("--model", default=None,
                       help="checkpoint directory (default: a cached random-weight Flan-T5-small-"
                            "shaped judge, built on first use)")
-    _add_model_args(demo)
+    add_options(demo, DEMO_OPTIONS)
 
     vqa = sub.add_parser("vqa-acc", help="VQA Accuracy (official vqaEval.py rules) and exact "
                                          "match of the predictions in a JSONL file")
-    vqa.add_argument("--input", required=True, help="JSONL in the `fastjudge lave` layout")
-    vqa.add_argument("--output", required=True,
-                     help="JSONL: input fields + vqa_accuracy, exact_match, error; resumable")
+    add_job_arguments(vqa, input_help="JSONL (or Parquet: *.parquet, *.pq) in the `fastjudge "
+                                      "lave` layout",
+                      output_help="input fields + vqa_accuracy, exact_match, error. "
+                                  + RESUMABLE_OUTPUT)
     vqa.add_argument("--normalize", choices=("official", "always", "none"), default="official",
                      help="official: normalize only when the references differ (vqaEval.py); "
                           "always: normalize every answer; none: whitespace only")
     vqa.add_argument("--single-reference", choices=("vqa", "official", "exact"), default="vqa",
                      help="score for one reference: vqa = min(1, match/3) (default), "
                           "official = 0 (what vqaEval.py gives), exact = match")
-    vqa.add_argument("--no-progress", action="store_true")
 
     meta = sub.add_parser("meta-eval", help="correlate metric scores with human judgments")
     meta.add_argument("--human", required=True,
@@ -102,60 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rescore_parser(sub)
 
-    from .judges.image_text_io import add_visexmem_parser
-
-    add_visexmem_parser(sub)
-
     from .builders.cli import add_build_parser
 
     add_build_parser(sub)
     return parser
 
 
-def _chunks(items: Iterable, size: int) -> Iterator[list]:
-    it = iter(items)
-    while chunk := list(islice(it, size)):
-        yield chunk
+def run_judge_job(args, judge_name: str) -> int:
+    """``fastjudge lave`` / ``visexmem``: the shared file job with a registered judge."""
+    from .io.jobs import run_job
 
-
-def run_lave(args) -> int:
-    from .io.jobs import JsonlJob
-    from .io.jsonl import read_jsonl
-    from .judges.lave import LaveJudge, VQAExample
-
-    judge = LaveJudge(
-        args.model, device=args.device, dtype=args.dtype, rationale=args.rationale,
-        num_shots=args.num_shots, demos=args.demos, binary_demos=args.binary_demos,
-        filter_refs=not args.no_filter, filter_p=args.filter_p, use_caption=args.use_caption,
-        max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
-        on_unparsable=args.on_unparsable, allow_pickle=args.allow_pickle,
-        max_input_tokens=args.max_input_tokens)
-    lines = list(read_jsonl(args.input))  # before the output is touched: a bad path leaves none
-    job = JsonlJob("lave", args.output, means={"score": "mean score"}, progress=not args.no_progress)
-    todo = [line for line in lines if line.id not in job.done]
-    job.set_total(len(todo))
-    try:
-        for chunk in _chunks(todo, max(1, args.chunk_size)):
-            examples, valid = [], []
-            for line in chunk:
-                if line.error:
-                    job.emit({"id": line.id, **dict.fromkeys(LAVE_RESULT_FIELDS), "error": line.error})
-                    continue
-                item = line.item
-                examples.append(VQAExample(
-                    question=item.get("question"), references=item.get("references"),
-                    prediction=item.get("prediction"), caption=item.get("caption"), id=line.id))
-                valid.append(line)
-            for result in judge.stream(examples):
-                line = valid[result.index]
-                row = line.output_row()
-                row.update({k: getattr(result, k) for k in LAVE_RESULT_FIELDS})
-                if result.error:
-                    row["error"] = f"line {line.line_no}: {result.error}"
-                job.emit(row)
-    except KeyboardInterrupt:
-        return job.interrupted()
-    return job.finish()
+    spec = get_judge(judge_name)
+    return run_job(judge_name, spec, lambda: spec.factory(args), args.input, args.output,
+                   chunk_size=args.chunk_size, progress=not args.no_progress)
 
 
 def main(argv=None) -> int:
@@ -165,9 +115,12 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(model=args.model, device=args.device, dtype=args.dtype,
-                        rationale=args.rationale, max_new_tokens=args.max_new_tokens)
+        return run_demo(args.model, **option_values(args, DEMO_OPTIONS))
     try:
+        if args.command == "lave":
+            return run_judge_job(args, "lave")
+        if args.command == "visexmem":
+            return run_judge_job(args, "holistic" if args.holistic else "visexmem")
         if args.command == "vqa-acc":
             from .metrics.vqa import run_vqa_acc
 
@@ -180,19 +133,13 @@ def main(argv=None) -> int:
             from .serve import run_serve
 
             return run_serve(args)
-        if args.command == "visexmem":
-            from .judges.image_text_io import run_visexmem
-
-            return run_visexmem(args)
         if args.command == "rescore":
             from .rescore import run_rescore
 
             return run_rescore(args)
-        if args.command == "build":
-            from .builders.cli import run_build
+        from .builders.cli import run_build
 
-            return run_build(args)
-        return run_lave(args)
+        return run_build(args)
     except (OSError, ValueError) as bad:  # bad paths, checkpoints, demonstration files
         print(f"fastjudge: error: {bad}", file=sys.stderr)
         return 2

@@ -68,17 +68,17 @@ def demo_model(rebuild: bool = False) -> Path:
     return path
 
 
-def run_demo(model: str | None = None, device: str = "auto", dtype=None, rationale: bool = False,
-             max_new_tokens: int = 100) -> int:
-    from . import LaveJudge, VQAExample
+def run_demo(model: str | None = None, **judge_options) -> int:
+    """Score the bundled sample with ``LaveJudge(model, **judge_options)``; ``model=None``: the
+    cached random-weight demo judge."""
+    from .judges.lave import LaveJudge, VQAExample
 
     random_model = model is None
     model_dir = demo_model() if random_model else Path(model)
     rows = sample_rows()
     examples = [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), r["id"])
                 for r in rows]
-    judge = LaveJudge(model_dir, device=device, dtype=dtype, rationale=rationale,
-                      max_new_tokens=max_new_tokens)
+    judge = LaveJudge(model_dir, **judge_options)
     start = time.perf_counter()
     results = judge.score(examples)
     elapsed = time.perf_counter() - start
@@ -97,7 +97,7 @@ def run_demo(model: str | None = None, device: str = "auto", dtype=None, rationa
     print(f"\n{len(results)} items, {len(results) - len(ok)} errors, mean score {mean:.3f}; "
           f"{len(results) / elapsed:.1f} items/s, {tokens / elapsed:.0f} prompt tokens/s "
           f"({elapsed:.2f}s on {backend.device}, {str(backend.dtype).replace('torch.', '')}, "
-          f"{'rationale' if rationale else 'score-only'})")
+          f"{'rationale' if judge.rationale else 'score-only'})")
     if random_model:
         print("\nNOTE: this judge has RANDOM weights, so its ratings are meaningless; the demo "
               "shows the pipeline and its speed.\nFor real scores point it at a Flan-T5 "

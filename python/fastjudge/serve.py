@@ -24,8 +24,9 @@ a request not finished within ``timeout_s`` → 504; malformed JSON → 400; wro
 types → 422. Each error body is ``{"error": message}``.
 
 Judges come from a registry (:mod:`fastjudge.judges.registry`, shared with
-``fastjudge rescore``): ``register_judge(name, factory, parse_item)`` where ``factory(args)``
-builds a judge from the parsed command-line arguments. Only ``lave`` exists today.
+``fastjudge rescore``): ``lave``, ``visexmem`` and ``holistic``, each with the command-line
+options its declaration lists; ``register_judge(name, factory, parse_item)`` adds one, where
+``factory(args)`` builds a judge from the parsed command-line arguments.
 """
 
 from __future__ import annotations
@@ -310,10 +311,6 @@ def add_serve_parser(sub) -> None:
                    help="per-request timeout; 504 after it (default 60)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the batcher waits to fill a batch (default 5)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16")
-    p.add_argument("--rationale", action="store_true", help="LAVE rationale mode")
-    p.add_argument("--max-new-tokens", type=int, default=100)
     add_judge_options(p)
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
+from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, choice_probs
 from .fp8 import Fp8Weight, fp8_gemm_supported, fuse, linear, projection_weight
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
@@ -364,8 +365,6 @@ class TorchT5Backend:
         """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
         with FP8 tensor cores (compute capability 8.9+)."""
-        from transformers import AutoTokenizer
-
         cfg = read_config(model_dir)
         if cfg.get("model_type") not in T5_MODEL_TYPES:
             raise CheckpointError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not a T5 model")
@@ -377,38 +376,24 @@ class TorchT5Backend:
         state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=fp8_gemm)
         self.model = T5Model(T5Weights(state, self.shape, self.device, self.dtype))
         del state
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.codec = open_codec(model_dir, cfg, self.kind, eos_token_id=self.shape.eos_token_id)
         # T5 uses relative positions, so no architectural length limit exists; the default cap
         # bounds memory and is far above LAVE prompts (~1k tokens with 8 demonstrations).
         self.max_input_tokens = max_input_tokens or 4096
-        self.eos_token_id = self.shape.eos_token_id
         # Planner budget (rows x longest prompt): large enough for full GEMMs, small enough
         # that activations of a batch stay in cache-friendly sizes on CPU.
         self.default_batch_tokens = 65536 if self.device.type == "cuda" else 8192
         log.info("fastjudge: loaded T5 judge %s on %s (%s)", model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
 
-    # -- text <-> tokens ---------------------------------------------------------------------
-    def encode_prompt(self, text: str) -> np.ndarray:
-        """Model input ids exactly as transformers' tokenizer gives them (with EOS)."""
-        return np.asarray(self.tokenizer(text).input_ids, dtype=np.int64)
-
-    def shared_prefix_len(self, ids: np.ndarray, prefix_text: str) -> int:
-        """Always 0: every encoder token attends to the whole prompt, so no prefix state of a
-        bidirectional encoder can be reused exactly."""
-        return 0
-
-    def response_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` as the start of the model's response (no EOS)."""
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
     # -- execution ---------------------------------------------------------------------------
     def cost(self, request: Request) -> int:
         """Tokens a request occupies in a batch (the planner's length)."""
         return len(request.prompt_ids)
+
+    def group_key(self, request: Request) -> None:
+        """One group: no prefix state is kept (a bidirectional encoder allows no exact reuse)."""
+        return None
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Request]) -> list[Output]:

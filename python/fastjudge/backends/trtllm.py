@@ -32,7 +32,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
+from .manifest import ManifestError, check_token_ids, read_manifest
 
 log = logging.getLogger("fastjudge")
 
@@ -61,9 +63,6 @@ class TrtllmBackend:
                  kv_cache_free_gpu_memory_fraction: float = 0.85, load_engine: bool = True):
         """``load_engine=False``: manifest checks and tokenization only (no TensorRT-LLM needed;
         ``run`` is then unavailable)."""
-        from transformers import AutoTokenizer
-
-        from fastjudge.builders.manifest import ManifestError, check_token_ids, judge_token_ids, read_manifest
 
         self.build_dir = Path(build_dir)
         self.manifest = manifest = read_manifest(self.build_dir)
@@ -75,27 +74,26 @@ class TrtllmBackend:
         artifacts = manifest["artifacts"]
         self.checkpoint_dir = self.build_dir / artifacts["checkpoint"]
         tokenizer_dir = self.build_dir / artifacts.get("tokenizer", artifacts["checkpoint"])
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         limits = manifest["limits"]
         self.max_input_tokens = min(max_input_tokens or limits["max_input_len"], limits["max_input_len"])
         self.max_batch_size = int(limits["max_batch_size"])
         self.default_batch_tokens = self.max_batch_size * self.max_input_tokens
+        # No image slots: the engines run text prompts only. TensorRT-LLM finds shared prefixes
+        # itself (KV-cache block reuse), so requests carry none.
+        self.codec = open_codec(tokenizer_dir, {}, self.kind, eos_token_id=model.get("eos_token_id"),
+                                exact_prefix=False)
         if self.kind == "encoder-decoder":
-            self.eos_token_ids = {int(model["eos_token_id"])}
             self.pad_token_id = int(model.get("pad_token_id") or 0)
             self.decoder_start_token_id = int(model.get("decoder_start_token_id") or 0)
         else:
-            eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-            self.eos_token_ids = {t for t in (eos, self.tokenizer.eos_token_id) if isinstance(t, int) and t >= 0}
-            self.pad_token_id = self.tokenizer.pad_token_id or 0
-        check_token_ids(manifest, judge_token_ids(self))  # before anything heavy is loaded
+            self.pad_token_id = self.codec.pad_token_id
+        self.eos_token_ids = self.codec.eos_token_ids
+        check_token_ids(manifest, self.codec)  # before anything heavy is loaded
         self._runner = self._llm = None
         if load_engine:
             self._load_engine(artifacts, limits, kv_cache_free_gpu_memory_fraction)
 
     def _load_engine(self, artifacts: dict, limits: dict, kv_cache_free_gpu_memory_fraction: float) -> None:
-        from fastjudge.builders.manifest import ManifestError
-
         build_dir = self.build_dir
         import_tensorrt_llm()
         if self.kind == "encoder-decoder":
@@ -121,33 +119,12 @@ class TrtllmBackend:
                             max_seq_len=int(limits["max_seq_len"]))
         log.info("fastjudge: loaded TensorRT-LLM %s judge %s", self.engine_kind, build_dir)
 
-    # -- text <-> tokens (as the torch backends) --------------------------------------------------
-    def format_prompt(self, text: str) -> str:
-        if self.kind == "encoder-decoder":
-            return text
-        messages = [{"role": "user", "content": text}]
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      enable_thinking=False)
-        return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-    def encode_prompt(self, text: str) -> np.ndarray:
-        if self.kind == "encoder-decoder":
-            return np.asarray(self.tokenizer(text).input_ids, dtype=np.int64)
-        return np.asarray(self.tokenizer(self.format_prompt(text), add_special_tokens=False).input_ids, dtype=np.int64)
-
-    def shared_prefix_len(self, ids: np.ndarray, prefix_text: str) -> int:
-        """0: TensorRT-LLM finds shared prefixes itself (KV-cache block reuse)."""
-        return 0
-
-    def response_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
     def cost(self, request: Request) -> int:
         return request.num_tokens
+
+    def group_key(self, request: Request) -> None:
+        """One group: TensorRT-LLM reuses shared prefixes across any batch itself."""
+        return None
 
     # -- execution ------------------------------------------------------------------------------
     def run(self, batch: Sequence[Request]) -> list[Output]:

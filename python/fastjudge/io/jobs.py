@@ -1,19 +1,161 @@
-"""The shared shell of resumable JSONL-to-JSONL jobs (``fastjudge lave``, ``fastjudge vqa-acc``):
-skip ids already written, write rows as they come, show progress, and end with a summary, or,
-on Ctrl-C, with a note that rerunning resumes."""
+"""Resumable file jobs: ``fastjudge lave``, ``visexmem``, ``vqa-acc`` and ``rescore`` all run
+:func:`run_job`.
+
+Input: JSONL, or Parquet (``*.parquet`` / ``*.pq``; columns are the JSONL fields, see
+:mod:`.parquet`). Output: JSONL, or, for a name ending in ``.parquet`` / ``.pq``, a directory
+of Parquet part files.
+
+Rows: every input line/row gives exactly one output row: the input fields (the id resolved,
+``line-N`` when absent) and the result fields. An item that cannot be scored (malformed JSON,
+not an object, rejected when made an example or by the judge, or on a batch the judge failed
+on) gets an error row: result fields null and ``error`` naming its line. A job never fails
+because of an item.
+
+Resume: rerunning the same command skips every id already in the output and appends the rest
+(JSONL: a partial last line of a killed run is cut off first; Parquet: new part files). Done
+ids are filtered out before any work is dispatched.
+
+Scoring: in this process, ``chunk_size`` items at a time, each row written as soon as the
+judge's batch holding it finishes; or on a Ray actor pool (:mod:`.ray_pool`). A progress bar
+and a summary go to stderr; on Ctrl-C the job says that rerunning resumes.
+
+What a job scores with is duck-typed (:class:`fastjudge.judges.registry.JudgeSpec` and the
+judges fit): a *spec* with ``example(item, id)`` (may raise: an error row), ``fields_of(result)``,
+``result_fields``, ``result_types`` (Parquet column types) and ``means`` (summary labels), and
+a *judge* whose ``stream(examples)`` yields results carrying ``index`` (into ``examples``).
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from functools import partial
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .jsonl import ResumableWriter
+from .jsonl import InputLine, ResumableWriter, read_jsonl
+from .parquet import is_parquet
+from .ray_pool import WorkerFailure, score_on_ray
 
 PROGRESS_EVERY = 256  # rows per progress-bar update: cheap even at 100k+ rows/s
 
 
-class JsonlJob:
-    """``means`` maps numeric output fields to the label of their mean in the summary."""
+# -- input -----------------------------------------------------------------------------------
+def read_input(path: str) -> Iterator[InputLine]:
+    """Every input line (JSONL) or row (Parquet). Opens the file, and reads its first item,
+    before returning, so a bad path fails before any output is touched."""
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a directory; --input takes one JSONL or Parquet file")
+    if is_parquet(path):
+        from .parquet import read_parquet
+
+        lines = read_parquet(path)
+    else:
+        lines = read_jsonl(path)
+    first = list(islice(lines, 1))
+    return chain(first, lines)
+
+
+# -- rows ------------------------------------------------------------------------------------
+def error_row(spec, line: InputLine) -> dict:
+    """The row of a line that is not an item at all (malformed JSON, not an object)."""
+    return {"id": line.id, **dict.fromkeys(spec.result_fields), "error": line.error}
+
+
+def make_row(spec, line: InputLine, fields: dict) -> dict:
+    """Input fields (id resolved) + result fields; an error names the line."""
+    row = line.output_row()
+    row.update({k: fields.get(k) for k in spec.result_fields})
+    if fields.get("error"):
+        row["error"] = f"line {line.line_no}: {fields['error']}"
+    return row
+
+
+def _failed(spec, message: str) -> dict:
+    return {**dict.fromkeys(spec.result_fields), "error": message}
+
+
+def _prepare_line(spec, line: InputLine) -> tuple[dict | None, Any]:
+    """(its error row, None) for a line that is no valid example, else (None, the example)."""
+    if line.error:
+        return error_row(spec, line), None
+    try:
+        return None, spec.example(line.item, line.id)
+    except Exception as bad:  # noqa: BLE001 - any rejection of one item is that item's error
+        return make_row(spec, line, _failed(spec, str(bad))), None
+
+
+def prepare(spec, lines: Iterable[InputLine]) -> tuple[list[dict], list[tuple[InputLine, Any]]]:
+    """Split lines into finished error rows and (line, example) pairs to score."""
+    rows, todo = [], []
+    for line in lines:
+        row, example = _prepare_line(spec, line)
+        if row is None:
+            todo.append((line, example))
+        else:
+            rows.append(row)
+    return rows, todo
+
+
+def score_examples(judge, spec, examples: Sequence) -> Iterator[tuple[int, dict]]:
+    """(index into ``examples``, result fields) for every example, as results finish. If the
+    judge fails (e.g. out of memory), the examples it had not finished get that error."""
+    finished = set()
+    try:
+        for r in judge.stream(examples):
+            finished.add(r.index)
+            yield r.index, spec.fields_of(r)
+    except Exception as bad:  # noqa: BLE001
+        message = f"{type(bad).__name__}: {bad}"
+        for i in range(len(examples)):
+            if i not in finished:
+                yield i, _failed(spec, message)
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def local_rows(judge, spec, todo: Sequence, chunk_size: int) -> Iterator[dict]:
+    """Rows of prepared (line, example) pairs, scored in this process ``chunk_size`` at a
+    time."""
+    for chunk in _chunks(todo, max(1, chunk_size)):
+        for i, fields in score_examples(judge, spec, [ex for _, ex in chunk]):
+            yield make_row(spec, chunk[i][0], fields)
+
+
+def _rows_as_read(judge, spec, lines: Iterable[InputLine], done: set[str],
+                  chunk_size: int) -> Iterator[dict]:
+    """Rows of the input lines whose ids are not ``done``, read as the job goes: an error row
+    as soon as its line is read, the items scored ``chunk_size`` at a time."""
+    chunk_size = max(1, chunk_size)
+    todo = []
+    for line in lines:
+        if line.id in done:
+            continue
+        row, example = _prepare_line(spec, line)
+        if row is not None:
+            yield row
+            continue
+        todo.append((line, example))
+        if len(todo) == chunk_size:
+            yield from local_rows(judge, spec, todo, chunk_size)
+            todo = []
+    yield from local_rows(judge, spec, todo, chunk_size)
+
+
+def _judge_scorer(spec, build_judge: Callable[[], Any]):
+    """A Ray actor's scorer: the judge is built once, in the actor."""
+    return partial(score_examples, build_judge(), spec)
+
+
+# -- output ----------------------------------------------------------------------------------
+class JobOutput:
+    """Where a job's rows go: the resumable writer, the progress bar and the summary.
+    ``means`` maps numeric result fields to the label of their mean in the summary."""
 
     def __init__(self, name: str, output: str, means: dict[str, str], progress: bool = True,
                  writer=None):
@@ -80,3 +222,75 @@ class JsonlJob:
               f"{self.errors} errors, {means}, {self.items / max(elapsed, 1e-9):.1f} items/s "
               f"-> {self.output}", file=sys.stderr)
         return 0
+
+
+def open_writer(spec, output: str, lines: Sequence[InputLine], rows_per_part: int):
+    """The Parquet part writer for a ``*.parquet`` / ``*.pq`` output (its schema from all
+    input ``lines``), else ``None``: the job's resumable JSONL file."""
+    if not is_parquet(output):
+        return None
+    from .parquet import ParquetPartWriter, output_schema
+
+    schema, as_json = output_schema(
+        (line.output_row() for line in lines if line.item is not None), spec.result_fields,
+        spec.result_types)
+    writer = ParquetPartWriter(output, schema, as_json, rows_per_part=rows_per_part)
+    if writer.removed_temporary:
+        print(f"fastjudge: removed {writer.removed_temporary} unfinished part file(s) from "
+              f"{output} (interrupted run)", file=sys.stderr)
+    return writer
+
+
+# -- the job ---------------------------------------------------------------------------------
+def add_job_arguments(parser, input_help: str, output_help: str, chunk_size: int | None = None,
+                      chunk_help: str | None = None) -> None:
+    """A file job's command-line arguments: ``--input``, ``--output``, ``--chunk-size`` (when
+    the command has a ``chunk_size`` default) and ``--no-progress``."""
+    parser.add_argument("--input", required=True, help=input_help)
+    parser.add_argument("--output", required=True, help=output_help)
+    if chunk_size is not None:
+        parser.add_argument("--chunk-size", type=int, default=chunk_size, help=chunk_help)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
+            output_path: str, *, chunk_size: int, progress: bool = True,
+            rows_per_part: int = 10000, pool=None, stream: bool = False) -> int:
+    """Score the file ``input_path`` into ``output_path`` (see the module docstring); returns
+    the exit status (0, or 1 when the Ray workers failed, or 130 on Ctrl-C).
+
+    ``build_judge()`` makes the judge: here before the input is read (a bad checkpoint fails
+    before any output exists), or, with ``pool`` (a :class:`.ray_pool.RayPool`), once in each
+    Ray actor. ``stream``: read the input as the job goes (for cheap items in large files; the
+    progress bar then has no total); Parquet output and Ray read it all first anyway.
+    """
+    judge = None if pool is not None else build_judge()
+    lines: Iterable[InputLine] = read_input(input_path)
+    if not stream or pool is not None or is_parquet(output_path):
+        lines = list(lines)
+    job = JobOutput(name, output_path, spec.means, progress,
+                    open_writer(spec, output_path, lines, rows_per_part))
+    if isinstance(lines, list):
+        job.set_total(sum(line.id not in job.done for line in lines))
+    failure = None
+    try:
+        if pool is None:
+            rows = _rows_as_read(judge, spec, lines, job.done, chunk_size)
+        else:
+            done_rows, todo = prepare(spec, [line for line in lines if line.id not in job.done])
+            scored = score_on_ray(pool, partial(_judge_scorer, spec, build_judge),
+                                  [ex for _, ex in todo], chunk_size, f"fastjudge {name}")
+            rows = chain(done_rows, (make_row(spec, todo[i][0], fields) for i, fields in scored))
+        try:
+            for row in rows:
+                job.emit(row)
+        except WorkerFailure as bad:
+            failure = bad
+    except KeyboardInterrupt:
+        return job.interrupted()
+    code = job.finish()
+    if failure is not None:
+        print(f"fastjudge {name}: error: the Ray workers failed ({failure}); the rows written "
+              "so far are kept: rerun the same command to resume", file=sys.stderr)
+        return 1
+    return code

@@ -17,7 +17,7 @@ def open_backend(model, backend: str = "torch", device: str = "auto", dtype=None
 
         model = load_backend(model, backend=backend, device=device, dtype=dtype,
                              allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
-    if image and (not getattr(model, "multimodal", False) or model.image_config is None):
+    if image and model.codec.image_config is None:
         raise ValueError(f"{image} needs a Qwen3.5 vision-language checkpoint with a vision tower "
                          "and a preprocessor_config.json")
     return model

@@ -9,11 +9,17 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from ..io.images import ImageError, encode_region, load_image
-from ..runtime.requests import Choice, Request
+from ..runtime.requests import Choice, Image, Request
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from .base import Judge, open_backend
 
 INTRO = "You are an image-text evaluator. Look at the image and answer the question with yes or no."
+
+
+def holistic_prompt(image: Image, caption: str) -> tuple[str, tuple]:
+    """(shared prefix, rest) of the prompt: the instruction, then the image and the question."""
+    question = f'Does this image show "{" ".join(caption.split())}"? Answer yes or no.'
+    return INTRO + "\n\n", (image, "\n" + question)
 
 
 @dataclass
@@ -40,29 +46,21 @@ class HolisticJudge(Judge):
         self.image_root = image_root
         self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
         self.max_batch_size = max_batch_size
-        self.yes_no_ids = tuple(self._word_id(w) for w in ("yes", "no"))
-
-    def _word_id(self, word: str) -> int:
-        ids = self.backend.response_ids(word)
-        if len(ids) != 1:
-            raise ValueError(f"{word!r} is not a single token at the start of a response for this "
-                             f"tokenizer (ids {ids})")
-        return ids[0]
+        self.codec = self.backend.codec
+        # each word as the first token of the response (one token each, or the judge refuses)
+        self.yes_no_ids = self.codec.answer_ids(["yes", "no"], single_token=True).ids
 
     def _request(self, index: int, example) -> Request:
         text = example.text
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text (the caption) must be a non-empty string")
         loaded = load_image(example.image, self.image_root)
-        image = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.backend.image_config)
-        question = f'Does this image show "{" ".join(text.split())}"? Answer yes or no.'
-        prompt = f"{INTRO}\n\n{self.backend.image_placeholder(image.grid_thw)}\n{question}"
-        ids = self.backend.encode_prompt(prompt)
-        if len(ids) > self.backend.max_input_tokens:
-            raise ValueError(f"prompt is {len(ids)} tokens, above the model limit of "
+        image = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.codec.image_config)
+        encoded = self.codec.encode(*holistic_prompt(image, text))
+        if len(encoded.ids) > self.backend.max_input_tokens:
+            raise ValueError(f"prompt is {len(encoded.ids)} tokens, above the model limit of "
                              f"{self.backend.max_input_tokens}")
-        return Request(index=index, prompt_ids=ids, spec=Choice(self.yes_no_ids), images=(image,),
-                       prefix_len=self.backend.shared_prefix_len(ids, INTRO + "\n\n"))
+        return encoded.request(index, Choice(self.yes_no_ids))
 
     def stream(self, examples: Iterable) -> Iterator[HolisticResult]:
         requests, results = [], {}

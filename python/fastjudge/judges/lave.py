@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Iterable, Iterator, Sequence
 
@@ -179,6 +179,7 @@ class LaveJudge(Judge):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens)
+        self.codec = self.backend.codec
         self.rationale = rationale
         self.num_shots = num_shots
         self.general_demos = load_demonstrations(demos, "general")[:num_shots]
@@ -196,7 +197,7 @@ class LaveJudge(Judge):
                     raise ValueError("use_caption=True needs a caption in every demonstration")
         self._prefixes = {binary: self._prefix(binary) for binary in (False, True)}
         self._answer_ids = self._rating_ids("")
-        self._cue_ids = self.backend.response_ids(RATING_CUE)
+        self._cue_ids = self.codec.response_ids(RATING_CUE)
         self._cue_rating_ids = self._rating_ids(RATING_CUE)
 
     # -- prompt ----------------------------------------------------------------------------------
@@ -255,20 +256,7 @@ class LaveJudge(Judge):
     def _rating_ids(self, context: str) -> tuple[int, ...]:
         """Token id of each rating as the model would write it right after ``context`` in its
         response. Fails loudly where a rating would not be a single token there."""
-        base = self.backend.response_ids(context) if context else []
-        ids = []
-        for r in RATINGS:
-            full = self.backend.response_ids(context + str(r))
-            if full[: len(base)] != base or len(full) != len(base) + 1:
-                pieces = full[len(base):] if full[: len(base)] == base else full
-                raise ValueError(
-                    f"rating {r} after {context!r} is not a single token for this tokenizer "
-                    f"(got ids {pieces}); LAVE's constrained rating step needs one token per rating")
-            if self.backend.decode(full[-1:]).strip() != str(r):
-                raise ValueError(f"rating {r} after {context!r} maps to token {full[-1]}, which "
-                                 f"decodes to {self.backend.decode(full[-1:])!r} (unknown token?)")
-            ids.append(full[-1])
-        return tuple(ids)
+        return self.codec.answer_ids([str(r) for r in RATINGS], after=context, single_token=True).ids
 
     @property
     def rating_token_ids(self) -> tuple[int, ...]:
@@ -280,21 +268,19 @@ class LaveJudge(Judge):
     def _request(self, index: int, example: VQAExample) -> tuple[Request | None, LaveResult]:
         result = LaveResult(index=index, id=getattr(example, "id", None))
         try:
-            prefix, rest = self._prompt_parts(example)
-            ids = self.backend.encode_prompt(prefix + rest)
+            encoded = self.codec.encode(*self._prompt_parts(example))
         except (ValueError, TypeError, AttributeError) as bad:
             result.error = f"invalid example: {bad}"
             return None, result
-        result.prompt_tokens = len(ids)
-        if len(ids) > self.backend.max_input_tokens:
-            result.error = (f"prompt is {len(ids)} tokens, above the model limit of "
+        result.prompt_tokens = len(encoded.ids)
+        if len(encoded.ids) > self.backend.max_input_tokens:
+            result.error = (f"prompt is {len(encoded.ids)} tokens, above the model limit of "
                             f"{self.backend.max_input_tokens}; not truncated (use fewer shots, "
                             "shorter references, or raise max_input_tokens)")
             return None, result
         spec = (Text(self.max_new_tokens, track_ids=self._cue_rating_ids) if self.rationale
                 else Choice(self._answer_ids))
-        return Request(index=index, prompt_ids=ids, spec=spec,
-                       prefix_len=self.backend.shared_prefix_len(ids, prefix)), result
+        return encoded.request(index, spec), result
 
     @staticmethod
     def _set_rating(result: LaveResult, rating: int, probs: np.ndarray | None, source: str) -> None:
@@ -309,7 +295,7 @@ class LaveJudge(Judge):
 
     def _finish_text(self, out: Output, result: LaveResult, request: Request) -> Request | None:
         """Rating from a rationale; a constrained follow-up request when it has none."""
-        text = self.backend.decode(out.token_ids)
+        text = self.codec.decode(out.token_ids)
         result.rationale = text
         last = text.rstrip()[-1:]
         if last in ("1", "2", "3"):
@@ -321,8 +307,7 @@ class LaveJudge(Judge):
         if self.on_unparsable == "official":
             self._set_rating(result, 2, None, "official-fallback")
             return None
-        return Request(index=request.index, prompt_ids=request.prompt_ids,
-                       spec=Choice(self._cue_rating_ids), prefix_len=request.prefix_len,
+        return replace(request, spec=Choice(self._cue_rating_ids),
                        response_prefix=tuple(out.token_ids) + tuple(self._cue_ids))
 
     def stream(self, examples: Iterable[VQAExample]) -> Iterator[LaveResult]:

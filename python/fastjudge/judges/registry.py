@@ -1,40 +1,85 @@
-"""The judges that ``fastjudge serve`` and ``fastjudge rescore`` know by name.
+"""The judges the commands know by name, each declared once.
 
-One :class:`JudgeSpec` per judge says how to build it from the parsed command-line arguments,
-how to turn one input item into an example (strictly for HTTP requests, as the JSONL jobs do
-for files), and which result fields its output rows carry. A new judge is one
-:func:`register_judge` call (or one entry in :data:`JUDGES`).
+A :class:`JudgeSpec` says how to build its judge (the judge's constructor options, each an
+:class:`Option`: keyword argument, type, default, help, choices), how to turn one input item
+into an example (strictly for HTTP requests, as given for file rows) and which result fields
+its output rows carry. ``fastjudge lave``, ``visexmem``, ``demo``, ``serve`` and ``rescore``
+derive their command-line options and the judge they build from these declarations, so a new
+judge option is one :class:`Option` here. A new judge is one :func:`register_judge` call.
 
-This module imports nothing heavy; factories import their judge when called.
+This module imports nothing heavy; the factories import their judge when called.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-__all__ = ["ItemError", "JudgeSpec", "JUDGES", "register_judge", "get_judge",
-           "LAVE_RESULT_FIELDS"]
+from . import items
+from .items import ItemError
 
-# Result fields of a LAVE output row (``fastjudge lave``, ``fastjudge rescore --judge lave``).
-LAVE_RESULT_FIELDS = ("score", "soft_score", "rating", "probs", "rationale", "rating_source",
-                      "prompt_tokens", "error")
-LAVE_RESULT_TYPES = {"score": "float", "soft_score": "float", "rating": "int",
-                     "probs": "list[float]", "rationale": "str", "rating_source": "str",
-                     "prompt_tokens": "int", "error": "str"}
+__all__ = ["Option", "ItemError", "JudgeSpec", "JUDGES", "register_judge", "get_judge",
+           "add_options", "add_judge_options", "option_values", "MODEL_OPTIONS", "LAVE_OPTIONS",
+           "VISEXMEM_OPTIONS", "HOLISTIC_OPTIONS", "LAVE_RESULT_FIELDS"]
 
 
-class ItemError(ValueError):
-    """An input item that is not a valid example for the judge (the server answers 422)."""
+@dataclass(frozen=True)
+class Option:
+    """One keyword argument of a judge's constructor and its command-line flag.
+
+    The flag is ``--name-with-dashes``, or ``flag`` when given; a ``bool`` option is a switch
+    that sets the opposite of its default (``--no-name`` when the default is true). ``help``
+    may refer to the default as ``%(default)s``."""
+
+    name: str
+    type: type = str
+    default: Any = None
+    help: str | None = None
+    choices: tuple | None = None
+    flag: str | None = None
+
+    @property
+    def option_string(self) -> str:
+        if self.flag:
+            return self.flag
+        dashed = self.name.replace("_", "-")
+        return f"--no-{dashed}" if self.type is bool and self.default else f"--{dashed}"
+
+    def add_to(self, parser) -> None:
+        if self.type is bool:
+            parser.add_argument(self.option_string, dest=self.name, default=self.default,
+                                action="store_false" if self.default else "store_true",
+                                help=self.help)
+        else:
+            parser.add_argument(self.option_string, dest=self.name, type=self.type,
+                                default=self.default, choices=self.choices, help=self.help)
+
+
+def add_options(parser, options: Iterable[Option], seen: set[str] | None = None) -> None:
+    """Add ``options`` to an argparse parser (or group), skipping the names in ``seen`` (which
+    collects the names added)."""
+    seen = set() if seen is None else seen
+    for option in options:
+        if option.name not in seen:
+            option.add_to(parser)
+            seen.add(option.name)
+
+
+def option_values(args, options: Iterable[Option]) -> dict:
+    """Constructor keyword arguments from parsed arguments; an option the command does not
+    define keeps its declared default."""
+    return {o.name: getattr(args, o.name, o.default) for o in options}
 
 
 @dataclass(frozen=True)
 class JudgeSpec:
     """How to build and feed one judge.
 
-    * ``factory(args)``: the judge, from parsed command-line arguments (options a command does
-      not define fall back to the judge's defaults). The judge has ``stream(examples)``
-      yielding results with ``index`` (into ``examples``), ``error`` and the result fields.
+    * ``factory(args)``: the judge, from parsed command-line arguments (``args.model`` and the
+      judge's options). The judge has ``stream(examples)`` yielding results with ``index``
+      (into ``examples``), ``error`` and the result fields.
     * ``parse_item(obj, where)``: one JSON item of an HTTP request -> example; raises
       :class:`ItemError` naming ``where`` and what is wrong.
     * ``from_row(item, id)``: one input row (dict) of a file job -> example. Defaults to
@@ -45,8 +90,9 @@ class JudgeSpec:
     * ``means``: numeric result fields whose mean the job summary prints, with labels.
     * ``result_row(result)``: the result fields of one result as a dict (default: the
       attributes named in ``result_fields``).
-    * ``add_args(parser)``: adds the judge's own options to ``fastjudge rescore`` (an option
-      that another judge already defines is kept as that judge defined it).
+    * ``options``: the judge's constructor options, offered by every command that builds it.
+    * ``add_args(parser)``: further options of a judge registered with its own factory (an
+      option that another judge already defines is kept as that judge defined it).
 
     With ``fastjudge rescore --ray`` the factory runs in every Ray actor, on the driver's
     parsed arguments (``args.input`` made absolute), and the examples are pickled to them.
@@ -62,6 +108,7 @@ class JudgeSpec:
     means: dict[str, str] = field(default_factory=lambda: {"score": "mean score"})
     result_row: Callable[[Any], dict] | None = None
     add_args: Callable[[Any], None] | None = None
+    options: tuple[Option, ...] = ()
 
     def fields_of(self, result: Any) -> dict:
         if self.result_row is not None:
@@ -74,91 +121,134 @@ class JudgeSpec:
         return self.parse_item({**item, "id": ident}, "item")
 
 
-# -- LAVE ------------------------------------------------------------------------------------
-def _lave_factory(args) -> Any:
+# -- options ---------------------------------------------------------------------------------
+# Keyword arguments every built-in judge's constructor takes (the model it runs on).
+MODEL_OPTIONS = (
+    Option("device", str, "auto", "cpu, cuda, cuda:N or auto (default)"),
+    Option("dtype", str, None, "float32 or bfloat16 (default: bfloat16 on CUDA and on CPUs with "
+                               "native bf16 support, else float32)"),
+    Option("max_batch_tokens", int, None, "token budget of one batch (default: the backend's)"),
+    Option("max_input_tokens", int, None, "longest prompt in tokens; a longer item gets an "
+                                          "error (default: the backend's limit)"),
+    Option("allow_pickle", bool, False,
+           "allow pickle-based weights (*.bin); only for trusted checkpoints"),
+)
+
+LAVE_OPTIONS = MODEL_OPTIONS + (
+    Option("rationale", bool, False,
+           "decode a rationale before the rating (slower; the paper's setting)"),
+    Option("max_new_tokens", int, 100, "rationale length cap (%(default)s)"),
+    Option("num_shots", int, 8, "demonstrations per prompt (%(default)s)"),
+    Option("demos", str, None, "JSON file of general-question demonstrations"),
+    Option("binary_demos", str, None, "JSON file of yes/no-question demonstrations"),
+    Option("filter_refs", bool, True, "keep outlier reference answers", flag="--no-filter"),
+    Option("filter_p", float, 0.25, "the filter drops reference answers given at most this "
+                                    "fraction as often as the most common one (%(default)s)"),
+    Option("use_caption", bool, False, "add the image caption to prompts"),
+    Option("on_unparsable", str, "constrain", "a rationale that ends without a rating: "
+           "constrain (one more step restricted to 1/2/3; default) or official (rating 2, as "
+           "the authors' code)", choices=("constrain", "official")),
+)
+
+IMAGE_ROOT = Option("image_root", str, None,
+                    "folder for relative image paths (default: the input file's folder)")
+
+HOLISTIC_OPTIONS = MODEL_OPTIONS + (IMAGE_ROOT,)
+
+VISEXMEM_OPTIONS = HOLISTIC_OPTIONS + (
+    Option("aggregate", str, "mean", "claim supports -> global score (default: %(default)s, as "
+           "the paper)", choices=("mean", "geometric", "harmonic", "min")),
+    Option("explain", bool, True, "skip the explanation stage"),
+    Option("propose_boxes", bool, False, "items without boxes: let the model propose candidate "
+                                         "regions (default: the image quadrants)"),
+    Option("evidence_layout", str, "per-claim", "per-claim: each claim's selected crops in its "
+           "own prompt part (default); shared: all candidate crops once in the example's shared "
+           "prefix (faster)", choices=("per-claim", "shared")),
+    Option("max_claims", int, 12, "most claims per caption (%(default)s)"),
+    Option("max_claim_chars", int, 120, "longest claim text (%(default)s)"),
+    Option("max_explanation_chars", int, 300, "longest explanation (%(default)s)"),
+)
+
+
+# -- the built-in judges ---------------------------------------------------------------------
+def _build_lave(args):
     from .lave import LaveJudge
 
-    def opt(name, default=None):
-        return getattr(args, name, default)
-
-    return LaveJudge(args.model, device=opt("device", "auto"), dtype=opt("dtype"),
-                     rationale=opt("rationale", False), max_new_tokens=opt("max_new_tokens", 100),
-                     num_shots=opt("num_shots", 8), demos=opt("demos"),
-                     binary_demos=opt("binary_demos"), filter_refs=not opt("no_filter", False),
-                     filter_p=opt("filter_p", 0.25), use_caption=opt("use_caption", False),
-                     max_batch_tokens=opt("max_batch_tokens"),
-                     on_unparsable=opt("on_unparsable", "constrain"),
-                     allow_pickle=opt("allow_pickle", False),
-                     max_input_tokens=opt("max_input_tokens"))
+    return LaveJudge(args.model, **option_values(args, LAVE_OPTIONS))
 
 
-def _lave_item(d: Any, where: str):
-    from .lave import VQAExample
-
-    if not isinstance(d, dict):
-        raise ItemError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    missing = [k for k in ("question", "references", "prediction") if k not in d]
-    if missing:
-        raise ItemError(f"{where}: missing field(s) {', '.join(missing)}")
-    if not isinstance(d["question"], str):
-        raise ItemError(f"{where}: question must be a string")
-    if not isinstance(d["prediction"], str):
-        raise ItemError(f"{where}: prediction must be a string")
-    refs = d["references"]
-    if not isinstance(refs, list) or not all(
-            isinstance(r, str) or (isinstance(r, dict) and isinstance(r.get("answer"), str))
-            for r in refs):
-        raise ItemError(f"{where}: references must be a list of strings "
-                        "(or of {\"answer\": str} objects)")
-    caption = d.get("caption")
-    if caption is not None and not isinstance(caption, str):
-        raise ItemError(f"{where}: caption must be a string or null")
-    ident = d.get("id")
-    if ident is not None and not isinstance(ident, (str, int, float, bool)):
-        raise ItemError(f"{where}: id must be a string or a number")
-    return VQAExample(d["question"], refs, d["prediction"], caption, ident)
+def _image_text_values(args, options) -> dict:
+    """Relative image paths resolve against ``--image-root``, else the input file's folder
+    when there is one (file jobs)."""
+    values = option_values(args, options)
+    if values["image_root"] is None and getattr(args, "input", None):
+        values["image_root"] = os.path.dirname(os.path.abspath(args.input))
+    return values
 
 
-def _lave_row(item: dict, ident: Any):
-    """As ``fastjudge lave`` reads a line: fields as given, the judge validates them."""
-    from .lave import VQAExample
+def _build_visexmem(args):
+    from .visexmem import VisExJudge
 
-    return VQAExample(question=item.get("question"), references=item.get("references"),
-                      prediction=item.get("prediction"), caption=item.get("caption"), id=ident)
+    return VisExJudge(args.model, **_image_text_values(args, VISEXMEM_OPTIONS))
+
+
+def _build_holistic(args):
+    from .holistic import HolisticJudge
+
+    return HolisticJudge(args.model, **_image_text_values(args, HOLISTIC_OPTIONS))
+
+
+# Result fields of a LAVE output row (``fastjudge lave``, ``fastjudge rescore --judge lave``).
+LAVE_RESULT_FIELDS = ("score", "soft_score", "rating", "probs", "rationale", "rating_source",
+                      "prompt_tokens", "error")
+VISEXMEM_RESULT_FIELDS = ("score", "claims", "explanation", "warnings", "prompt_tokens", "error")
+HOLISTIC_RESULT_FIELDS = ("score", "decision", "probs", "prompt_tokens", "error")
+
+
+def _visexmem_row(result) -> dict:
+    return items.image_text_result(result, VISEXMEM_RESULT_FIELDS)
+
+
+def _holistic_row(result) -> dict:
+    return items.image_text_result(result, HOLISTIC_RESULT_FIELDS)
 
 
 JUDGES: dict[str, JudgeSpec] = {
-    "lave": JudgeSpec("lave", _lave_factory, _lave_item, _lave_row, LAVE_RESULT_FIELDS,
-                      LAVE_RESULT_TYPES, {"score": "mean score"}),
+    "lave": JudgeSpec(
+        "lave", _build_lave, items.parse_lave_item, items.lave_from_row, LAVE_RESULT_FIELDS,
+        {"score": "float", "soft_score": "float", "rating": "int", "probs": "list[float]",
+         "rationale": "str", "rating_source": "str", "prompt_tokens": "int", "error": "str"},
+        options=LAVE_OPTIONS),
+    "visexmem": JudgeSpec(
+        "visexmem", _build_visexmem, items.parse_image_text_item, items.image_text_from_row,
+        VISEXMEM_RESULT_FIELDS,
+        {"score": "float", "explanation": "str", "prompt_tokens": "int", "error": "str"},
+        result_row=_visexmem_row, options=VISEXMEM_OPTIONS),
+    "holistic": JudgeSpec(
+        "holistic", _build_holistic, items.parse_image_text_item, items.image_text_from_row,
+        HOLISTIC_RESULT_FIELDS,
+        {"score": "float", "decision": "str", "probs": "list[float]", "prompt_tokens": "int",
+         "error": "str"},
+        result_row=_holistic_row, options=HOLISTIC_OPTIONS),
 }
-
-
-# -- image-text judges (VisExMEM, holistic yes/no) ------------------------------------------
-def _image_text_spec(name: str) -> JudgeSpec:
-    from . import image_text_io as io
-
-    visex = name == "visexmem"
-    return JudgeSpec(
-        name, io.make_factory(name), io.parse_http_item,
-        lambda item, ident: io.example_from_row(item, ident),
-        io.VISEXMEM_RESULT_FIELDS if visex else io.HOLISTIC_RESULT_FIELDS,
-        io.VISEXMEM_RESULT_TYPES if visex else io.HOLISTIC_RESULT_TYPES,
-        {"score": "mean score"},
-        result_row=lambda r: io.result_fields(r, io.VISEXMEM_RESULT_FIELDS if visex else io.HOLISTIC_RESULT_FIELDS),
-        add_args=io.add_image_text_args)
-
-
-JUDGES["visexmem"] = _image_text_spec("visexmem")
-JUDGES["holistic"] = _image_text_spec("holistic")
 
 
 def register_judge(name: str, factory: Callable, parse_item: Callable, **spec: Any) -> JudgeSpec:
     """Make ``--judge NAME`` available to ``fastjudge serve`` and ``fastjudge rescore``.
     Keyword arguments are the other :class:`JudgeSpec` fields (``from_row``,
-    ``result_fields``, ``result_types``, ``means``, ``result_row``, ``add_args``). Register
-    before the command line is parsed (the ``--judge`` choices are read then)."""
+    ``result_fields``, ``result_types``, ``means``, ``result_row``, ``options``,
+    ``add_args``). Register before the command line is parsed (the ``--judge`` choices and
+    the judges' options are read then)."""
     JUDGES[name] = JudgeSpec(name, factory, parse_item, **spec)
     return JUDGES[name]
+
+
+def get_judge(name: str) -> JudgeSpec:
+    try:
+        return JUDGES[name]
+    except KeyError:
+        raise ValueError(f"unknown judge {name!r}; available: "
+                         f"{', '.join(sorted(JUDGES))}") from None
 
 
 class _NewOptionsOnly:
@@ -168,8 +258,6 @@ class _NewOptionsOnly:
         self.group = group
 
     def add_argument(self, *names, **kwargs):
-        import argparse
-
         try:
             return self.group.add_argument(*names, **kwargs)
         except argparse.ArgumentError:
@@ -177,16 +265,13 @@ class _NewOptionsOnly:
 
 
 def add_judge_options(parser) -> None:
-    """Every registered judge's own options (``JudgeSpec.add_args``), each in a group named
-    after its judge; an option defined already is kept as first defined."""
+    """Every registered judge's options, each once (``fastjudge serve``, ``rescore``): the
+    model options on ``parser`` itself, the others in a group named after the first judge
+    that declares them, followed by that judge's ``add_args``."""
+    seen: set[str] = set()
+    add_options(parser, MODEL_OPTIONS, seen)
     for spec in JUDGES.values():
+        group = parser.add_argument_group(f"--judge {spec.name}")
+        add_options(group, spec.options, seen)
         if spec.add_args is not None:
-            spec.add_args(_NewOptionsOnly(parser.add_argument_group(f"--judge {spec.name}")))
-
-
-def get_judge(name: str) -> JudgeSpec:
-    try:
-        return JUDGES[name]
-    except KeyError:
-        raise ValueError(f"unknown judge {name!r}; available: "
-                         f"{', '.join(sorted(JUDGES))}") from None
+            spec.add_args(_NewOptionsOnly(group))

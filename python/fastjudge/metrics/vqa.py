@@ -49,8 +49,9 @@ whatever the references are; fixes the ``"Yes"`` vs ``"yes"`` case), ``"none"`` 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 __all__ = ["normalize_answer", "process_punctuation", "process_digit_article", "vqa_accuracy",
            "vqa_accuracy_many", "exact_match", "vqa_scores", "clear_caches", "run_vqa_acc",
@@ -330,35 +331,55 @@ def vqa_accuracy_many(predictions: Iterable[str], references: Iterable[Sequence]
 VQA_RESULT_FIELDS = ("vqa_accuracy", "exact_match", "error")
 
 
-def run_vqa_acc(args) -> int:
-    """``fastjudge vqa-acc``: JSONL in (the ``fastjudge lave`` layout), JSONL out (input fields
-    plus ``vqa_accuracy``, ``exact_match``, ``error``); resumable by id; summary on stderr."""
-    from ..io.jobs import JsonlJob
-    from ..io.jsonl import read_jsonl
+class VqaScore(NamedTuple):
+    index: int
+    vqa_accuracy: float | None
+    exact_match: float | None
+    error: str | None
 
-    normalize = getattr(args, "normalize", "official")
-    single = getattr(args, "single_reference", "vqa")
-    _check_modes(normalize, single)
-    with open(args.input, "rb"):  # a bad input path fails before the output is touched
-        pass
-    job = JsonlJob("vqa-acc", args.output, progress=not getattr(args, "no_progress", False),
-                   means={"vqa_accuracy": "mean VQA accuracy", "exact_match": "mean exact match"})
-    try:
-        for line in read_jsonl(args.input):
-            if line.id in job.done:
-                continue
-            if line.error:
-                job.emit({"id": line.id, **dict.fromkeys(VQA_RESULT_FIELDS), "error": line.error})
-                continue
-            row = line.output_row()
+
+@dataclass(frozen=True)
+class VqaAccJob:
+    """``fastjudge vqa-acc`` for the shared file-job loop (:func:`fastjudge.io.jobs.run_job`):
+    the rows' result fields, and a scorer with a judge's ``stream`` (results in input order)."""
+
+    normalize: str = "official"
+    single_reference: str = "vqa"
+    result_fields = VQA_RESULT_FIELDS
+    result_types = {"vqa_accuracy": "float", "exact_match": "float", "error": "str"}
+    means = {"vqa_accuracy": "mean VQA accuracy", "exact_match": "mean exact match"}
+
+    def __post_init__(self):
+        _check_modes(self.normalize, self.single_reference)
+
+    def example(self, item: dict, ident) -> dict:
+        return item
+
+    def fields_of(self, score: VqaScore) -> dict:
+        return {"vqa_accuracy": score.vqa_accuracy, "exact_match": score.exact_match,
+                "error": score.error}
+
+    def stream(self, items: Iterable[dict]) -> Iterator[VqaScore]:
+        for i, item in enumerate(items):
             try:
-                acc, em = vqa_scores(line.item.get("prediction"), line.item.get("references"),
-                                     normalize, single)
-                row.update(vqa_accuracy=acc, exact_match=em, error=None)
+                acc, em = vqa_scores(item.get("prediction"), item.get("references"),
+                                     self.normalize, self.single_reference)
             except ValueError as bad:
-                row.update(vqa_accuracy=None, exact_match=None,
-                           error=f"line {line.line_no}: invalid item: {bad}")
-            job.emit(row)
-    except KeyboardInterrupt:
-        return job.interrupted()
-    return job.finish()
+                yield VqaScore(i, None, None, f"invalid item: {bad}")
+                continue
+            yield VqaScore(i, acc, em, None)
+
+
+# Items per chunk of the job: cheap to score, so only the memory held at once matters.
+VQA_CHUNK_SIZE = 64
+
+
+def run_vqa_acc(args) -> int:
+    """``fastjudge vqa-acc``: the ``fastjudge lave`` input layout in, the input fields plus
+    ``vqa_accuracy``, ``exact_match``, ``error`` out; resumable by id; summary on stderr. The
+    input is read as the job goes (no torch, no model)."""
+    from ..io.jobs import run_job
+
+    job = VqaAccJob(args.normalize, args.single_reference)
+    return run_job("vqa-acc", job, lambda: job, args.input, args.output,
+                   chunk_size=VQA_CHUNK_SIZE, progress=not args.no_progress, stream=True)

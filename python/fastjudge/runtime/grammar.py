@@ -60,16 +60,6 @@ SEPARATORS = (", ", ": ")
 #: character (so the JSON text needs no escapes and parses under strict ``json.loads``).
 TEXT_CHAR = r'[^"\\\x00-\x1f]'
 
-#: Part ids of the VisExMEM parts schema ("P1", "P2", ...).
-PART_ID_PATTERN = r"^P[0-9]{1,3}$"
-
-#: Part types of the VisExMEM parts schema.
-PART_TYPES = ("object", "attribute", "count", "relation", "action", "spatial", "negation", "text")
-
-#: Qwen grounding coordinates are integers on a 0..1000 grid.
-BOX_COORD_MAX = 1000
-
-
 class GrammarError(ValueError):
     """A token the grammar does not allow, or a step after the grammar has terminated."""
 
@@ -453,7 +443,7 @@ def json_token_bound(schema: Union[Mapping, str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# VisExMEM target formats
+# Schema building blocks (metric schemas live with their judges)
 
 
 def text_schema(max_chars: int, min_chars: int = 1) -> dict:
@@ -462,47 +452,7 @@ def text_schema(max_chars: int, min_chars: int = 1) -> dict:
     return {"type": "string", "pattern": f"^{TEXT_CHAR}{{{min_chars},{max_chars}}}$"}
 
 
-def _object(properties: dict) -> dict:
+def object_schema(properties: dict) -> dict:
+    """An object with exactly ``properties``, all required, in this order."""
     return {"type": "object", "properties": properties, "required": list(properties),
             "additionalProperties": False}
-
-
-def parts_schema(max_parts: int = 12, max_text_chars: int = 120,
-                 types: Sequence[str] = PART_TYPES) -> dict:
-    """``{"parts": [{part_id, text, type, parent_part_id, head_part_id, target_part_id}]}``:
-    the decomposition of a text into parts; ids are ``P<digits>``, the links a part id or null."""
-    part_id = {"type": "string", "pattern": PART_ID_PATTERN}
-    link = {"anyOf": [part_id, {"type": "null"}]}
-    part = _object({
-        "part_id": part_id,
-        "text": text_schema(max_text_chars),
-        "type": {"type": "string", "enum": list(types)},
-        "parent_part_id": link,
-        "head_part_id": link,
-        "target_part_id": link,
-    })
-    return _object({"parts": {"type": "array", "items": part, "maxItems": int(max_parts)}})
-
-
-def evidence_schema(ids: Sequence[str]) -> dict:
-    """``{"selected_evidence_ids": [...]}`` with ids drawn from ``ids``, at most ``len(ids)`` of
-    them. Uniqueness is not enforced by the grammar: dedupe after parsing."""
-    ids = list(dict.fromkeys(str(i) for i in ids))
-    if ids:
-        items = {"type": "array", "items": {"type": "string", "enum": ids}, "maxItems": len(ids)}
-    else:
-        items = {"type": "array", "maxItems": 0}
-    return _object({"selected_evidence_ids": items})
-
-
-def explanation_schema(max_chars: int = 300) -> dict:
-    """``{"explanation": "..."}``."""
-    return _object({"explanation": text_schema(max_chars)})
-
-
-def boxes_schema(max_boxes: int = 8) -> dict:
-    """``{"boxes": [{"bbox_2d": [x0, y0, x1, y1]}]}`` with integer coordinates on Qwen's
-    0..1000 grounding grid."""
-    coord = {"type": "integer", "minimum": 0, "maximum": BOX_COORD_MAX}
-    box = _object({"bbox_2d": {"type": "array", "items": coord, "minItems": 4, "maxItems": 4}})
-    return _object({"boxes": {"type": "array", "items": box, "maxItems": int(max_boxes)}})

@@ -63,7 +63,8 @@ class Request:
     start token for encoder-decoder models; appended to the prompt for decoder-only models).
     ``prefix_len``: the first ``prefix_len`` prompt tokens are shared with other requests
     (instructions, demonstrations); backends that reuse prefix state run them once.
-    ``images``: one :class:`Image` per run of image tokens in ``prompt_ids``, in order.
+    ``images``: one :class:`Image` per run of image tokens in ``prompt_ids``, in order;
+    ``prefix_images``: how many of them lie inside the shared prefix.
     """
 
     index: int
@@ -72,6 +73,7 @@ class Request:
     response_prefix: tuple[int, ...] = ()
     prefix_len: int = 0
     images: tuple[Image, ...] = ()
+    prefix_images: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -21,8 +21,7 @@ def _groups(backend, requests: Sequence[Request]) -> np.ndarray:
     together (candidate sets may differ within a batch), Text requests by identical spec (one
     decoding loop per batch), and, for backends that reuse prefix state, by shared prefix."""
     ids: dict[object, int] = {}
-    group_key = getattr(backend, "group_key", lambda r: None)
-    keys = ((Choice if isinstance(r.spec, Choice) else r.spec, group_key(r)) for r in requests)
+    keys = ((Choice if isinstance(r.spec, Choice) else r.spec, backend.group_key(r)) for r in requests)
     return np.fromiter((ids.setdefault(k, len(ids)) for k in keys), dtype=np.int64,
                        count=len(requests))
 

@@ -102,28 +102,15 @@ class TransformersChoiceBackend:
         self.max_input_tokens = base.max_input_tokens
         self.default_batch_tokens = base.default_batch_tokens
         self.device = next(model.parameters()).device
-        self.pad_id = getattr(base.tokenizer, "pad_token_id", None) or 0
+        self.codec = base.codec
+        self.pad_id = base.codec.pad_token_id
         self.start_id = getattr(getattr(model, "config", None), "decoder_start_token_id", 0) or 0
 
-    def __getattr__(self, name):  # anything else a judge asks of a backend: the base's answer
-        if name.startswith("_") or name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-    def encode_prompt(self, text: str) -> np.ndarray:
-        return self.base.encode_prompt(text)
-
-    def shared_prefix_len(self, ids, prefix_text: str) -> int:
-        return 0
-
-    def response_ids(self, text: str) -> list[int]:
-        return self.base.response_ids(text)
-
-    def decode(self, ids) -> str:
-        return self.base.decode(ids)
-
     def cost(self, request) -> int:
-        return request.num_tokens
+        return request.num_tokens  # whole prompts run: no prefix state is kept
+
+    def group_key(self, request) -> None:
+        return None
 
     @torch.inference_mode()
     def run(self, batch) -> list[Output]:

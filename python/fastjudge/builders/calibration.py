@@ -27,8 +27,6 @@ from fastjudge.judges.lave import VQAExample
 
 from . import DEFAULT_HELDOUT_FRACTION
 # Yes/no question for image-caption calibration prompts (the holistic judge's kind of question).
-IMAGE_QUESTION = 'Does this image show "{caption}"? Answer yes or no.'
-IMAGE_INTRO = "You are an image-text evaluator. Look at the image and answer the question with yes or no."
 
 
 @dataclass
@@ -84,7 +82,7 @@ def judge_prompts(judge, examples: Sequence[VQAExample]) -> list[np.ndarray]:
     backend = judge.backend
     for example in examples:
         try:
-            ids = np.asarray(backend.encode_prompt(judge.build_prompt(example)), dtype=np.int64)
+            ids = np.asarray(judge.codec.encode_prompt(judge.build_prompt(example)), dtype=np.int64)
         except (ValueError, TypeError, AttributeError):
             continue
         if 0 < len(ids) <= backend.max_input_tokens:
@@ -134,35 +132,27 @@ def load_image_captions(path: str | os.PathLike) -> list[tuple[Path, str]]:
 
 
 def image_prompts(backend, model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, str]]) -> list[ImagePrompt]:
-    """Chat prompts ``intro, <image>, yes/no question about the caption`` with the image's
-    pixel values (whole image through the checkpoint's image preprocessing)."""
+    """The holistic judge's chat prompts (intro, the image, a yes/no question about the caption)
+    with the image's pixel values (whole image through the checkpoint's image preprocessing)."""
     import torch
     from PIL import Image as PILImage
 
-    from fastjudge.backends.loading import read_config
-    from fastjudge.backends.qwen_vision import image_token_count
-    from fastjudge.kernels.crop_encode import CropEncodeConfig, crop_encode
+    from fastjudge.judges.holistic import holistic_prompt
+    from fastjudge.kernels.crop_encode import crop_encode
+    from fastjudge.runtime.requests import Image
 
-    cfg = read_config(model_dir)
-    vision = cfg.get("vision_config") or {}
-    if not vision:
-        raise ValueError(f"{model_dir}: image-caption calibration needs a vision-language checkpoint")
-    config = CropEncodeConfig.from_preprocessor_config(model_dir)
-    tok = backend.tokenizer
-    start, pad, end = (tok.convert_ids_to_tokens(cfg[k]) for k in
-                       ("vision_start_token_id", "image_token_id", "vision_end_token_id"))
+    config = backend.codec.image_config
+    if config is None:
+        raise ValueError(f"{model_dir}: image-caption calibration needs a vision-language checkpoint "
+                         "with a preprocessor_config.json")
     out = []
     for image_path, caption in pairs:
         with PILImage.open(image_path) as img:
             pixels = torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1).contiguous()
         h, w = int(pixels.shape[1]), int(pixels.shape[2])
         pixel_values, grid = crop_encode(pixels, torch.tensor([[0, 0, w, h]]), config, impl="torch")
-        n = image_token_count(grid[0], vision.get("spatial_merge_size", 2))
-        question = IMAGE_QUESTION.format(caption=" ".join(caption.split()))
-        text = f"{IMAGE_INTRO}\n\n{start}{pad * n}{end}\n{question}"
-        ids = np.asarray(backend.encode_prompt(text), dtype=np.int64)
-        if int((ids == cfg["image_token_id"]).sum()) != n:
-            raise ValueError(f"{image_path}: image tokens did not survive tokenization")
-        out.append(ImagePrompt(ids=ids, pixel_values=pixel_values, grid_thw=grid,
-                               key=hashlib.sha256(pixels.numpy().tobytes()).digest()))
+        key = hashlib.sha256(pixels.numpy().tobytes()).digest()
+        image = Image(pixel_values, tuple(int(v) for v in grid[0]), key)
+        ids = backend.codec.encode(*holistic_prompt(image, caption)).ids
+        out.append(ImagePrompt(ids=ids, pixel_values=pixel_values, grid_thw=grid, key=key))
     return out

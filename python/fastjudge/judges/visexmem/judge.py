@@ -39,44 +39,23 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
-import numpy as np
+from ...io.images import (ImageError, LoadedImage, check_boxes, encode_region, grid_boxes, load_image,
+                          relative_to_pixels)
+from ...runtime.grammar import Json
+from ...runtime.requests import Choice, Image, Output, Request
+from ...runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
+from ..base import Judge, open_backend
+from . import prompts
+from .claims import AGGREGATES, LINK_FIELDS, aggregate, validate_parts
+from .prompts import (DECISION_PREFIX, DECOMPOSE_TASK, EXPLAIN_CLAIM_TASK, EXPLAIN_OVERALL_TASK,
+                      PROPOSE_TASK, SELECT_TASK)
+from .schemas import boxes_schema, evidence_schema, explanation_schema, parts_schema
 
-from ..io.images import (ImageError, LoadedImage, check_boxes, encode_region, grid_boxes, load_image,
-                         relative_to_pixels)
-from ..runtime.grammar import (PART_TYPES, Json, boxes_schema, evidence_schema, explanation_schema,
-                               parts_schema)
-from ..runtime.requests import Choice, Image, Output, Request
-from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .base import Judge, open_backend
-
-AGGREGATES = ("mean", "geometric", "harmonic", "min")
 EVIDENCE_LAYOUTS = ("per-claim", "shared")
-LINK_FIELDS = ("parent_part_id", "head_part_id", "target_part_id")
 STAGES = ("decompose", "propose", "select", "verify", "explain")
-DECISION_PREFIX = '{"decision": "'
-
-INTRO = ("You are an image-text evaluator. You check a caption against the image one atomic "
-         "claim at a time, point to the regions of the image that hold the visual evidence, and "
-         "decide whether the image supports each claim.")
-DECOMPOSE_TASK = (
-    "Task: split the caption into atomic parts, each a short claim that can be checked on its "
-    "own. Give every part an id (P1, P2, ...), its text, a type (" + ", ".join(PART_TYPES) + "), "
-    "and links to other parts by id: parent_part_id (the part it refines), head_part_id (the "
-    "object it is about) and target_part_id (the other object of a relation); use null where a "
-    'link does not apply. Answer in JSON: {"parts": [...]}')
-PROPOSE_TASK = ("Task: give bounding boxes of the image regions that the caption mentions, with "
-                'coordinates from 0 to 1000. Answer in JSON: {"boxes": [{"bbox_2d": [x0, y0, x1, y1]}]}')
-SELECT_TASK = ("Task: select the candidate regions that hold the visual evidence for this claim. "
-               'Answer in JSON: {"selected_evidence_ids": [...]}')
-VERIFY_TASK = ("Task: does the image support the claim? Look at the evidence regions. "
-               'Answer in JSON: {"decision": "yes"} or {"decision": "no"}')
-EXPLAIN_CLAIM_TASK = ("Task: in one short sentence, explain this decision from the evidence. "
-                      'Answer in JSON: {"explanation": "..."}')
-EXPLAIN_OVERALL_TASK = ("Task: in two short sentences, explain the overall score from these "
-                        'decisions. Answer in JSON: {"explanation": "..."}')
 
 
 @dataclass
@@ -115,72 +94,6 @@ class VisExResult:
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
     prompt_tokens: int | None = None
-
-
-def aggregate(supports: Sequence[float], how: str = "mean") -> float:
-    """The global score from claim supports (the paper's Table 9 alternatives)."""
-    s = np.asarray(supports, dtype=np.float64)
-    if s.size == 0:
-        raise ValueError("no claim supports to aggregate")
-    if how == "mean":
-        return float(s.mean())
-    if how == "min":
-        return float(s.min())
-    if how == "geometric":
-        return 0.0 if (s <= 0).any() else float(np.exp(np.log(s).mean()))
-    if how == "harmonic":
-        return 0.0 if (s <= 0).any() else float(s.size / (1.0 / s).sum())
-    raise ValueError(f"aggregate must be one of {AGGREGATES}, got {how!r}")
-
-
-def validate_parts(parts: Sequence[dict]) -> tuple[list[dict], list[str]]:
-    """Parts with a usable link structure, and what was repaired: a repeated part id drops the
-    later part; a link to an unknown id, to the part itself, or one that closes a cycle (along
-    parent/head/target links) is set to null."""
-    problems, seen, kept = [], set(), []
-    for p in parts:
-        if p["part_id"] in seen:
-            problems.append(f"part id {p['part_id']} repeated; later part dropped")
-            continue
-        seen.add(p["part_id"])
-        kept.append(dict(p))
-    for p in kept:
-        for f in LINK_FIELDS:
-            target = p.get(f)
-            if target is None:
-                continue
-            if target == p["part_id"]:
-                problems.append(f"{p['part_id']}.{f} links to itself; set to null")
-                p[f] = None
-            elif target not in seen:
-                problems.append(f"{p['part_id']}.{f} links to unknown part {target}; set to null")
-                p[f] = None
-    # Cycles: add links one at a time, refusing any that would close a cycle (depth-first
-    # reachability over the links kept so far), in part order -- deterministic.
-    edges: dict[str, set[str]] = {p["part_id"]: set() for p in kept}
-
-    def reaches(a: str, b: str) -> bool:
-        stack, visited = [a], set()
-        while stack:
-            n = stack.pop()
-            if n == b:
-                return True
-            if n not in visited:
-                visited.add(n)
-                stack.extend(edges[n])
-        return False
-
-    for p in kept:
-        for f in LINK_FIELDS:
-            target = p.get(f)
-            if target is None:
-                continue
-            if reaches(target, p["part_id"]):
-                problems.append(f"{p['part_id']}.{f} -> {target} closes a cycle; set to null")
-                p[f] = None
-            else:
-                edges[p["part_id"]].add(target)
-    return kept, problems
 
 
 @dataclass
@@ -237,11 +150,10 @@ class VisExJudge(Judge):
         self.image_root = image_root
         self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
         self.max_batch_size = max_batch_size
-        self.image_config = self.backend.image_config
+        self.codec = self.backend.codec
+        self.image_config = self.codec.image_config
         self.crop_config = self.image_config
         if crop_max_pixels is not None:
-            from dataclasses import replace
-
             self.crop_config = replace(self.image_config, max_pixels=int(crop_max_pixels),
                                        min_pixels=min(self.image_config.min_pixels, int(crop_max_pixels)))
         self.decision_prefix, self.yes_no_ids = self._decision_tokens()
@@ -249,17 +161,11 @@ class VisExJudge(Judge):
 
     # -- tokens -----------------------------------------------------------------------------------
     def _decision_tokens(self) -> tuple[tuple[int, ...], tuple[int, int]]:
-        """The forced response start and the (yes, no) token ids read after it: the longest
-        common token prefix of the two full answers, then each answer's next token (the word's
-        first token, should a word take more than one)."""
-        yes = self.backend.response_ids(DECISION_PREFIX + "yes")
-        no = self.backend.response_ids(DECISION_PREFIX + "no")
-        n = 0
-        while n < min(len(yes), len(no)) and yes[n] == no[n]:
-            n += 1
-        if n >= min(len(yes), len(no)):
-            raise ValueError("the tokenizer does not tell 'yes' from 'no' after the decision prefix")
-        return tuple(yes[:n]), (yes[n], no[n])
+        """The forced response start and the (yes, no) token ids read after it: the tokens the
+        two full answers share, then each answer's next token (the word's first token, should a
+        word take more than one)."""
+        answers = self.codec.answer_ids(["yes", "no"], after=DECISION_PREFIX)
+        return answers.forced, answers.ids
 
     # -- preparing examples -------------------------------------------------------------------------
     def _prepare(self, index: int, example: ImageTextExample) -> _Item | VisExResult:
@@ -295,50 +201,32 @@ class VisExJudge(Judge):
         item.boxes, item.box_images = kept, images
 
     # -- prompts ----------------------------------------------------------------------------------
-    # Every prompt is a shared prefix + a task. ``placeholder(image)`` writes an image into the
-    # text: the backend's expanded image tokens here; a transformers processor's single
-    # placeholder in the benchmark's baseline, which rebuilds the same prompts.
-    def base_prefix(self, item: _Item, placeholder=None) -> str:
+    # Every prompt is a shared prefix + a task, each a sequence of text and image slots.
+    def base_prefix(self, item: _Item) -> prompts.Prompt:
         """Intro, the whole image and the caption: shared by every stage of an example."""
-        placeholder = placeholder or self._placeholder
-        return f"{INTRO}\n\n{placeholder(item.full_image)}\nCaption: {item.caption}\n\n"
+        return prompts.base_prefix(item.full_image, item.caption)
 
-    def evidence_prefix(self, item: _Item, placeholder=None) -> str:
+    def evidence_prefix(self, item: _Item) -> prompts.Prompt:
         """``base_prefix`` + the candidate regions, each with its crop: the shared prefix of the
         evidence stages in the ``"shared"`` layout."""
-        placeholder = placeholder or self._placeholder
-        regions = "\n".join(f"E{i}: {list(b)} {placeholder(im)}"
-                             for i, (b, im) in enumerate(zip(item.boxes, item.box_images), start=1))
-        return f"{self.base_prefix(item, placeholder)}{self._candidates_head(item)}\n{regions}\n\n"
+        return prompts.evidence_prefix(self.base_prefix(item), item.image.width, item.image.height,
+                                       item.boxes, item.box_images)
 
-    def _placeholder(self, image: Image) -> str:
-        return self.backend.image_placeholder(image.grid_thw)
-
-    @staticmethod
-    def _candidates_head(item: _Item) -> str:
-        return (f"Candidate regions (pixel boxes x0, y0, x1, y1 in a {item.image.width}x{item.image.height} "
-                "image):")
-
-    def _request(self, item: _Item, key: int, prefix: str, task: str, spec,
-                 images: Sequence[Image] = (), response_prefix: tuple[int, ...] = ()) -> Request:
-        """``images``: every image of the prompt after the whole image, in order."""
-        ids = self.backend.encode_prompt(prefix + task)
-        if len(ids) + len(response_prefix) > self.backend.max_input_tokens:
-            raise ValueError(f"prompt is {len(ids)} tokens, above the model limit of "
+    def _request(self, item: _Item, key: int, prefix: prompts.Prompt, task: prompts.Prompt | str, spec,
+                 response_prefix: tuple[int, ...] = ()) -> Request:
+        encoded = self.codec.encode(prefix, task)
+        if len(encoded.ids) + len(response_prefix) > self.backend.max_input_tokens:
+            raise ValueError(f"prompt is {len(encoded.ids)} tokens, above the model limit of "
                              f"{self.backend.max_input_tokens}")
-        item.result.prompt_tokens = max(item.result.prompt_tokens or 0, len(ids))
-        return Request(index=key, prompt_ids=ids, spec=spec, response_prefix=response_prefix,
-                       prefix_len=self.backend.shared_prefix_len(ids, prefix),
-                       images=(item.full_image,) + tuple(images))
+        item.result.prompt_tokens = max(item.result.prompt_tokens or 0, len(encoded.ids))
+        return encoded.request(key, spec, response_prefix)
 
-    def _evidence_request(self, item: _Item, key: int, task: str, spec, suffix_images: Sequence[Image] = (),
+    def _evidence_request(self, item: _Item, key: int, task: prompts.Prompt | str, spec,
                           response_prefix: tuple[int, ...] = ()) -> Request:
         """A request of an evidence stage (select, verify, explain): behind the candidate crops
         in the shared layout, behind the base prefix in the per-claim layout."""
-        if self.evidence_layout == "shared":
-            return self._request(item, key, self.evidence_prefix(item), task, spec,
-                                 tuple(item.box_images) + tuple(suffix_images), response_prefix)
-        return self._request(item, key, self.base_prefix(item), task, spec, suffix_images, response_prefix)
+        prefix = self.evidence_prefix(item) if self.evidence_layout == "shared" else self.base_prefix(item)
+        return self._request(item, key, prefix, task, spec, response_prefix)
 
     def _run(self, stage: str, requests: Sequence[Request]) -> dict[int, Output]:
         start = time.perf_counter()
@@ -349,7 +237,7 @@ class VisExJudge(Judge):
 
     def _json(self, out: Output) -> dict | None:
         try:
-            return json.loads(self.backend.decode(out.token_ids))
+            return json.loads(self.codec.decode(out.token_ids))
         except json.JSONDecodeError:
             return None
 
@@ -421,8 +309,8 @@ class VisExJudge(Judge):
             spec = specs[n]
             if self.evidence_layout == "shared":  # the candidates and their crops are in the prefix
                 return self._evidence_request(it, key, f"Claim: {c.text}\n{SELECT_TASK}", spec)
-            listing = "\n".join(f"E{i}: {list(b)}" for i, b in enumerate(it.boxes, start=1))
-            task = f"{self._candidates_head(it)}\n{listing}\nClaim: {c.text}\n{SELECT_TASK}"
+            head = prompts.candidates_head(it.image.width, it.image.height)
+            task = f"{head}\n{prompts.box_listing(it.boxes)}\nClaim: {c.text}\n{SELECT_TASK}"
             return self._evidence_request(it, key, task, spec)
 
         for it, c, out in self._stage("select", ((it, c) for it in items for c in it.claims), make):
@@ -433,23 +321,18 @@ class VisExJudge(Judge):
             c.evidence_ids = sorted(chosen, key=lambda e: int(e[1:]))
             c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in c.evidence_ids]
 
-    def verification_task(self, item: _Item, claim: ClaimResult, placeholder=None) -> tuple[str, list[Image]]:
-        """The claim's part of its verification prompt, and the images in it. Per-claim layout:
-        the selected regions, each with its crop; shared layout: the selected ids (their crops
-        are in the prefix)."""
+    def verification_task(self, item: _Item, claim: ClaimResult) -> prompts.Prompt:
+        """The claim's part of its verification prompt. Per-claim layout: the selected regions,
+        each with its crop; shared layout: the selected ids (their crops are in the prefix)."""
         if self.evidence_layout == "shared":
-            evidence = ", ".join(claim.evidence_ids) or "none selected"
-            return f"Claim: {claim.text}\nEvidence regions: {evidence}\n{VERIFY_TASK}", []
-        placeholder = placeholder or self._placeholder
-        images = [item.box_images[int(e[1:]) - 1] for e in claim.evidence_ids]
-        regions = [f"{e} {b}: {placeholder(im)}" for e, b, im in zip(claim.evidence_ids, claim.evidence_boxes, images)]
-        evidence = "Evidence regions:\n" + "\n".join(regions) if regions else "Evidence regions: none selected"
-        return f"Claim: {claim.text}\n{evidence}\n{VERIFY_TASK}", images
+            return prompts.verification_task(claim.text, claim.evidence_ids)
+        crops = [item.box_images[int(e[1:]) - 1] for e in claim.evidence_ids]
+        return prompts.verification_task(claim.text, claim.evidence_ids, claim.evidence_boxes, crops)
 
     def verification_request(self, item: _Item, claim: ClaimResult, key: int = 0) -> Request:
         """One claim's verification request, with the forced ``{"decision": "`` answer start."""
-        task, images = self.verification_task(item, claim)
-        return self._evidence_request(item, key, task, Choice(self.yes_no_ids), images, self.decision_prefix)
+        return self._evidence_request(item, key, self.verification_task(item, claim), Choice(self.yes_no_ids),
+                                      self.decision_prefix)
 
     def _verify(self, items: list[_Item]) -> None:
         for it, c, out in self._stage("verify", ((it, c) for it in items for c in it.claims),

@@ -7,7 +7,9 @@ Written by every build into its output directory. Sections:
   dtype, the layers left unquantized, the tool;
 * ``judge``: metric, prompt template version and hash, and the token ids the judge reads:
   ``rating_token_ids`` (ratings 1/2/3 at the start of the answer), ``rationale_rating_token_ids``
-  (after " So rating="), ``yes_no_token_ids`` (decoder-only judges);
+  (after " So rating="), for decoder-only judges ``yes_no_token_ids`` (the holistic judge's
+  first answer token) and ``decision_token_ids`` (VisExMEM's, after its decision prefix), and
+  ``answer_contexts``, where each set is read, so a loader re-derives them knowing no judge;
 * ``limits``: engine limits chosen for the judge (input length, batch size, decoder length);
 * ``calibration``: the source, item counts and the sha256 of the calibration and held-out
   prompts;
@@ -30,16 +32,13 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-MANIFEST_NAME = "fastjudge-engine.json"
-FORMAT = "fastjudge-engine"
-FORMAT_VERSION = 1
+from fastjudge.backends.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, REQUIRED, ManifestError,
+                                        answer_token_ids, check_token_ids, read_manifest)
+
 LAVE_TEMPLATE_VERSION = "lave/1"
-REQUIRED = ("format", "format_version", "model", "quantization", "judge", "limits", "calibration",
-            "artifacts", "tools")
 
-
-class ManifestError(ValueError):
-    """A build directory whose manifest is missing, malformed or does not match."""
+__all__ = ["MANIFEST_NAME", "ManifestError", "read_manifest", "check_token_ids", "judge_token_ids",
+           "lave_template", "new_manifest", "write_manifest", "tool_versions"]
 
 
 def lave_template(judge) -> dict:
@@ -57,22 +56,27 @@ def lave_template(judge) -> dict:
             "num_shots": judge.num_shots, "rationale": judge.rationale}
 
 
-def judge_token_ids(backend) -> dict:
-    """The token ids judges read, derived from a backend's tokenization exactly as the judges
-    derive them: each rating as the first response token and after the rating cue, and (for
-    decoder-only judges) "yes"/"no" as the first response token."""
+def answer_contexts(kind: str) -> dict:
+    """Where each judge reads its answer tokens: the response prefix before them and the answers
+    (recorded in the manifest, so a loader can re-derive the ids without knowing the judges)."""
     from fastjudge.judges.lave import RATING_CUE, RATINGS
+    from fastjudge.judges.visexmem import DECISION_PREFIX
 
-    def single(text: str, context: str = "") -> int | None:
-        base = backend.response_ids(context) if context else []
-        full = backend.response_ids(context + text)
-        return full[-1] if full[: len(base)] == base and len(full) == len(base) + 1 else None
+    ratings = [str(r) for r in RATINGS]
+    contexts = {"rating_token_ids": {"after": "", "answers": ratings, "single_token": True},
+                "rationale_rating_token_ids": {"after": RATING_CUE, "answers": ratings, "single_token": True}}
+    if kind == "decoder-only":
+        # the holistic judge reads yes/no as the first answer token; VisExMEM after its decision prefix
+        contexts["yes_no_token_ids"] = {"after": "", "answers": ["yes", "no"], "single_token": True}
+        contexts["decision_token_ids"] = {"after": DECISION_PREFIX, "answers": ["yes", "no"], "single_token": False}
+    return contexts
 
-    ids = {"rating_token_ids": [single(str(r)) for r in RATINGS],
-           "rationale_rating_token_ids": [single(str(r), RATING_CUE) for r in RATINGS]}
-    if getattr(backend, "kind", "") == "decoder-only":
-        ids["yes_no_token_ids"] = [single("yes"), single("no")]
-    return ids
+
+def judge_token_ids(codec) -> dict:
+    """The judge section's token entries: each answer set's ids as the judges derive them
+    (``PromptCodec.answer_ids``), and ``answer_contexts``, where they are read."""
+    contexts = answer_contexts(codec.kind)
+    return {**answer_token_ids(codec, contexts), "answer_contexts": contexts}
 
 
 def tool_versions() -> dict:
@@ -106,31 +110,3 @@ def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> Path:
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False))
     tmp.replace(path)
     return path
-
-
-def read_manifest(build_dir: str | os.PathLike) -> dict:
-    """The manifest of a build directory, validated for format and required sections."""
-    path = Path(build_dir) / MANIFEST_NAME
-    if not path.is_file():
-        raise ManifestError(f"{build_dir}: no {MANIFEST_NAME}; is this a `fastjudge build` output directory?")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as bad:
-        raise ManifestError(f"{path}: not valid JSON ({bad})") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"{path}: format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
-                            f"this fastjudge reads {FORMAT!r} version {FORMAT_VERSION}")
-    missing = [k for k in REQUIRED if k not in manifest]
-    if missing:
-        raise ManifestError(f"{path}: missing sections {missing}")
-    return manifest
-
-
-def check_token_ids(manifest: dict, backend_ids: dict) -> None:
-    """Raise ManifestError when the manifest's token ids differ from the ids the tokenizer gives
-    (``judge_token_ids`` of the backend being loaded)."""
-    judge = manifest["judge"]
-    for key, ids in backend_ids.items():
-        if key in judge and list(judge[key]) != list(ids):
-            raise ManifestError(f"manifest {key} {judge[key]} != {list(ids)} from the tokenizer: the engine "
-                                "was built for another tokenizer or template; rebuild it")

@@ -297,7 +297,7 @@ def build(opts: BuildOptions) -> dict:
     ref_results = agr.score(judge, prompts.data.heldout)
 
     model = T5ForConditionalGeneration.from_pretrained(opts.model, dtype=dtype).to(device).eval()
-    pad_id = base.tokenizer.pad_token_id or 0
+    pad_id = base.codec.pad_token_id
     start_id = base.shape.decoder_start_token_id
     linears, kv, fp8_entry = quantize_and_compare(
         judge, model, prompts.data.heldout, calibration_loop(prompts.calibration, start_id),
@@ -317,18 +317,18 @@ def build(opts: BuildOptions) -> dict:
     report = {"fp8": fp8_entry, "fp8_checkpoint_torch": ckpt_entry}
     print("fastjudge build: agreement on held-out items\n" + agr.format_report(report))
 
-    lim = limits(opts, prompts.longest, len(base.response_ids(RATING_CUE)))
+    lim = limits(opts, prompts.longest, len(base.codec.response_ids(RATING_CUE)))
     engine_stage, engines = build_engines(out, trt_ckpt, lim, opts)
     manifest = new_manifest(
         model={"kind": MODEL_KIND, "model_type": cfg.get("model_type"),
                "architecture": (cfg.get("architectures") or ["T5ForConditionalGeneration"])[0],
                "source": str(opts.model), "decoder_start_token_id": start_id,
-               "eos_token_id": base.eos_token_id, "pad_token_id": pad_id},
+               "eos_token_id": base.shape.eos_token_id, "pad_token_id": pad_id},
         quantization={"algo": "FP8", "weights": "float8_e4m3fn, per-tensor scale",
                       "activations": "float8_e4m3fn, static per-tensor scale",
                       "kv_cache": "FP8" if opts.kv_fp8 else None, "excluded_modules": exclude,
                       "engine_dtype": opts.engine_dtype, "calibration_dtype": opts.dtype, "tool": producer()},
-        judge={**lave_template(judge), **judge_token_ids(base)},
+        judge={**lave_template(judge), **judge_token_ids(base.codec)},
         limits=lim, calibration=calibration_section(prompts, opts), agreement=report,
         artifacts={"checkpoint": rel(ckpt_dir, out), "tokenizer": rel(ckpt_dir, out),
                    "trtllm_checkpoint": rel(trt_ckpt, out), "engines": rel(engines, out),

@@ -1,0 +1,369 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) and Qwen3 (dense) language models in plain
+PyTorch: the model math only (weights, one forward pass over batched rows that continues from a
+prefix state, logits, one batched decoding step).
+
+Every operation is causal (attention with a causal mask, causal depthwise conv, the chunked delta
+rule), so what follows a row's last token never reaches that token's output.
+
+The Gated DeltaNet math (chunked and recurrent gated delta rule) is transformers' reference
+implementation, called as a function; the engine owns batching, masking, state and heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from fastjudge.kernels.choice_head import choice_logits
+
+from .fp8 import Fp8Weight, fuse, linear, projection_weight
+from .loading import CheckpointError
+
+if TYPE_CHECKING:
+    from .qwen_decode import DecodeCache
+
+SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    arch: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    eps: float
+    layer_types: tuple[str, ...]
+    hybrid: bool  # Qwen3.5: zero-centred norms, gated attention output, DeltaNet layers
+    max_positions: int
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 0
+    # M-RoPE (multimodal Qwen3.5): rotary frequency pairs taken from the t/h/w position rows,
+    # interleaved (transformers' default when the config names none)
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "QwenShape":
+        model_type = cfg.get("model_type")
+        text = cfg.get("text_config", cfg) if model_type == "qwen3_5" else cfg
+        hybrid = model_type in ("qwen3_5", "qwen3_5_text")
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+        if rope.get("rope_type", "default") not in ("default",) and not rope.get("mrope_section"):
+            raise CheckpointError(f"rope type {rope.get('rope_type')!r} is not supported")
+        n = text["num_hidden_layers"]
+        layer_types = tuple(text.get("layer_types") or ["full_attention"] * n)
+        return cls(
+            arch=model_type, vocab_size=text["vocab_size"], hidden=text["hidden_size"],
+            num_layers=n, heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"],
+            head_dim=head_dim, rotary_dim=int(head_dim * partial),
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
+            eps=text.get("rms_norm_eps", 1e-6), layer_types=layer_types, hybrid=hybrid,
+            max_positions=text.get("max_position_embeddings", 32768),
+            lin_k_heads=text.get("linear_num_key_heads", 0),
+            lin_v_heads=text.get("linear_num_value_heads", 0),
+            lin_k_dim=text.get("linear_key_head_dim", 0),
+            lin_v_dim=text.get("linear_value_head_dim", 0),
+            conv_kernel=text.get("linear_conv_kernel_dim", 0),
+            mrope_section=tuple(rope.get("mrope_section") or (11, 11, 10)),
+        )
+
+
+def _delta_rule():
+    """transformers' reference gated-delta-rule functions (chunked for prefill, recurrent for
+    one-token steps)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    return m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule
+
+
+class QwenWeights:
+    """The language model's tensors, projections fused where they read the same input. A state
+    with FP8 weights (``load_state_dict(keep_fp8=True)``) gives :class:`fp8.Fp8Weight`
+    projections, run as FP8 GEMMs; every other tensor is dequantized."""
+
+    def __init__(self, state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
+        prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state) \
+            else "model."
+
+        def take(name: str, full: bool = False) -> torch.Tensor:
+            w = dense(name, full)
+            return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+        def dense(name: str, full: bool = False):
+            key = name if full else prefix + name
+            if key not in state:
+                raise CheckpointError(f"checkpoint lacks tensor {key!r}")
+            return projection_weight(state, key, device, dtype)
+
+        def fused(*names: str):
+            return fuse([dense(n) for n in names], dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            # Kept in float32: norms are computed in float32 as transformers does. Qwen3.5's
+            # norms are zero-centred (scale = 1 + w).
+            w = state[prefix + name].to(device=device, dtype=torch.float32)
+            return 1.0 + w if shape.hybrid else w
+
+        self.embed = take("embed_tokens.weight")
+        self.lm_head = take("lm_head.weight", full=True) if "lm_head.weight" in state else self.embed
+        self.final_norm = norm("norm.weight")
+        self.layers = []
+        for i, kind in enumerate(shape.layer_types):
+            p = f"layers.{i}."
+            layer = {"kind": kind, "in_norm": norm(p + "input_layernorm.weight"),
+                     "post_norm": norm(p + "post_attention_layernorm.weight"),
+                     "gate_up": fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                     "down": dense(p + "mlp.down_proj.weight")}
+            if kind == "full_attention":
+                a = p + "self_attn."
+                layer.update(q=dense(a + "q_proj.weight"),
+                             kv=fused(a + "k_proj.weight", a + "v_proj.weight"),
+                             o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
+                             k_norm=norm(a + "k_norm.weight"))
+            elif kind == "linear_attention":
+                a = p + "linear_attn."
+                layer.update(
+                    in_proj=fused(*(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
+                    conv=take(a + "conv1d.weight"), dt_bias=take(a + "dt_bias"),
+                    neg_A=-state[prefix + a + "A_log"].to(device=device, dtype=torch.float32).exp(),
+                    gated_norm=state[prefix + a + "norm.weight"].to(device=device, dtype=dtype),
+                    out=dense(a + "out_proj.weight"))
+            else:
+                raise CheckpointError(f"unsupported layer type {kind!r}")
+            self.layers.append(layer)
+
+
+def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), weight_f32, eps).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class PrefixState:
+    """Model state at the end of a prefix: per layer (k, v) or (conv_state, recurrent_state).
+
+    ``length`` counts tokens; ``next_position`` is the rotary position of the next token, which
+    differs from ``length`` after an image (M-RoPE: text after an image continues from the
+    largest position so far + 1). It defaults to ``length``."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int,
+                 next_position: int | None = None):
+        self.layers = layers
+        self.length = length
+        self.next_position = length if next_position is None else next_position
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
+
+
+class QwenModel:
+    def __init__(self, weights: QwenWeights, shape: QwenShape):
+        self.w = weights
+        self.s = shape
+        self.chunk_rule, self.step_rule = _delta_rule() if shape.hybrid else (None, None)
+        rd = shape.rotary_dim
+        self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions``: ``[S]`` (text), ``[3, S]`` (M-RoPE, shared by all rows) or
+        ``[3, B, S]`` (M-RoPE per row; the result then broadcasts over heads as [B, 1, S, rd])."""
+        inv_freq = self.inv_freq.to(positions.device)
+        if positions.dim() >= 2:  # M-RoPE: t/h/w frequencies interleaved per mrope_section
+            freqs = positions.float()[..., None] * inv_freq
+            mixed = freqs[0].clone()
+            for dim, offset in ((1, 1), (2, 2)):
+                idx = slice(offset, self.s.mrope_section[dim] * 3, 3)
+                mixed[..., idx] = freqs[dim, ..., idx]
+            emb = torch.cat([mixed, mixed], dim=-1)
+            if emb.dim() == 3:
+                emb = emb[:, None]
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _apply_rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        rd = self.s.rotary_dim
+        rot, rest = x[..., :rd], x[..., rd:]
+        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+    def _mlp(self, x, layer):
+        h = rms(x, layer["post_norm"], self.s.eps)
+        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer["down"])
+
+    def _qkv(self, x, layer, positions):
+        """Queries [B, H, S, hd], keys and values [B, Hkv, S, hd] (normed, rotated) and the
+        output gate (Qwen3.5) of ``x`` [B, S, d]."""
+        s = self.s
+        B, S, _ = x.shape
+        H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
+        q = linear(x, layer["q"])
+        gate = None
+        if s.hybrid:
+            q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(B, S, H * hd)
+        else:
+            q = q.view(B, S, H, hd)
+        k, v = linear(x, layer["kv"]).view(B, S, 2, Hkv, hd).unbind(2)
+        q = rms(q, layer["q_norm"], s.eps).transpose(1, 2)
+        k = rms(k, layer["k_norm"], s.eps).transpose(1, 2)
+        cos, sin = self._rope(positions, x.dtype)
+        return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v.transpose(1, 2), gate
+
+    def _attention_out(self, o, gate, layer):
+        B, _, S, _ = o.shape
+        o = o.transpose(1, 2).reshape(B, S, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return linear(o, layer["o"])
+
+    def _attention(self, x, layer, prev, positions, save):
+        B, S, _ = x.shape
+        q, k, v, gate = self._qkv(x, layer, positions)
+        P = 0
+        if prev is not None:
+            pk, pv = prev
+            P = pk.shape[2]
+            k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
+            v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
+        gqa = self.s.kv_heads != self.s.heads
+        if P == 0:  # plain causal attention: SDPA's own causal kernel, no mask tensor
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            # query i sees the whole prefix and suffix keys up to itself; an additive float mask
+            # (a boolean one sends CPU SDPA to a much slower path)
+            hide = torch.full((S, P + S), float("-inf"), dtype=q.dtype, device=x.device).triu(diagonal=P + 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=hide, enable_gqa=gqa)
+        return self._attention_out(o, gate, layer), ((k, v) if save else None)
+
+    def _delta_net(self, x, layer, prev, save):
+        s = self.s
+        B, S, _ = x.shape
+        key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
+        conv_dim = 2 * key_dim + val_dim
+        proj = linear(x, layer["in_proj"])
+        mixed, z, b, a = proj.split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
+        K = s.conv_kernel
+        inputs = mixed.transpose(1, 2)  # [B, C, S]
+        history = prev[0].expand(B, -1, -1) if prev is not None else inputs.new_zeros(B, conv_dim, K - 1)
+        window = torch.cat([history, inputs], dim=-1)
+        if S <= SHORT_CONV_STEPS:  # decoding steps: a windowed product beats conv1d's setup cost
+            conv = F.silu((window.unfold(-1, K, 1) * layer["conv"][:, None, 0, :]).sum(-1))
+        else:
+            conv = F.silu(F.conv1d(window, layer["conv"], groups=conv_dim))  # causal: no future input
+        q, k, v = conv.transpose(1, 2).split([key_dim, key_dim, val_dim], dim=-1)
+        q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
+        k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
+        v = v.reshape(B, S, s.lin_v_heads, s.lin_v_dim)
+        beta = b.sigmoid()
+        g = layer["neg_A"] * F.softplus(a.float() + layer["dt_bias"])
+        initial = prev[1].expand(B, -1, -1, -1) if prev is not None else None
+        rule = self.step_rule if (S == 1 and prev is not None) else self.chunk_rule
+        core, final = rule(q, k, v, g=g, beta=beta, initial_state=initial,
+                           output_final_state=save, use_qk_l2norm_in_kernel=True)
+        # gated RMSNorm: normalise in float32, scale, gate with silu(z)
+        normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * layer["gated_norm"]
+        gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(x.dtype)
+        out = linear(gated.reshape(B, S, val_dim), layer["out"])
+        return out, ((window[:, :, -(K - 1):], final) if save else None)
+
+    def forward(self, ids: torch.Tensor, prev: PrefixState | None, save: bool = False,
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """Hidden states [B, S, d] of ``ids`` [B, S] continuing from ``prev`` (shared by all
+        rows); with ``save``, also the state at the end of the rows (meaningful for unpadded rows).
+
+        Images (multimodal Qwen3.5): ``image_embeds`` [N, d] replace the token embeddings where
+        ``image_mask`` [B, S] is true (row-major order, as transformers' masked_scatter), and
+        ``positions`` [3, S] (shared by all rows) or [3, B, S] (per row) are the M-RoPE t/h/w
+        positions (``qwen_vision.mrope_positions``). Without ``positions``:
+        ``prev.next_position`` onwards, the same on all three rows. The saved state's
+        ``next_position`` is computed from row 0 (states are only saved for single rows)."""
+        s = self.s
+        B, S = ids.shape
+        start = prev.length if prev is not None else 0
+        start_pos = prev.next_position if prev is not None else 0
+        if positions is None:
+            positions = torch.arange(start_pos, start_pos + S, device=ids.device)
+            next_position = start_pos + S
+        else:
+            positions = positions.to(ids.device)
+            if tuple(positions.shape) not in ((3, S), (3, B, S)):
+                raise ValueError(f"positions must be [3, {S}] or [3, {B}, {S}] M-RoPE positions, "
+                                 f"got {tuple(positions.shape)}")
+            next_position = int((positions if positions.dim() == 2 else positions[:, 0]).max()) + 1
+        x = F.embedding(ids, self.w.embed)
+        if image_embeds is not None:
+            if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
+                raise ValueError("image_embeds need an image_mask with one true entry per embedding")
+            x = x.masked_scatter(image_mask.to(x.device)[..., None], image_embeds.to(x.device, x.dtype))
+        states = []
+        for i, layer in enumerate(self.w.layers):
+            h = rms(x, layer["in_norm"], s.eps)
+            p = prev.layers[i] if prev is not None else None
+            if layer["kind"] == "full_attention":
+                h, st = self._attention(h, layer, p, positions, save)
+            else:
+                h, st = self._delta_net(h, layer, p, save)
+            x = x + h
+            x = x + self._mlp(x, layer)
+            states.append(st)
+        return x, (PrefixState(states, start + S, next_position) if save else None)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the final states: the candidate ``rows`` through the fused choice head
+        (never ``[B, vocab]``), or the full vocabulary for decoding."""
+        if rows is not None:
+            return choice_logits(hidden, self.w.final_norm, self.w.lm_head, rows, eps=self.s.eps)
+        return F.linear(rms(hidden, self.w.final_norm, self.s.eps), self.w.lm_head).float()
+
+    def decode_step(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        """One greedy-decoding step for every row of ``cache``: hidden states [B, d] of
+        ``tokens`` [B], each row at its own length and position; the cache advances in place."""
+        s = self.s
+        B = tokens.shape[0]
+        x = F.embedding(tokens[:, None], self.w.embed)
+        positions = cache.positions[None, :, None].expand(3, B, 1)
+        cache.reserve(1)
+        rows = torch.arange(B, device=tokens.device)
+        # additive mask: each row sees its own keys only (a float mask keeps SDPA on its fused
+        # CPU kernel; a boolean one falls back to a much slower path there)
+        hide = None
+        if cache.capacity:
+            visible = torch.arange(cache.capacity, device=tokens.device)[None, :] <= cache.lengths[:, None]
+            hide = torch.zeros(B, 1, 1, cache.capacity, dtype=x.dtype, device=tokens.device)
+            hide.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        for i, layer in enumerate(self.w.layers):
+            h = rms(x, layer["in_norm"], s.eps)
+            if layer["kind"] == "full_attention":
+                q, k, v, gate = self._qkv(h, layer, positions)
+                kb, vb = cache.layers[i]
+                kb[rows, :, cache.lengths] = k[:, :, 0]
+                vb[rows, :, cache.lengths] = v[:, :, 0]
+                o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=hide,
+                                                   enable_gqa=s.kv_heads != s.heads)
+                h = self._attention_out(o, gate, layer)
+            else:
+                h, cache.layers[i] = self._delta_net(h, layer, cache.layers[i], True)
+            x = x + h
+            x = x + self._mlp(x, layer)
+        cache.lengths += 1
+        cache.positions += 1
+        return x[:, 0]
