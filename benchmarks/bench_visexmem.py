@@ -57,6 +57,7 @@ from fastjudge.demo import tokenizer_corpus
 from fastjudge.judges import visexmem as vx
 from fastjudge.judges.visexmem import ClaimResult
 from fastjudge.runtime.prefix_cache import PrefixCache
+from fastjudge.runtime.requests import Image
 from fastjudge.runtime.scheduler import run_requests
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -215,16 +216,16 @@ def baseline_prompts(judge: VisExJudge, examples, claims):
     items, _ = judge.prepare(examples)
     judge._propose(items)
 
-    def placeholder(_image) -> str:
-        return PLACEHOLDER
+    def text(prompt) -> str:  # image slots as the processor's placeholder
+        return "".join(PLACEHOLDER if isinstance(part, Image) else part for part in prompt)
 
     prompts = []
     for it, specs in zip(items, claims):
         shared = judge.evidence_layout == "shared"
-        prefix = judge.evidence_prefix(it, placeholder) if shared else judge.base_prefix(it, placeholder)
+        prefix = text(judge.evidence_prefix(it) if shared else judge.base_prefix(it))
         per_claim = []
         for c in claim_results(it, specs):
-            task, _ = judge.verification_task(it, c, placeholder)
+            task = text(judge.verification_task(it, c))
             per_claim.append((prefix + task, [list(b) for b in it.boxes] if shared else c.evidence_boxes))
         prompts.append(per_claim)
     return prompts

@@ -451,6 +451,13 @@ def test_qwen_build_checkpoint_matches_trtllm_expectations(qwen_build, qwen_dir)
     assert judge["rationale_rating_token_ids"] == list(LaveJudge(base, rationale=True).rating_token_ids)
     assert judge["yes_no_token_ids"] == [base.codec.response_ids("yes")[0], base.codec.response_ids("no")[0]]
     assert all(len(base.codec.response_ids(x)) == 1 for x in ("yes", "no"))
+    # VisExMEM reads yes/no after its decision prefix: recorded as the judge derives them
+    from fastjudge.judges.visexmem import DECISION_PREFIX
+
+    decision = base.codec.response_ids(DECISION_PREFIX + "yes"), base.codec.response_ids(DECISION_PREFIX + "no")
+    forced = next(i for i, (y, n) in enumerate(zip(*decision)) if y != n)
+    assert judge["decision_token_ids"] == [decision[0][forced], decision[1][forced]]
+    assert judge["answer_contexts"]["decision_token_ids"]["after"] == DECISION_PREFIX
     results = LaveJudge(TorchQwenBackend(ckpt, device="cpu", dtype="float32"), num_shots=1).score(
         load_examples()[0][:3])
     assert all(r.error is None and r.rating in (1, 2, 3) for r in results)
@@ -519,17 +526,20 @@ def test_qwen_vl_build_images_and_onnx(qwen_vl_build):
 # trtllm backend
 
 def test_trtllm_backend_manifest_checks(t5_build, qwen_build, tmp_path):
+    from fastjudge.backends.protocol import Backend
     from fastjudge.backends.torch_qwen import TorchQwenBackend
     from fastjudge.backends.trtllm import TrtllmBackend
 
     for build in (t5_build, qwen_build):
         b = TrtllmBackend(build, load_engine=False)  # manifest + tokenizer, no TensorRT-LLM
+        assert isinstance(b, Backend)
         assert b.max_input_tokens == read_manifest(build)["limits"]["max_input_len"]
         with pytest.raises(RuntimeError, match="load_engine=False"):
             b.run([])
     # tokenization is the torch backend's
     tq = TrtllmBackend(qwen_build, load_engine=False)
     torch_q = TorchQwenBackend(qwen_build / "checkpoint", device="cpu", dtype="float32")
+    assert isinstance(torch_q, Backend)
     judge = LaveJudge(torch_q, num_shots=1)
     text = judge.build_prompt(load_examples()[0][0])
     assert np.array_equal(tq.codec.encode_prompt(text), torch_q.codec.encode_prompt(text))

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from fastjudge.cli import LAVE_RESULT_FIELDS, main
+from fastjudge.cli import main
+from fastjudge.judges.registry import LAVE_RESULT_FIELDS
 
 RESULT_KEYS = {"score", "soft_score", "rating", "probs", "rationale", "error"}
 

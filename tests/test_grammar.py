@@ -26,11 +26,10 @@ from fastjudge.runtime.grammar import (  # noqa: E402
     GrammarError,
     Json,
     JsonMatcher,
-    _pattern_max_chars,
     canonical_schema,
     decode_json,
-    json_token_bound,
 )
+from fastjudge.runtime.json_bounds import _pattern_max_chars, json_token_bound  # noqa: E402
 
 PAD = 24  # model vocabulary rows past the tokenizer (lm_head padding)
 EVIDENCE_IDS = ["E1", "E2", "E10", "E11", "caption", "box_3", "ocr:1"]

@@ -12,8 +12,6 @@ implementation, called as a function; the engine owns batching, masking, state a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +19,6 @@ from fastjudge.kernels.choice_head import choice_logits
 
 from .fp8 import Fp8Weight, fuse, linear, projection_weight
 from .loading import CheckpointError
-
-if TYPE_CHECKING:
-    from .qwen_decode import DecodeCache
 
 SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
 
@@ -334,9 +329,10 @@ class QwenModel:
             return choice_logits(hidden, self.w.final_norm, self.w.lm_head, rows, eps=self.s.eps)
         return F.linear(rms(hidden, self.w.final_norm, self.s.eps), self.w.lm_head).float()
 
-    def decode_step(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
-        """One greedy-decoding step for every row of ``cache``: hidden states [B, d] of
-        ``tokens`` [B], each row at its own length and position; the cache advances in place."""
+    def decode_step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """One greedy-decoding step for every row of ``cache`` (a ``qwen_decode.DecodeCache``): hidden
+        states [B, d] of ``tokens`` [B], each row at its own length and position; the cache advances
+        in place."""
         s = self.s
         B = tokens.shape[0]
         x = F.embedding(tokens[:, None], self.w.embed)

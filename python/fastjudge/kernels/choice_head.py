@@ -49,15 +49,19 @@ Dispatch (`impl`): ``"auto"`` runs Triton on CUDA tensors when Triton is install
 torch reference otherwise; ``FASTJUDGE_FORCE_TRITON=1`` makes ``"auto"`` pick Triton on CPU
 tensors too, which needs ``TRITON_INTERPRET=1`` (the interpreter); ``"torch"``/``"triton"``
 force one side.
+
+Over 400 lines: the Triton kernels, their launcher and the torch reference of the same math
+live in one file by design (the reference is the CPU path and the tests' oracle).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .dispatch import interpreting, use_triton
 
 REFERENCE_VOCAB_TILE = 4096  # rows of the LM head per step of the torch full-vocabulary path
 
@@ -306,8 +310,6 @@ def _kernels():
     return _KERNELS
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -332,7 +334,7 @@ def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_
     vocabulary log-sum-exp kernel when ``full_vocab``. ``out`` may pass preallocated
     ``[B, K]`` float32 (logits, logprobs) buffers."""
     ids = _check(hidden, norm_weight, lm_head_weight, token_ids)
-    if hidden.device.type != "cuda" and not _interpreting():
+    if hidden.device.type != "cuda" and not interpreting():
         raise RuntimeError("the Triton choice head needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     k = _kernels()
     B, H = hidden.shape
@@ -361,7 +363,7 @@ def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_
         k["lse"][(n_row_blocks, S)](
             x, nw, w, workspace, B, H, V, x.stride(0), w.stride(0), float(scale), float(eps), S, n_tiles,
             BLOCK_B=block_b, BLOCK_V=_VOCAB_BLOCK_V, BLOCK_H=_VOCAB_BLOCK_H,
-            DOT_F32=bool(f32 or _interpreting()), IEEE=f32, BF16_RNE=bf16, num_warps=8 if block_b == 64 else 4)
+            DOT_F32=bool(f32 or interpreting()), IEEE=f32, BF16_RNE=bf16, num_warps=8 if block_b == 64 else 4)
     block_k = min(_CHOICE_BLOCK_K, max(2, _next_pow2(K)))
     k["choice"][(B,)](
         x, nw, w, ids, logits, logp, workspace if workspace is not None else logits,
@@ -376,22 +378,6 @@ def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_
 # ----------------------------------------------------------------------------------------------
 # dispatch
 # ----------------------------------------------------------------------------------------------
-def _use_triton(device: torch.device, impl: str) -> bool:
-    if impl == "torch":
-        return False
-    if impl == "triton":
-        return True
-    if impl != "auto":
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    from . import triton_available
-
-    if not triton_available():
-        return False
-    if device.type == "cuda":
-        return True
-    return os.environ.get("FASTJUDGE_FORCE_TRITON", "0") == "1" and _interpreting()
-
-
 def choice_head(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                 token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False, scale: float = 1.0,
                 impl: str = "auto") -> ChoiceHead:
@@ -401,7 +387,7 @@ def choice_head(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight:
     RMSNorm multiplier (any float dtype, used in float32); lm_head_weight: ``[V, H]``;
     token_ids: LongTensor ``[K]`` (shared) or ``[B, K]`` (per row).
     """
-    if _use_triton(hidden.device, impl):
+    if use_triton(hidden.device, impl):
         return choice_head_triton(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale)
     return choice_head_reference(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale)
 

@@ -51,6 +51,9 @@ Measured faithfulness (tests/test_kernels.py; `benchmarks/gpu_check.py` repeats 
   smooth max 0.0078, mean 6.3e-7. The residue is PIL's / torch's fixed-point weights.
   With ``uint8_mode="float"`` instead: max 0.196 (25 steps), mean 1.0e-3 (noise) / 4.4e-4
   (smooth) against either CPU processor.
+
+Over 400 lines: the Triton kernel, its launcher and the torch reference of the same
+preprocessing live in one file by design (the reference is the CPU path and the tests' oracle).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .dispatch import interpreting, use_triton
 
 # PIL's resampling enum values as stored in preprocessor_config.json
 _RESAMPLE = {2: "bilinear", 3: "bicubic"}
@@ -427,8 +432,6 @@ def _kernel():
     return _KERNEL
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -444,7 +447,7 @@ def crop_encode_triton(images, boxes, config: CropEncodeConfig,
     _check_images(imgs, config)
     bxs = _boxes(boxes, len(imgs), [tuple(i.shape[1:]) for i in imgs], config)
     device = imgs[0].device
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise RuntimeError("the Triton crop encoder needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     kernel = _kernel()
 
@@ -513,16 +516,7 @@ def crop_encode(images, boxes, config: CropEncodeConfig, impl: str = "auto") -> 
     impl: ``"auto"`` (Triton on CUDA; torch on CPU unless FASTJUDGE_FORCE_TRITON=1 with
     TRITON_INTERPRET=1), ``"torch"`` or ``"triton"``.
     """
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    device = _image_list(images)[0].device
-    use = impl == "triton"
-    if impl == "auto":
-        from . import triton_available
-
-        use = triton_available() and (device.type == "cuda" or (
-            os.environ.get("FASTJUDGE_FORCE_TRITON", "0") == "1" and _interpreting()))
-    if use:
+    if use_triton(_image_list(images)[0].device, impl):
         return crop_encode_triton(images, boxes, config)
     return crop_encode_reference(images, boxes, config)
 

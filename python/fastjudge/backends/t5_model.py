@@ -1,0 +1,347 @@
+"""T5 v1.1 / Flan-T5 in plain PyTorch: the model math only (shape, weights in the engine's fused
+layout, the packed encoder, the score-only decoder step, greedy decoding).
+
+Same math as transformers' T5ForConditionalGeneration, with the engine owning the parts that
+decide speed:
+
+* **Packed encoder.** Requests of a batch are concatenated into one ``[tokens, d_model]``
+  matrix, so every GEMM runs on real tokens only; attention runs per sequence through
+  ``scaled_dot_product_attention`` with the relative-position bias as its mask (no padding
+  masks, no ``[batch, heads, L, L]`` score tensor in eager code).
+* **Fused projections.** q/k/v and the two gated-FF input projections are concatenated at
+  load time: fewer, larger GEMMs.
+* **Score-only decoder step without cross-attention K/V.** For a handful of decoder queries,
+  ``q . (W_k h)`` is computed as ``(W_k^T q) . h`` and ``sum p W_v h`` as ``W_v (sum p h)``:
+  exact reassociation that skips projecting every encoder token to K and V in every decoder
+  layer. Only the K candidate rows of the LM head are computed.
+* **Rationale decoding** caches self-attention K/V and computes cross-attention K/V once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastjudge.kernels.choice_head import choice_logits
+
+from .fp8 import Fp8Weight, fuse, linear, projection_weight
+from .loading import CheckpointError
+
+
+@dataclass(frozen=True)
+class T5Shape:
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    num_heads: int
+    num_layers: int
+    num_decoder_layers: int
+    num_buckets: int
+    max_distance: int
+    eps: float
+    gated: bool
+    act: str
+    scale_decoder_outputs: bool
+    decoder_start_token_id: int
+    eos_token_id: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "T5Shape":
+        ff = cfg.get("feed_forward_proj", "relu")
+        gated = ff.startswith("gated-")
+        act = cfg.get("dense_act_fn") or (ff.split("-", 1)[1] if gated else ff)
+        if gated and act == "gelu":
+            act = "gelu_new"  # transformers maps "gated-gelu" to the tanh approximation
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            d_model=cfg["d_model"],
+            d_kv=cfg["d_kv"],
+            num_heads=cfg["num_heads"],
+            num_layers=cfg["num_layers"],
+            num_decoder_layers=cfg.get("num_decoder_layers") or cfg["num_layers"],
+            num_buckets=cfg.get("relative_attention_num_buckets", 32),
+            max_distance=cfg.get("relative_attention_max_distance", 128),
+            eps=cfg.get("layer_norm_epsilon", 1e-6),
+            gated=gated,
+            act=act,
+            # Original T5 (tied head) rescales decoder outputs by d_model**-0.5; T5 v1.1 and
+            # Flan-T5 (tie_word_embeddings=False, separate lm_head) do not.
+            scale_decoder_outputs=cfg.get("scale_decoder_outputs",
+                                          cfg.get("tie_word_embeddings", True) is not False),
+            decoder_start_token_id=cfg.get("decoder_start_token_id", cfg.get("pad_token_id", 0)) or 0,
+            eos_token_id=cfg.get("eos_token_id", 1),
+        )
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bucketing of key-minus-query distances (exact for small distances, log-spaced
+    beyond, clipped at max_distance)."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).long()
+    large = large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # T5's norm (no mean, no bias). The fused op accumulates in float32 like transformers'
+    # T5LayerNorm and is bit-identical to it in float32, at half its cost in bfloat16.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def activation(name: str):
+    if name == "gelu_new":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    if name in ("gelu", "gelu_python"):
+        return F.gelu
+    if name in ("silu", "swish"):
+        return F.silu
+    raise CheckpointError(f"unsupported T5 activation {name!r}")
+
+
+class T5Weights:
+    """The checkpoint's tensors, reshaped for the engine's fused layout. A state with FP8
+    weights (``load_state_dict(keep_fp8=True)``) keeps the encoder's projections FP8
+    (:class:`fp8.Fp8Weight`, run as FP8 GEMMs: the encoder is where the FLOPs are); the decoder
+    step reads its cross-attention weights directly (reassociated), so decoder weights are
+    dequantized."""
+
+    def __init__(self, state: dict[str, torch.Tensor], shape: T5Shape, device, dtype):
+        def dense(name: str):
+            if name not in state:
+                raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+            return projection_weight(state, name, device, dtype)
+
+        def take(name: str) -> torch.Tensor:
+            w = dense(name)
+            return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+        self.shape = shape
+        self.embed = take("shared.weight")
+        self.lm_head = take("lm_head.weight") if "lm_head.weight" in state else self.embed
+        self.enc_bias_table = take("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+        self.dec_bias_table = take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+        self.enc_final_norm = take("encoder.final_layer_norm.weight")
+        self.dec_final_norm = take("decoder.final_layer_norm.weight")
+
+        def ff(prefix: str, get) -> dict:
+            if shape.gated:
+                wi = fuse([get(f"{prefix}.DenseReluDense.wi_{n}.weight") for n in (0, 1)], dtype)
+            else:
+                wi = get(f"{prefix}.DenseReluDense.wi.weight")
+            return {"ff_norm": take(f"{prefix}.layer_norm.weight"), "wi": wi,
+                    "wo": get(f"{prefix}.DenseReluDense.wo.weight")}
+
+        def self_attn(prefix: str, get) -> dict:
+            qkv = fuse([get(f"{prefix}.SelfAttention.{n}.weight") for n in "qkv"], dtype)
+            return {"norm": take(f"{prefix}.layer_norm.weight"), "qkv": qkv,
+                    "o": get(f"{prefix}.SelfAttention.o.weight")}
+
+        def cross_attn(prefix: str) -> dict:
+            names = {n: take(f"{prefix}.EncDecAttention.{n}.weight") for n in "qkvo"}
+            return {"x_norm": take(f"{prefix}.layer_norm.weight"),
+                    **{f"x_{n}": w for n, w in names.items()}}
+
+        self.encoder = [{**self_attn(f"encoder.block.{i}.layer.0", dense),
+                         **ff(f"encoder.block.{i}.layer.1", dense)}
+                        for i in range(shape.num_layers)]
+        self.decoder = [{**self_attn(f"decoder.block.{i}.layer.0", take),
+                         **cross_attn(f"decoder.block.{i}.layer.1"),
+                         **ff(f"decoder.block.{i}.layer.2", take)}
+                        for i in range(shape.num_decoder_layers)]
+        # Per-head views of cross-attention projections for the reassociated score-only step.
+        h, dk, d = shape.num_heads, shape.d_kv, shape.d_model
+        for layer in self.decoder:
+            layer["x_k_heads"] = layer["x_k"].view(h, dk, d)
+            layer["x_v_heads"] = layer["x_v"].view(h, dk, d)
+
+
+class T5Model:
+    """Forward passes over :class:`T5Weights`; stateless apart from cached position biases."""
+
+    def __init__(self, weights: T5Weights):
+        self.w = weights
+        self.s = weights.shape
+        self.act = activation(self.s.act)
+        self._enc_bias = torch.empty(0)
+        self._dec_bias = torch.empty(0)
+
+    # -- position bias -------------------------------------------------------------------
+    def _bias(self, table: torch.Tensor, length: int, bidirectional: bool) -> torch.Tensor:
+        pos = torch.arange(length, device=table.device)
+        buckets = relative_position_bucket(pos[None, :] - pos[:, None], bidirectional,
+                                           self.s.num_buckets, self.s.max_distance)
+        return F.embedding(buckets, table).permute(2, 0, 1).contiguous()  # [H, L, L]
+
+    def encoder_bias(self, length: int) -> torch.Tensor:
+        # The bias depends only on key - query, so the top-left block of a larger table is the
+        # table of a shorter sequence: compute once for the longest length seen.
+        if self._enc_bias.shape[-1] < length:
+            self._enc_bias = self._bias(self.w.enc_bias_table, max(length, 512), True)
+        return self._enc_bias[:, :length, :length]
+
+    def decoder_bias(self, length: int) -> torch.Tensor:
+        if self._dec_bias.shape[-1] < length:
+            self._dec_bias = self._bias(self.w.dec_bias_table, max(length, 128), False)
+        return self._dec_bias[:, :length, :length]
+
+    # -- blocks ------------------------------------------------------------------------------
+    def feed_forward(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
+        h = linear(rms_norm(x, layer["ff_norm"], self.s.eps), layer["wi"])
+        if self.s.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return x + linear(h, layer["wo"])
+
+    def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
+        s = self.s
+        h, dk = s.num_heads, s.d_kv
+        inner = h * dk
+        x = F.embedding(packed_ids, self.w.embed)
+        bias = self.encoder_bias(max(lengths))
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        for layer in self.w.encoder:
+            qkv = linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])  # [T, 3*inner]
+            out = torch.empty(x.shape[0], inner, dtype=x.dtype, device=x.device)
+            for i, n in enumerate(lengths):
+                a, b = int(starts[i]), int(starts[i + 1])
+                q, k, v = qkv[a:b].view(n, 3, h, dk).permute(1, 2, 0, 3).unsqueeze(1)
+                # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0),
+                                                   scale=1.0)
+                out[a:b] = o[0].transpose(0, 1).reshape(n, inner)
+            x = x + linear(out, layer["o"])
+            x = self.feed_forward(x, layer)
+        return rms_norm(x, self.w.enc_final_norm, s.eps)
+
+    def _logits_rows(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """LM-head logits of the final decoder states: only the candidate ``rows`` (fused choice
+        head: final norm + K rows, never ``[B, vocab]``), or the full vocabulary for decoding."""
+        scale = self.s.d_model ** -0.5 if self.s.scale_decoder_outputs else 1.0
+        if rows is not None:
+            return choice_logits(hidden, self.w.dec_final_norm, self.w.lm_head, rows,
+                                 eps=self.s.eps, scale=scale)
+        x = rms_norm(hidden, self.w.dec_final_norm, self.s.eps) * scale
+        return F.linear(x, self.w.lm_head).float()
+
+    def decode_choice(self, enc: torch.Tensor, lengths: Sequence[int],
+                      decoder_ids: list[list[int]], candidates: torch.Tensor) -> torch.Tensor:
+        """Candidate logits [B, K] at the last decoder position of each row.
+
+        ``decoder_ids`` start with the decoder start token; rows may differ in length (right
+        padding; causal attention keeps padding out of real positions).
+        """
+        s = self.s
+        h, dk, d = s.num_heads, s.d_kv, s.d_model
+        B = len(decoder_ids)
+        P = max(len(r) for r in decoder_ids)
+        ids = torch.zeros(B, P, dtype=torch.long, device=enc.device)
+        for i, r in enumerate(decoder_ids):
+            ids[i, : len(r)] = torch.tensor(r, device=enc.device)
+        last = torch.tensor([len(r) - 1 for r in decoder_ids], device=enc.device)
+        x = F.embedding(ids, self.w.embed)  # [B, P, d]
+        self_bias = self.decoder_bias(P).unsqueeze(0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=enc.device).tril()
+        self_mask = self_bias.masked_fill(~causal, float("-inf"))
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        for layer in self.w.decoder:
+            # causal self-attention over the (short) decoder prefix
+            qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
+            q, k, v = qkv.view(B, P, 3, h, dk).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=1.0)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, P, h * dk), layer["o"])
+            # cross-attention, reassociated: never materialises encoder K/V
+            xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(B, P, h, dk)
+            q_in_model_space = torch.einsum("bphk,hkd->bhpd", xq, layer["x_k_heads"])  # [B,H,P,d]
+            ctx = torch.empty(B, h, P, d, dtype=x.dtype, device=x.device)
+            for i in range(B):
+                mem = enc[int(starts[i]):int(starts[i + 1])]  # [n, d]
+                scores = q_in_model_space[i].reshape(h * P, d) @ mem.T  # one GEMM, all heads
+                probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+                ctx[i] = (probs @ mem).view(h, P, d)
+            attn = torch.einsum("bhpd,hkd->bphk", ctx, layer["x_v_heads"]).reshape(B, P, h * dk)
+            x = x + F.linear(attn, layer["x_o"])
+            x = self.feed_forward(x, layer)
+        final = x[torch.arange(B, device=x.device), last]  # [B, d]
+        return self._logits_rows(final, candidates)
+
+    @torch.inference_mode()
+    def generate(self, enc: torch.Tensor, lengths: Sequence[int], max_new_tokens: int,
+                 track: torch.Tensor | None) -> tuple[list[list[int]], list[bool], list[torch.Tensor]]:
+        """Greedy decoding with cached self-attention K/V and cross-attention K/V computed once."""
+        s = self.s
+        h, dk = s.num_heads, s.d_kv
+        B, dev, dt = len(lengths), enc.device, enc.dtype
+        Lmax = max(lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        enc_pad = torch.zeros(B, Lmax, s.d_model, dtype=dt, device=dev)
+        key_mask = torch.full((B, 1, 1, Lmax), float("-inf"), dtype=dt, device=dev)
+        for i, n in enumerate(lengths):
+            enc_pad[i, :n] = enc[int(starts[i]):int(starts[i + 1])]
+            key_mask[i, ..., :n] = 0
+        cross_kv = []
+        for layer in self.w.decoder:
+            k = F.linear(enc_pad, layer["x_k"]).view(B, Lmax, h, dk).transpose(1, 2)
+            v = F.linear(enc_pad, layer["x_v"]).view(B, Lmax, h, dk).transpose(1, 2)
+            cross_kv.append((k, v))
+        total = max_new_tokens
+        cache_k = [torch.zeros(B, h, total, dk, dtype=dt, device=dev) for _ in self.w.decoder]
+        cache_v = [torch.zeros(B, h, total, dk, dtype=dt, device=dev) for _ in self.w.decoder]
+        bias = self.decoder_bias(total)  # [H, total, total]
+        token = torch.full((B,), s.decoder_start_token_id, dtype=torch.long, device=dev)
+        out_tokens: list[list[int]] = [[] for _ in range(B)]
+        finished = [False] * B
+        tracked: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        for t in range(max_new_tokens):
+            x = F.embedding(token, self.w.embed)[:, None, :]  # [B,1,d]
+            for li, layer in enumerate(self.w.decoder):
+                qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
+                q, k, v = qkv.view(B, 1, 3, h, dk).permute(2, 0, 3, 1, 4)
+                cache_k[li][:, :, t] = k[:, :, 0]
+                cache_v[li][:, :, t] = v[:, :, 0]
+                o = F.scaled_dot_product_attention(
+                    q, cache_k[li][:, :, : t + 1], cache_v[li][:, :, : t + 1],
+                    attn_mask=bias[None, :, t : t + 1, : t + 1], scale=1.0)
+                x = x + F.linear(o.transpose(1, 2).reshape(B, 1, h * dk), layer["o"])
+                xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"])
+                xq = xq.view(B, 1, h, dk).transpose(1, 2)
+                ck, cv = cross_kv[li]
+                o = F.scaled_dot_product_attention(xq, ck, cv, attn_mask=key_mask, scale=1.0)
+                x = x + F.linear(o.transpose(1, 2).reshape(B, 1, h * dk), layer["x_o"])
+                x = self.feed_forward(x, layer)
+            logits = self._logits_rows(x[:, 0], None)  # [B, V]
+            token = logits.argmax(-1)
+            token_list = token.tolist()
+            for i in range(B):
+                if finished[i]:
+                    continue
+                if token_list[i] == s.eos_token_id:
+                    finished[i] = True
+                    continue
+                out_tokens[i].append(token_list[i])
+                if track is not None:
+                    tracked[i].append(logits[i, track])
+            if all(finished):
+                break
+        return out_tokens, finished, [torch.stack(r) if r else torch.empty(0) for r in tracked]
