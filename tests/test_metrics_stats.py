@@ -13,9 +13,10 @@ import scipy.stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastjudge.metrics import bench, stats
-from fastjudge.metrics.stats import (bootstrap_ci, bootstrap_replicates, compare_correlations,
-                                     human_score, kendall, krippendorff_alpha, spearman)
+from fastjudge.metrics import bench, significance, stats
+from fastjudge.metrics.human_ratings import human_score, krippendorff_alpha
+from fastjudge.metrics.significance import compare_correlations
+from fastjudge.metrics.stats import bootstrap_ci, bootstrap_replicates, kendall, spearman
 
 TOL = 1e-12
 
@@ -181,14 +182,15 @@ def test_bootstrap_tiny_input_constant_resamples():
 def test_t_distribution_and_tests_match_scipy():
     for df in (1, 3, 17.5, 4999):
         for t in (0.0, 0.3, 1.96, 4.0, 40.0, -2.5):
-            assert stats.t_sf(t, df) == pytest.approx(scipy.stats.t.sf(t, df), rel=1e-9, abs=1e-300)
+            assert significance.t_sf(t, df) == pytest.approx(scipy.stats.t.sf(t, df), rel=1e-9,
+                                                             abs=1e-300)
     rng = np.random.default_rng(0)
     a = rng.normal(size=300)
     b = a + rng.normal(scale=0.2, size=300) + 0.02
-    t, p = stats.paired_t_test(a, b)
+    t, p = significance.paired_t_test(a, b)
     ref = scipy.stats.ttest_rel(a, b)
     assert t == pytest.approx(ref.statistic, rel=1e-12) and p == pytest.approx(ref.pvalue, rel=1e-9)
-    t, p = stats.student_t_test(a, b)
+    t, p = significance.student_t_test(a, b)
     ref = scipy.stats.ttest_ind(a, b)
     assert t == pytest.approx(ref.statistic, rel=1e-12) and p == pytest.approx(ref.pvalue, rel=1e-9)
 

@@ -1,13 +1,12 @@
-"""Model backends. One interface, no metric logic:
+"""Model backends: run planned batches of requests, knowing no metric. Each satisfies the
+``Backend`` protocol (``backends/protocol.py``) and carries the checkpoint's prompt codec
+(``fastjudge.codec``), which judges use to build requests and read outputs.
 
-* ``encode_prompt(text) -> np.ndarray``: the model input ids for a prompt;
-* ``shared_prefix_len(ids, prefix_text) -> int``: how many leading prompt tokens may be served
-  from a cached prefix state (0 where no exact reuse exists);
-* ``response_ids(text) -> list[int]``: ids of ``text`` as the start of the model's response;
-* ``decode(ids) -> str``;
-* ``cost(request) -> int``: tokens a request occupies in a batch (what the planner packs);
-* ``run(batch) -> list[Output]``: execute one planned batch;
-* ``max_input_tokens``, ``default_batch_tokens``.
+* ``torch_t5``: Flan-T5 / T5 v1.1 (encoder-decoder) in plain PyTorch;
+* ``torch_qwen``: Qwen3.5 / Qwen3 (decoder-only, text and vision) in plain PyTorch with exact
+  shared-prefix reuse (``qwen_model``: the math, ``qwen_decode``: greedy decoding,
+  ``caches``: prefix keys and image embeddings, ``qwen_vision``: the vision tower);
+* ``trtllm``: ``fastjudge build`` outputs on TensorRT-LLM (``manifest`` reads their manifest).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import os
 
 from .loading import CheckpointError, read_config
+from .protocol import Backend, check_backend
 
 
 def load_backend(model: str | os.PathLike, backend: str = "torch", device: str = "auto", dtype=None,
@@ -42,4 +42,4 @@ def load_backend(model: str | os.PathLike, backend: str = "torch", device: str =
                           f"(supported: {supported})")
 
 
-__all__ = ["load_backend", "CheckpointError"]
+__all__ = ["load_backend", "CheckpointError", "Backend", "check_backend"]

@@ -12,11 +12,12 @@ def open_backend(model, backend: str = "torch", device: str = "auto", dtype=None
     """A judge's backend: ``model`` is a checkpoint directory (opened with the backend that fits
     its architecture) or a backend object already open. ``image``: the judge's name, when it
     needs a multimodal checkpoint."""
-    if isinstance(model, (str, os.PathLike)):
-        from ..backends import load_backend
+    from ..backends import check_backend, load_backend
 
+    if isinstance(model, (str, os.PathLike)):
         model = load_backend(model, backend=backend, device=device, dtype=dtype,
                              allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
+    check_backend(model)
     if image and model.codec.image_config is None:
         raise ValueError(f"{image} needs a Qwen3.5 vision-language checkpoint with a vision tower "
                          "and a preprocessor_config.json")

@@ -1,16 +1,18 @@
 """Reference-based metrics and meta-evaluation (numpy only; matplotlib optional for plots).
 
 * :mod:`.vqa` -- VQA Accuracy and exact match exactly as the official VQA evaluation script.
-* :mod:`.stats` -- Spearman / Kendall tau-b, vectorized bootstrap CIs, the LAVE paper's
-  significance test, Krippendorff's alpha, LAVE's human score.
+* :mod:`.stats` -- Spearman / Kendall tau-b, vectorized bootstrap CIs.
+* :mod:`.significance` -- the LAVE paper's significance test between two metrics' correlations.
+* :mod:`.human_ratings` -- LAVE's human score, Krippendorff's alpha.
 * :mod:`.bench` -- pairwise accuracy (tie calibration), Winoground scores, Spearman per benchmark.
 * :mod:`.meta_eval` -- ``fastjudge meta-eval``: metrics vs human judgments from JSONL files.
 """
 
 from .bench import (pairwise_accuracy, spearman_by_benchmark, tie_calibrated_pairwise_accuracy,
                     winoground_scores)
-from .stats import (BootstrapCI, CorrelationComparison, bootstrap_ci, bootstrap_replicates,
-                    compare_correlations, human_score, kendall, krippendorff_alpha, spearman)
+from .human_ratings import human_score, krippendorff_alpha
+from .significance import CorrelationComparison, compare_correlations
+from .stats import BootstrapCI, bootstrap_ci, bootstrap_replicates, kendall, spearman
 from .vqa import exact_match, normalize_answer, vqa_accuracy, vqa_accuracy_many
 
 __all__ = ["vqa_accuracy", "vqa_accuracy_many", "exact_match", "normalize_answer", "spearman",

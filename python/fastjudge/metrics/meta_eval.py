@@ -3,9 +3,9 @@
 File layouts (JSONL, one object per line):
 
 * human file: ``{"id": ..., "human_score": 0.5}`` or ``{"id": ..., "ratings": [1, 1, 0, 1, 1]}``
-  (5 binary ratings -> :func:`fastjudge.metrics.stats.human_score`: 1.0 if >= 4 correct, 0.5 if
-  2-3, else 0.0; when both are given ``human_score`` is used and ``ratings`` only feed
-  Krippendorff's alpha), plus any group fields (``model``, ``dataset``, ...) for ``--by``.
+  (5 binary ratings -> :func:`fastjudge.metrics.human_ratings.human_score`: 1.0 if >= 4
+  correct, 0.5 if 2-3, else 0.0; when both are given ``human_score`` is used and ``ratings`` only
+  feed Krippendorff's alpha), plus any group fields (``model``, ``dataset``, ...) for ``--by``.
 * score files: ``{"id": ..., "score": 0.5}``; the field is ``--field`` (``score`` by default, so
   ``fastjudge lave`` output works directly; ``vqa_accuracy`` for ``fastjudge vqa-acc`` output).
   Rows with a non-null ``error`` or a null score are skipped (counted). A metric is named after
@@ -18,6 +18,9 @@ combination of the ``--by`` fields' values) and metric: Spearman's rho and Kenda
 percentile bootstrap CIs, and, between every two metrics, the LAVE paper's significance test (the
 same bootstrap resamples for all metrics, t-test at the 5% level on the bootstrap correlations).
 The best metric of a column is marked when it is significantly better than the second best.
+
+This module reads the files, computes the result and runs the command; the table and the chart
+are drawn by :mod:`.meta_eval_report`.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import stats as S
+from .human_ratings import human_score, krippendorff_alpha
+from .meta_eval_report import PlotUnavailable, format_markdown, plot_meta_eval, require_matplotlib
+from .significance import TESTS, compare_replicates
+from .stats import STAT_FUNCTIONS, STATS, bootstrap_replicates, percentile_ci
 
 __all__ = ["HumanData", "read_human", "read_scores", "parse_score_spec", "meta_evaluate",
-           "format_markdown", "plot_meta_eval", "run_meta_eval"]
+           "run_meta_eval"]
 
 _MAX_EXAMPLES = 5  # ids or problems quoted per message
 
@@ -86,9 +92,9 @@ def read_human(path, by: tuple[str, ...] = ()) -> HumanData:
                     raise ValueError(f"human_score must be a number, got {score!r}")
                 score = float(score)
                 if ratings is not None:
-                    S.human_score(ratings)  # validate
+                    human_score(ratings)  # validate
             elif ratings is not None:
-                score = S.human_score(ratings)
+                score = human_score(ratings)
             else:
                 raise ValueError("needs human_score or ratings")
         except ValueError as bad:
@@ -165,14 +171,14 @@ def meta_evaluate(human: dict[str, float], metrics: dict[str, dict[str, float]],
                   n_boot: int = 5000, seed: int = 0, alpha: float = 0.05,
                   confidence: float = 0.95, test: str = "paired",
                   ratings: dict[str, list] | None = None,
-                  stats: tuple[str, ...] = S.STATS) -> dict:
+                  stats: tuple[str, ...] = STATS) -> dict:
     """Correlations of every metric with the human scores, overall and per group, with
     bootstrap CIs and pairwise significance (see the module docstring). Returns a JSON-ready
     dict; ``n_boot=0`` skips the bootstrap (no CIs, no significance marks)."""
     if not metrics:
         raise ValueError("no metrics to evaluate")
-    if test not in S.TESTS:
-        raise ValueError(f"test must be one of {S.TESTS}, got {test!r}")
+    if test not in TESTS:
+        raise ValueError(f"test must be one of {TESTS}, got {test!r}")
     names = list(metrics)
     ids = set(human)
     unmatched = {}
@@ -208,15 +214,15 @@ def meta_evaluate(human: dict[str, float], metrics: dict[str, dict[str, float]],
                  "human_mean": float(h.mean()), "metrics": {}, "best": {}, "comparisons": []}
         if ratings:
             rated = [ratings[items[p]] for p in sel if items[p] in ratings]
-            group["krippendorff_alpha"] = _finite(S.krippendorff_alpha(rated)) if rated else None
-        reps = (S.bootstrap_replicates(m, h, stats, n_boot, seed)
+            group["krippendorff_alpha"] = _finite(krippendorff_alpha(rated)) if rated else None
+        reps = (bootstrap_replicates(m, h, stats, n_boot, seed)
                 if n_boot > 0 and sel.size >= 2 else None)
         for j, name in enumerate(names):
             entry = {"mean": float(m[j].mean())}
             for stat in stats:
-                entry[stat] = _finite(S._STAT_FUNCS[stat](m[j], h))
+                entry[stat] = _finite(STAT_FUNCTIONS[stat](m[j], h))
                 if reps is not None:
-                    lo, hi = S._percentile_ci(reps[stat][j], confidence)
+                    lo, hi = percentile_ci(reps[stat][j], confidence)
                     entry[f"{stat}_ci"] = [_finite(lo), _finite(hi)]
             group["metrics"][name] = entry
         for stat in stats:
@@ -230,8 +236,8 @@ def meta_evaluate(human: dict[str, float], metrics: dict[str, dict[str, float]],
                         ra, rb = group["metrics"][names[a]][stat], group["metrics"][names[b]][stat]
                         if ra is None or rb is None:
                             continue
-                        c = S.compare_replicates(reps[stat][a], reps[stat][b], ra, rb, stat,
-                                                 alpha, test, confidence)
+                        c = compare_replicates(reps[stat][a], reps[stat][b], ra, rb, stat,
+                                               alpha, test, confidence)
                         group["comparisons"].append({
                             "stat": stat, "a": names[a], "b": names[b], "a_value": ra,
                             "b_value": rb, "mean_diff": _finite(c.mean_diff),
@@ -255,106 +261,6 @@ def meta_evaluate(human: dict[str, float], metrics: dict[str, dict[str, float]],
 _TEST_TEXT = {"paired": "paired t-test on the bootstrap correlations",
               "independent": "two-sample t-test on the bootstrap correlations",
               "bootstrap": "bootstrap p-value of the difference"}
-_STAT_TITLE = {"spearman": "Spearman's ρ", "kendall": "Kendall's τ-b"}
-
-
-def format_markdown(result: dict) -> str:
-    """One markdown table per statistic: metrics x groups, ``value [CI]``; bold = best of the
-    column and significantly better than the second best."""
-    lines = []
-    groups = result["groups"]
-    boot = result["bootstrap"]
-    for stat in result["stats"]:
-        ci_note = (f" ({int(boot['confidence'] * 100)}% bootstrap CI)" if boot["n"] else "")
-        lines.append(f"### {_STAT_TITLE[stat]} with human judgments{ci_note}")
-        lines.append("")
-        header = ["metric"] + [f"{g['label']} (n={g['n']})" for g in groups]
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "|".join(["---"] + ["---:"] * len(groups)) + "|")
-        for name in result["metrics"]:
-            cells = [name]
-            for g in groups:
-                e = g["metrics"][name]
-                v = e[stat]
-                text = "n/a" if v is None else f"{v:.3f}"
-                best = g["best"][stat]
-                if v is not None and best["metric"] == name and best["significant"]:
-                    text = f"**{text}**"
-                ci = e.get(f"{stat}_ci")
-                if ci and ci[0] is not None:
-                    text += f" [{ci[0]:.3f}, {ci[1]:.3f}]"
-                cells.append(text)
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    if boot["n"] and len(result["metrics"]) > 1:
-        lines.append(f"Bold: best in its column and significantly better than the second best "
-                     f"({boot['n']} bootstrap resamples, {boot['test']}, p < {boot['alpha']}).")
-    alphas = [(g["label"], g.get("krippendorff_alpha")) for g in groups if "krippendorff_alpha" in g]
-    if alphas:
-        lines.append("Inter-annotator agreement (Krippendorff's α, nominal): " + ", ".join(
-            f"{label} {'n/a' if a is None else f'{a:.3f}'}" for label, a in alphas) + ".")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-class PlotUnavailable(RuntimeError):
-    pass
-
-
-def _require_matplotlib():
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib, which is not installed; install it with "
-                              "pip install 'fastjudge[plot]' (or pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_meta_eval(result: dict, path, stat: str = "spearman") -> None:
-    """Grouped bar chart (groups on x, one bar per metric) of a correlation with its bootstrap
-    CI as error bars and ``*`` over a column's significantly best metric, saved as PNG."""
-    plt = _require_matplotlib()
-    groups, names = result["groups"], result["metrics"]
-    width = 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + len(groups) * len(names) * 0.45), 4.2))
-    x = np.arange(len(groups))
-    for j, name in enumerate(names):
-        vals = [g["metrics"][name][stat] for g in groups]
-        heights = [np.nan if v is None else v for v in vals]
-        lo, hi = [], []
-        for g, v in zip(groups, vals):
-            ci = g["metrics"][name].get(f"{stat}_ci")
-            if v is None or not ci or ci[0] is None:
-                lo.append(0.0)
-                hi.append(0.0)
-            else:
-                lo.append(max(0.0, v - ci[0]))
-                hi.append(max(0.0, ci[1] - v))
-        pos = x + (j - (len(names) - 1) / 2) * width
-        ax.bar(pos, heights, width, label=name,
-               yerr=[lo, hi] if result["bootstrap"]["n"] else None, capsize=3)
-        for p, g, v, up in zip(pos, groups, vals, hi):
-            best = g["best"][stat]
-            if v is not None and best["metric"] == name and best["significant"]:
-                ax.annotate("*", (p, v + up), ha="center", va="bottom", fontsize=12)
-    labels = ["\n".join("-" if v is None else str(v) for v in g["fields"].values())
-              if g["fields"] else g["label"] for g in groups]
-    ax.set_xticks(x, [f"{label}\n(n={g['n']})" for label, g in zip(labels, groups)], fontsize=8)
-    ax.set_ylabel(_STAT_TITLE[stat])
-    ci = (f", {int(result['bootstrap']['confidence'] * 100)}% bootstrap CI"
-          if result["bootstrap"]["n"] else "")
-    ax.set_title(f"{_STAT_TITLE[stat]} with human judgments{ci}")
-    ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    lo_y, hi_y = ax.get_ylim()
-    ax.set_ylim(lo_y, hi_y + 0.06 * (hi_y - lo_y))  # room for the "*" marks
-    if len(names) > 1 and result["bootstrap"]["n"]:
-        fig.text(0.01, 0.01, "* significantly better than the second best", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
 
 
 def _report_problems(problems: list[str], what: str) -> None:
@@ -373,17 +279,17 @@ def run_meta_eval(args) -> int:
 
     if args.plot:
         try:
-            _require_matplotlib()  # fail before any work
+            require_matplotlib()  # fail before any work
         except PlotUnavailable as missing:
             print(f"fastjudge: error: {missing}", file=sys.stderr)
             return 2
     if args.bootstrap < 0:
         raise ValueError("--bootstrap must be >= 0")
     by = tuple(f.strip() for f in (args.by or "").split(",") if f.strip())
-    wanted = tuple(f.strip() for f in getattr(args, "stats", ",".join(S.STATS)).split(",")
+    wanted = tuple(f.strip() for f in getattr(args, "stats", ",".join(STATS)).split(",")
                    if f.strip())
-    if not wanted or any(w not in S.STATS for w in wanted):
-        raise ValueError(f"--stats takes a comma-separated subset of {', '.join(S.STATS)}")
+    if not wanted or any(w not in STATS for w in wanted):
+        raise ValueError(f"--stats takes a comma-separated subset of {', '.join(STATS)}")
     fields = [f.strip() for f in args.field.split(",")]
     if len(fields) not in (1, len(args.scores)):
         raise ValueError(f"--field takes one field or one per score file ({len(args.scores)}), "

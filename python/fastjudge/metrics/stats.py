@@ -5,11 +5,10 @@
   constant input, as scipy.
 * :func:`bootstrap_replicates` / :func:`bootstrap_ci`: percentile bootstrap of a correlation with
   human scores, vectorized over resamples (5000 resamples of 22k items in a few seconds).
-* :func:`compare_correlations`: the LAVE paper's significance test between two metrics'
-  correlations with the same human scores -- both are bootstrapped on the *same* 5000 resamples
-  and a t-test at the 5% level is run on the two sets of bootstrap correlations.
-* :func:`krippendorff_alpha` (nominal and interval), :func:`human_score` (LAVE's rule for 5 binary
-  ratings).
+
+Whether one metric's correlation is significantly better than another's is
+:mod:`.significance`, on the bootstrap replicates computed here; the human scores themselves
+(LAVE's rule for 5 binary ratings) and inter-annotator agreement are :mod:`.human_ratings`.
 
 Bootstrap resamples: ``numpy.random.default_rng(seed)`` draws, chunk after chunk, ``n`` indices
 with replacement per resample; the chunk size depends only on ``n``, so a seed gives the same
@@ -25,12 +24,9 @@ from typing import Iterable, Sequence
 import numpy as np
 
 __all__ = ["spearman", "kendall", "rankdata", "bootstrap_replicates", "bootstrap_ci",
-           "BootstrapCI", "compare_correlations", "CorrelationComparison", "paired_t_test",
-           "krippendorff_alpha", "human_score", "t_sf", "STATS", "TESTS",
-           "resample_indices", "compare_replicates", "student_t_test"]
+           "BootstrapCI", "percentile_ci", "resample_indices", "STATS", "STAT_FUNCTIONS"]
 
 STATS = ("spearman", "kendall")
-TESTS = ("paired", "independent", "bootstrap")
 
 # Resamples per chunk are chosen so that a chunk's index matrix stays near this many entries.
 _CHUNK_ELEMENTS = 1 << 21
@@ -147,7 +143,7 @@ def kendall(x, y) -> float:
     return float(min(1.0, max(-1.0, tau)))
 
 
-_STAT_FUNCS = {"spearman": spearman, "kendall": kendall}
+STAT_FUNCTIONS = {"spearman": spearman, "kendall": kendall}
 
 
 # --- bootstrap ---------------------------------------------------------------------------------
@@ -320,7 +316,7 @@ class BootstrapCI:
     replicates: np.ndarray = field(repr=False)
 
 
-def _percentile_ci(replicates: np.ndarray, confidence: float) -> tuple[float, float]:
+def percentile_ci(replicates: np.ndarray, confidence: float) -> tuple[float, float]:
     r = replicates[np.isfinite(replicates)]
     if r.size == 0:
         return math.nan, math.nan
@@ -339,229 +335,6 @@ def bootstrap_ci(metric_scores, human_scores, stat: str = "spearman", n: int = 5
     if not 0.0 < confidence < 1.0:
         raise ValueError("confidence must be in (0, 1)")
     reps = bootstrap_replicates(metric_scores, human_scores, (stat,), n, seed)[stat]
-    lo, hi = _percentile_ci(reps, confidence)
-    return BootstrapCI(stat, _STAT_FUNCS[stat](metric_scores, human_scores), lo, hi, confidence,
+    lo, hi = percentile_ci(reps, confidence)
+    return BootstrapCI(stat, STAT_FUNCTIONS[stat](metric_scores, human_scores), lo, hi, confidence,
                        n, seed, reps)
-
-
-# --- significance ------------------------------------------------------------------------------
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10000):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < 1e-16:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    lbt = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
-           + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(lbt) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_sf(t: float, df: float) -> float:
-    """Survival function P(T > t) of Student's t distribution."""
-    if math.isnan(t):
-        return math.nan
-    if math.isinf(t):
-        return 0.0 if t > 0 else 1.0
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1.0 - tail
-
-
-def paired_t_test(a, b) -> tuple[float, float]:
-    """Two-sided paired t-test (``scipy.stats.ttest_rel``): ``(t, p)``."""
-    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-    d = d[np.isfinite(d)]
-    if d.size < 2:
-        return math.nan, math.nan
-    mean, sd = float(d.mean()), float(d.std(ddof=1))
-    if sd == 0.0:
-        return (math.nan, 1.0) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0)
-    t = mean / (sd / math.sqrt(d.size))
-    return t, min(1.0, 2.0 * t_sf(abs(t), d.size - 1))
-
-
-def student_t_test(a, b) -> tuple[float, float]:
-    """Two-sided two-sample t-test with equal variances (``scipy.stats.ttest_ind``): ``(t, p)``."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
-    na, nb = a.size, b.size
-    if na < 2 or nb < 2:
-        return math.nan, math.nan
-    df = na + nb - 2
-    pooled = ((na - 1) * a.var(ddof=1) + (nb - 1) * b.var(ddof=1)) / df
-    diff = float(a.mean() - b.mean())
-    se = math.sqrt(pooled * (1.0 / na + 1.0 / nb))
-    if se == 0.0:
-        return (math.nan, 1.0) if diff == 0.0 else (math.copysign(math.inf, diff), 0.0)
-    t = diff / se
-    return t, min(1.0, 2.0 * t_sf(abs(t), df))
-
-
-@dataclass
-class CorrelationComparison:
-    """Metric A vs metric B on the same human scores."""
-
-    stat: str
-    a: float  # correlations on all items
-    b: float
-    mean_diff: float  # mean over resamples of (A - B)
-    diff_low: float  # percentile CI of A - B
-    diff_high: float
-    t: float
-    p_value: float  # of the test (the t-test, or p_bootstrap for test="bootstrap")
-    p_bootstrap: float  # two-sided: 2 * min(P(A - B <= 0), P(A - B >= 0)) over resamples
-    significant: bool  # p_value < alpha
-    better: str | None  # "a" or "b" when significant, else None
-    test: str
-    n_boot: int
-
-
-def compare_replicates(rep_a: np.ndarray, rep_b: np.ndarray, a: float, b: float, stat: str,
-                       alpha: float = 0.05, test: str = "paired",
-                       confidence: float = 0.95) -> CorrelationComparison:
-    """The comparison from already computed bootstrap replicates (same resamples)."""
-    if test not in TESTS:
-        raise ValueError(f"test must be one of {TESTS}, got {test!r}")
-    d = rep_a - rep_b
-    d = d[np.isfinite(d)]
-    lo, hi = _percentile_ci(d, confidence)
-    p_boot = float(min(1.0, 2.0 * min((d <= 0).mean(), (d >= 0).mean()))) if d.size else math.nan
-    if test == "paired":
-        t, p = paired_t_test(rep_a, rep_b)
-    elif test == "independent":
-        t, p = student_t_test(rep_a, rep_b)
-    else:
-        t, p = math.nan, p_boot
-    mean_diff = float(d.mean()) if d.size else math.nan
-    significant = bool(p < alpha) if not math.isnan(p) else False
-    better = None
-    if significant:
-        better = "a" if mean_diff > 0 else "b"
-    return CorrelationComparison(stat, a, b, mean_diff, lo, hi, t, p, p_boot, significant,
-                                 better, test, int(rep_a.size))
-
-
-def compare_correlations(metric_a, metric_b, human_scores, stat: str = "spearman",
-                         n: int = 5000, seed: int = 0, alpha: float = 0.05,
-                         test: str = "paired") -> CorrelationComparison:
-    """Is metric A's correlation with the human scores significantly different from metric B's?
-
-    As in the LAVE paper: bootstrap with ``n`` = 5000 resamples (the same resamples for both
-    metrics) and a t-test at ``alpha`` = 5% between the two sets of bootstrap correlations --
-    ``test="paired"`` (``ttest_rel``, default, as the resamples are shared) or
-    ``"independent"`` (``ttest_ind``). With thousands of replicates either t-test calls very
-    small differences significant, so ``p_bootstrap`` (two-sided bootstrap p-value of A - B) and
-    the CI of the difference are reported too; ``test="bootstrap"`` decides on ``p_bootstrap``.
-    """
-    if stat not in STATS:
-        raise ValueError(f"unknown statistic {stat!r}; choose from {STATS}")
-    a_scores, b_scores = _vector(metric_a, "metric_a"), _vector(metric_b, "metric_b")
-    reps = bootstrap_replicates(np.stack([a_scores, b_scores]), human_scores, (stat,), n, seed)[stat]
-    f = _STAT_FUNCS[stat]
-    return compare_replicates(reps[0], reps[1], f(a_scores, human_scores),
-                              f(b_scores, human_scores), stat, alpha, test)
-
-
-# --- human judgments ---------------------------------------------------------------------------
-def human_score(ratings: Sequence) -> float:
-    """LAVE's human score from 5 binary ratings (1 = correct): 1.0 if at least 4 annotators
-    rate the answer correct, 0.5 if 2 or 3 do, else 0.0 (Mañas et al., Sec. 4)."""
-    if isinstance(ratings, (str, bytes)) or not hasattr(ratings, "__len__"):
-        raise ValueError("ratings must be a list of 5 binary ratings")
-    if len(ratings) != 5:
-        raise ValueError(f"expected 5 binary ratings, got {len(ratings)}")
-    correct = 0
-    for r in ratings:
-        if isinstance(r, bool) or r in (0, 1):
-            correct += int(r)
-        else:
-            raise ValueError(f"ratings must be 0/1 or true/false, got {r!r}")
-    return 1.0 if correct >= 4 else 0.5 if correct >= 2 else 0.0
-
-
-def _units_matrix(ratings) -> np.ndarray:
-    """Ragged or rectangular ratings -> (units, max coders) float array, NaN for missing."""
-    rows = [list(r) for r in ratings]
-    width = max((len(r) for r in rows), default=0)
-    out = np.full((len(rows), width), np.nan)
-    for i, r in enumerate(rows):
-        for j, v in enumerate(r):
-            if v is not None:
-                out[i, j] = float(v)
-    return out
-
-
-def krippendorff_alpha(ratings, level: str = "nominal") -> float:
-    """Krippendorff's alpha for inter-annotator agreement.
-
-    ``ratings``: one row per unit (item), holding the values its annotators gave (rows may differ
-    in length; ``None``/NaN = missing), e.g. the 5 binary ratings per answer. ``level``:
-    ``"nominal"`` (binary/categorical; disagreement 1 for different values) or ``"interval"``
-    (squared difference). Units with fewer than 2 values are not pairable and are ignored.
-    ``alpha = 1 - D_o / D_e`` from the coincidence matrix (Krippendorff, "Computing
-    Krippendorff's Alpha-Reliability", 2011); ``nan`` when there is no variation at all.
-    """
-    if level not in ("nominal", "interval", "binary"):
-        raise ValueError("level must be 'nominal' (or 'binary') or 'interval'")
-    if isinstance(ratings, np.ndarray) and ratings.ndim == 2:
-        data = ratings.astype(np.float64)
-    else:
-        data = _units_matrix(ratings)
-    if data.ndim != 2:
-        raise ValueError("ratings must be a list of per-unit rating lists")
-    present = ~np.isnan(data)
-    m = present.sum(axis=1)
-    pairable = m >= 2
-    data, present, m = data[pairable], present[pairable], m[pairable].astype(np.float64)
-    n = m.sum()
-    if n < 2:
-        return math.nan
-    if level == "interval":
-        v = np.where(present, data, 0.0)
-        s1, s2 = v.sum(axis=1), (v * v).sum(axis=1)
-        # sum over ordered pairs of a unit's values of (v_i - v_j)^2 = 2 m S2 - 2 S1^2
-        observed = ((2.0 * m * s2 - 2.0 * s1 * s1) / (m - 1.0)).sum()
-        t1, t2 = s1.sum(), s2.sum()
-        expected = 2.0 * n * t2 - 2.0 * t1 * t1
-    else:
-        values, inv = np.unique(data[present], return_inverse=True)
-        counts = np.zeros(data.shape[0] * values.size)
-        rows = np.nonzero(present)[0]
-        np.add.at(counts, rows * values.size + inv.reshape(-1), 1.0)
-        counts = counts.reshape(data.shape[0], values.size)
-        # ordered pairs of different values within each unit: m^2 - sum_c n_uc^2
-        observed = ((m * m - (counts * counts).sum(axis=1)) / (m - 1.0)).sum()
-        nc = counts.sum(axis=0)
-        expected = n * n - (nc * nc).sum()
-    if expected == 0.0:
-        return math.nan
-    return float(1.0 - (n - 1.0) * observed / expected)
