@@ -3,6 +3,7 @@ Hugging Face directories with tokenizers trained here, loaded through the user's
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -18,6 +19,19 @@ if TEST_DEVICE.startswith("cuda"):
     # float32 must mean float32 for 1e-4 comparisons: no TF32 in matmuls or cuDNN convolutions
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def write_lines(path, lines):
+    """A JSONL input file of ``lines`` (each already JSON, or deliberately not)."""
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def read_rows(path):
+    """The rows of a JSONL output file, which must end with a complete line."""
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import pytest
 
 from fastjudge.cli import main
 from fastjudge.judges.registry import LAVE_RESULT_FIELDS
+from conftest import read_rows, write_lines
 
 RESULT_KEYS = {"score", "soft_score", "rating", "probs", "rationale", "error"}
 
@@ -24,17 +25,6 @@ VALID = [
     {"id": "q3", "question": "How many dogs are there?", "references": ["2", "two"], "prediction": "3"},
     {"id": 4, "question": "What is on the table?", "references": [{"answer": "cake"}], "prediction": "pie"},
 ]
-
-
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
-
-
-def read_rows(path):
-    text = path.read_text(encoding="utf-8")
-    assert text == "" or text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
 
 
 def lave(t5_dir, inp, out, *extra):

@@ -12,6 +12,7 @@ import scipy.stats
 
 from fastjudge.cli import main
 from fastjudge.metrics import exact_match, human_score, vqa_accuracy
+from conftest import read_rows, write_lines
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -24,17 +25,6 @@ VALID = [
     {"id": "q3", "question": "How many dogs?", "references": ["two"] * 10, "prediction": "2"},
     {"id": 4, "question": "What is on the table?", "references": ["cake"], "prediction": "cake"},
 ]
-
-
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
-
-
-def read_rows(path):
-    text = path.read_text(encoding="utf-8")
-    assert text == "" or text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
 
 
 def vqa_acc(inp, out, *extra):
