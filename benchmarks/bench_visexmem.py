@@ -282,7 +282,7 @@ def fresh(backend) -> None:
     """Empty every cache a run could reuse: prefix states, image embeddings, prefix tokens."""
     backend.prefix_cache = PrefixCache(backend.prefix_cache.index.capacity_bytes)
     backend._image_embeds = ImageEmbeddingCache(backend._image_embeds.capacity)
-    backend._prefix_ids.clear()
+    backend.codec._prefix_ids.clear()
     backend.tokens_computed = 0
 
 
