@@ -49,8 +49,8 @@ from fastjudge.backends.fp8 import e4m3_scale, quantize_e4m3
 from . import agreement as agr
 from .fp8_export import excluded_linears, fp8_state, read_checkpoint, write_fp8_checkpoint
 from .manifest import judge_token_ids, lave_template, new_manifest, write_manifest
-from .pipeline import (BuildOptions, calibration_section, compare_checkpoint, cuda_and_trtllm, open_judge,
-                       prepare_prompts, producer, quantize_and_compare, rel, resolve)
+from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, cuda_and_trtllm,
+                       open_source, producer, quantize_and_compare, rel)
 from .quantize import BuildError, LinearAmax
 
 log = logging.getLogger("fastjudge")
@@ -280,20 +280,11 @@ def build(opts: BuildOptions) -> dict:
     """Run the whole build; returns the manifest."""
     from transformers import T5ForConditionalGeneration
 
-    from fastjudge.backends.loading import read_config
     from fastjudge.backends.torch_t5 import TorchT5Backend
     from fastjudge.judges.lave import RATING_CUE
 
-    cfg = read_config(opts.model)
-    if cfg.get("model_type") not in T5_TYPES:
-        raise BuildError(f"{opts.model}: model_type {cfg.get('model_type')!r} is not a T5 / Flan-T5 checkpoint")
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device, dtype = resolve(opts)
-
-    base = TorchT5Backend(opts.model, device=str(device), dtype=dtype)
-    judge = open_judge(base, opts)
-    prompts = prepare_prompts(judge, opts)
+    cfg = checked_config(opts, T5_TYPES, "T5 / Flan-T5")
+    out, device, dtype, base, judge, prompts = open_source(opts, TorchT5Backend)
     ref_results = agr.score(judge, prompts.data.heldout)
 
     model = T5ForConditionalGeneration.from_pretrained(opts.model, dtype=dtype).to(device).eval()

@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,37 @@ def prepare_prompts(judge, opts: BuildOptions) -> Prompts:
     held = judge_prompts(judge, data.heldout)
     log.info("fastjudge build: %d calibration prompts, %d held-out prompts (%s)", len(calib), len(held), source)
     return Prompts(data=data, calibration=calib, heldout=held)
+
+
+def checked_config(opts: BuildOptions, model_types: Sequence[str], family: str) -> dict:
+    """The source checkpoint's config, refused unless its model_type is one of ``model_types``."""
+    from fastjudge.backends.loading import read_config
+
+    cfg = read_config(opts.model)
+    if cfg.get("model_type") not in model_types:
+        raise BuildError(f"{opts.model}: model_type {cfg.get('model_type')!r} is not a {family} checkpoint")
+    return cfg
+
+
+class Source(NamedTuple):
+    """Step 1: the output directory, compute device and dtype, the source judge on its torch
+    backend, and the prompts it builds."""
+
+    out: Path
+    device: torch.device
+    dtype: torch.dtype
+    base: object  # the torch backend of the source checkpoint
+    judge: object  # LaveJudge on it
+    prompts: Prompts
+
+
+def open_source(opts: BuildOptions, backend_class) -> Source:
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device, dtype = resolve(opts)
+    base = backend_class(opts.model, device=str(device), dtype=dtype)
+    judge = open_judge(base, opts)
+    return Source(out, device, dtype, base, judge, prepare_prompts(judge, opts))
 
 
 def calibration_section(prompts: Prompts, opts: BuildOptions, extra_hashes: Sequence[bytes] = (),

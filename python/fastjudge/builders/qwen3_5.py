@@ -26,7 +26,6 @@ and, for VL checkpoints with ``--images``, image-caption prompts with their imag
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -34,8 +33,8 @@ from . import agreement as agr
 from .calibration import image_prompts, load_image_captions
 from .fp8_export import excluded_linears, fp8_state, read_checkpoint, write_fp8_checkpoint
 from .manifest import judge_token_ids, lave_template, new_manifest, write_manifest
-from .pipeline import (BuildOptions, calibration_section, compare_checkpoint, cuda_and_trtllm, open_judge,
-                       prepare_prompts, producer, quantize_and_compare, rel, resolve)
+from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, cuda_and_trtllm,
+                       open_source, producer, quantize_and_compare, rel)
 from .quantize import BuildError
 
 log = logging.getLogger("fastjudge")
@@ -93,23 +92,14 @@ def limits(opts: BuildOptions, longest_prompt: int, backend) -> dict:
 
 def build(opts: BuildOptions) -> dict:
     """Run the whole build; returns the manifest."""
-    from fastjudge.backends.loading import read_config
     from fastjudge.backends.torch_qwen import TorchQwenBackend
 
-    cfg = read_config(opts.model)
+    cfg = checked_config(opts, QWEN_TYPES, "Qwen3.5 / Qwen3")
     model_type = cfg.get("model_type")
-    if model_type not in QWEN_TYPES:
-        raise BuildError(f"{opts.model}: model_type {model_type!r} is not a Qwen3.5 / Qwen3 checkpoint")
     multimodal = bool(cfg.get("vision_config"))
     if opts.images and not multimodal:
         raise BuildError("--images needs a vision-language (Qwen3_5ForConditionalGeneration) checkpoint")
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device, dtype = resolve(opts)
-
-    base = TorchQwenBackend(opts.model, device=str(device), dtype=dtype)
-    judge = open_judge(base, opts)
-    prompts = prepare_prompts(judge, opts)
+    out, device, dtype, base, judge, prompts = open_source(opts, TorchQwenBackend)
     pairs = load_image_captions(opts.images) if opts.images else []
     images = image_prompts(base, opts.model, pairs) if pairs else []
     ref_results = agr.score(judge, prompts.data.heldout)
