@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from fastjudge.metrics import stats, vqa
-from fastjudge.metrics.vqa import process_digit_article, process_punctuation
+from fastjudge.testing.vqa_eval_script import script_accuracy
 
 BASE_ANSWERS = (
     ["yes", "no"] + [str(i) for i in range(0, 21)]
@@ -80,23 +80,7 @@ def make_items(n: int, seed: int) -> tuple[list[str], list[list[str]]]:
 
 def script_loop(preds, refs) -> list[float]:
     """vqaEval.py's evaluate() loop, literally: no caching, dicts, list filtering."""
-    out = []
-    for pred, answers in zip(preds, refs):
-        gts = [{"answer": a, "answer_id": i + 1} for i, a in enumerate(answers)]
-        for d in gts:
-            d["answer"] = d["answer"].replace("\n", " ").replace("\t", " ").strip()
-        res = pred.replace("\n", " ").replace("\t", " ").strip()
-        if len(set(d["answer"] for d in gts)) > 1:
-            for d in gts:
-                d["answer"] = process_digit_article(process_punctuation(d["answer"]))
-            res = process_digit_article(process_punctuation(res))
-        accs = []
-        for d in gts:
-            others = [o for o in gts if o != d]
-            matching = [o for o in others if o["answer"] == res]
-            accs.append(min(1, float(len(matching)) / 3))
-        out.append(float(sum(accs)) / len(accs))
-    return out
+    return [script_accuracy(pred, answers) for pred, answers in zip(preds, refs)]
 
 
 def timed(fn, repeats: int, before=None) -> tuple[float, object]:

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fastjudge.checkpoints import build_random_t5
+from fastjudge.checkpoints import build_random_qwen_vl, build_random_t5
 from fastjudge.demo import tokenizer_corpus
 
 #: Where the faithfulness tests run our backends (transformers stays on the CPU in float32):
@@ -45,6 +45,12 @@ def t5_tied_dir(tmp_path_factory):
     """Original-T5 layout: ReLU feed-forward, tied LM head with d_model**-0.5 rescaling."""
     return build_random_t5(tmp_path_factory.mktemp("t5-tied-tiny"), tokenizer_corpus(), shape="tiny",
                            tie_word_embeddings=True, feed_forward_proj="relu", seed=1)
+
+
+@pytest.fixture(scope="session")
+def vl_dir(tmp_path_factory):
+    """Multimodal Qwen3.5 (vision tower + preprocessor config) for the image-text judges."""
+    return build_random_qwen_vl(tmp_path_factory.mktemp("qwen3_5-vl-tiny"), tokenizer_corpus(), seed=11)
 
 
 @pytest.fixture(scope="session")

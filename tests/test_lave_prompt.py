@@ -46,45 +46,47 @@ def blocks(prompt: str) -> list[str]:
 class TestFilterReferences:
     def test_boundary_exactly_quarter_dropped(self):
         # max count 4 -> threshold 1.0: an answer seen once (exactly 25%) is dropped.
-        assert filter_references(["a"] * 4 + ["b"]) == ["a"]
+        assert filter_references(["a"] * 4 + ["b"]) == ["a"] * 4
 
     def test_just_above_quarter_kept(self):
         # max count 7 -> threshold 1.75: count 2 (28.6%) is kept, count 1 dropped.
-        assert filter_references(["a"] * 7 + ["b", "b", "c"]) == ["a", "b"]
+        assert filter_references(["a"] * 7 + ["b", "b", "c"]) == ["a"] * 7 + ["b", "b"]
 
     def test_just_below_threshold_dropped_custom_p(self):
         # p=0.5, max 4 -> threshold 2: count 2 dropped (not strictly above), 3 kept.
-        assert filter_references(["x"] * 4 + ["y"] * 3 + ["z"] * 2, p=0.5) == ["x", "y"]
+        assert filter_references(["x"] * 4 + ["y"] * 3 + ["z"] * 2, p=0.5) == ["x"] * 4 + ["y"] * 3
 
-    def test_distinct_and_sorted(self):
+    def test_sorted_with_repetitions(self):
+        # the authors show every repetition of a kept answer
         answers = ["zebra", "apple", "zebra", "mango", "apple", "mango"]
-        assert filter_references(answers) == ["apple", "mango", "zebra"]
+        assert filter_references(answers) == ["apple", "apple", "mango", "mango", "zebra", "zebra"]
 
-    def test_p_zero_keeps_all_distinct(self):
+    def test_p_zero_keeps_all(self):
         answers = ["b"] * 10 + ["a", "c"]
-        assert filter_references(answers, p=0) == ["a", "b", "c"]
+        assert filter_references(answers, p=0) == ["a"] + ["b"] * 10 + ["c"]
 
     def test_single_answer(self):
         assert filter_references(["only"]) == ["only"]
 
-    def test_judge_without_filter_shows_all_distinct(self, t5_backend):
+    def test_judge_without_filter_shows_all(self, t5_backend):
         ex = VQAExample("What fruit is it?", ["pear"] * 9 + ["apple", "pear"], "pear")
         filtered = LaveJudge(t5_backend).build_prompt(ex)
         unfiltered = LaveJudge(t5_backend, filter_refs=False).build_prompt(ex)
-        assert filtered.endswith("Reference answers: 'pear'\nCandidate answer: pear\nOutput:")
-        assert unfiltered.endswith("Reference answers: 'apple', 'pear'\nCandidate answer: pear\nOutput:")
+        pears = quoted(["pear"] * 10)
+        assert filtered.endswith(f"Reference answers: {pears}\nCandidate answer: pear\nOutput:")
+        assert unfiltered.endswith(f"Reference answers: 'apple', {pears}\nCandidate answer: pear\nOutput:")
 
     def test_judge_filter_p(self, t5_backend):
         ex = VQAExample("What fruit is it?", ["pear"] * 3 + ["apple"], "pear")
         # p=0.25: threshold 0.75 keeps apple; p=0.5: threshold 1.5 drops it.
-        assert "Reference answers: 'apple', 'pear'\n" in LaveJudge(t5_backend).build_prompt(ex)
-        assert "Reference answers: 'pear'\n" in LaveJudge(t5_backend, filter_p=0.5).build_prompt(ex)
+        assert "Reference answers: 'apple', 'pear', 'pear', 'pear'\n" in LaveJudge(t5_backend).build_prompt(ex)
+        assert "Reference answers: 'pear', 'pear', 'pear'\n" in LaveJudge(t5_backend, filter_p=0.5).build_prompt(ex)
 
 
 # -- is_binary_question ---------------------------------------------------------------------------
 class TestIsBinaryQuestion:
     @pytest.mark.parametrize("answers", [
-        ["Yes"], ["no."], [" NO "], ["YES", "yes", "maybe"], ["no", "No", "no.", "2"],
+        ["Yes"], ["no."], ["NO"], ["YES", "yes", "maybe"], ["no", "No", "no.", "2"],
         ["yes", "no", "no"],
     ])
     def test_binary(self, answers):
@@ -92,6 +94,7 @@ class TestIsBinaryQuestion:
 
     @pytest.mark.parametrize("answers", [
         ["red"], ["2", "2", "yes"], ["cat", "yes", "cat"], ["yesterday"], ["not"], ["yes please"],
+        [" NO "],  # raw strings, as the authors check them: spaces are not stripped
     ])
     def test_not_binary(self, answers):
         assert is_binary_question(answers) is False
@@ -106,21 +109,24 @@ class TestIsBinaryQuestion:
         assert is_binary_question(["no", "red"])
         assert not is_binary_question(["red", "no"])
 
-    def test_binary_uses_unfiltered_counts(self, t5_backend):
-        # Majority "no" after stripping and lowercasing -> binary demonstrations are used.
+    def test_binary_check_on_raw_strings(self, t5_backend):
+        # Raw strings all differ, the first seen (" No ") wins the tie and is not yes/no once
+        # lowercased without its trailing periods -> general demonstrations, as the authors.
         prompt = LaveJudge(t5_backend).build_prompt(
             VQAExample("Is it daytime?", [" No ", "no", "NO.", "night"], "no"))
-        assert "Question: Is it raining?" in prompt
+        assert "Question: Is it raining?" not in prompt
+        assert f"Question: {GENERAL[0]['question']}\n" in prompt
 
 
 # -- reference_answers ----------------------------------------------------------------------------
 class TestReferenceAnswers:
-    def test_strings_stripped(self):
-        assert reference_answers([" red ", "blue\n"]) == ["red", "blue"]
+    def test_strings_as_given(self):
+        # the authors' code strips no reference answer
+        assert reference_answers([" red ", "blue\n"]) == [" red ", "blue\n"]
 
     def test_vqa_answer_dicts(self):
         refs = [{"answer": "red ", "answer_confidence": "yes", "answer_id": 1}, "blue"]
-        assert reference_answers(refs) == ["red", "blue"]
+        assert reference_answers(refs) == ["red ", "blue"]
 
     def test_repetitions_preserved(self):
         assert reference_answers(["a", {"answer": "a"}, "a"]) == ["a", "a", "a"]
@@ -299,16 +305,18 @@ class TestPrompt:
         assert prompt.count("So rating=") == len(GENERAL)
 
     def test_test_example_last(self, lave_judge):
+        # question and prediction as given: the authors' code strips neither
         ex = VQAExample("  What color is the kite?  ", ["red", "red", "red", "orange"], "  red  ")
         prompt = lave_judge.build_prompt(ex)
-        assert prompt.endswith("\n\nQuestion: What color is the kite?\nReference answers: 'orange', 'red'\n"
-                               "Candidate answer: red\nOutput:")
-        assert blocks(prompt)[-1].startswith("Question: What color is the kite?")
+        assert prompt.endswith("\n\nQuestion:   What color is the kite?  \n"
+                               "Reference answers: 'orange', 'red', 'red', 'red'\n"
+                               "Candidate answer:   red  \nOutput:")
+        assert blocks(prompt)[-1].startswith("Question:   What color is the kite?")
 
     def test_references_quoted_and_sorted(self, lave_judge):
         ex = VQAExample("What fruit?", ["zebra fruit", "apple", "mango", "apple", {"answer": "kiwi"}], "apple")
         last = blocks(lave_judge.build_prompt(ex))[-1]
-        assert "\nReference answers: 'apple', 'kiwi', 'mango', 'zebra fruit'\n" in last
+        assert "\nReference answers: 'apple', 'apple', 'kiwi', 'mango', 'zebra fruit'\n" in last
 
     def test_demo_references_sorted(self, lave_judge):
         prompt = lave_judge.build_prompt(COLOR)

@@ -3,18 +3,24 @@
 Expected values are worked out by hand from the script's rules (see
 fastjudge/metrics/vqa.py); an oracle that follows the script's loop literally (answer dicts
 with answer_id, leave-one-out by dict inequality, float sum in annotator order) checks the
-accuracy arithmetic on random items."""
+accuracy arithmetic on random items, and a transcription of ``VQAEval.evaluate``'s bookkeeping
+(``setEvalQA``, ``setAccuracy``: PythonEvaluationTools/vqaEvaluation/vqaEval.py) with Python
+2.7's ``round`` checks the per-question and overall rounding."""
 
 from __future__ import annotations
 
+import math
 import random
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastjudge.metrics import exact_match, normalize_answer, vqa_accuracy, vqa_accuracy_many
-from fastjudge.metrics.vqa import (process_digit_article, process_punctuation, vqa_scores)
+from fastjudge.metrics.vqa import (official_round, process_digit_article, process_punctuation,
+                                   vqa_overall_accuracy, vqa_scores)
+from fastjudge.testing.vqa_eval_script import script_accuracy
 
 
 # --- normalization ------------------------------------------------------------------------------
@@ -189,23 +195,6 @@ def test_exact_match():
     assert vqa_scores("Yes.", ["yes"] * 10) == (0.0, 1.0)
 
 
-# --- the script's loop, literally ---------------------------------------------------------------
-def script_accuracy(prediction, answers):
-    """vqaEval.py's per-question loop (master), on answer dicts with unique answer_ids."""
-    gts = [{"answer": a, "answer_id": i + 1} for i, a in enumerate(answers)]
-    for d in gts:
-        d["answer"] = d["answer"].replace("\n", " ").replace("\t", " ").strip()
-    res = prediction.replace("\n", " ").replace("\t", " ").strip()
-    if len(set(d["answer"] for d in gts)) > 1:
-        for d in gts:
-            d["answer"] = process_digit_article(process_punctuation(d["answer"]))
-        res = process_digit_article(process_punctuation(res))
-    accs = []
-    for d in gts:
-        others = [o for o in gts if o != d]
-        matching = [o for o in others if o["answer"] == res]
-        accs.append(min(1, float(len(matching)) / 3))
-    return float(sum(accs)) / len(accs)
 
 
 VOCAB = ["yes", "Yes", "yes.", "no", "2", "two", "Two ", "the dog", "dog", "a dog!", "t-shirt",
@@ -233,3 +222,80 @@ def test_many_matches_single():
         [p for p, _ in items], [r for _, r in items])
     assert [script_accuracy(p, r) for p, r in items if len(r) > 1] == [
         vqa_accuracy(p, r) for p, r in items if len(r) > 1]
+
+
+# --- the script's rounding ----------------------------------------------------------------------
+def py27_round(x: float, ndigits: int = 2) -> float:
+    """Python 2.7's ``round(x, ndigits)`` for x >= 0 (``float_round`` / ``_Py_double_round`` in
+    its floatobject.c): the exact binary value of x to the nearest multiple of 10**-ndigits,
+    an exact half away from zero, then back to the nearest double."""
+    scaled = Fraction(x) * 10 ** ndigits
+    return float(Fraction(math.floor(scaled + Fraction(1, 2)), 10 ** ndigits))
+
+
+def script_report(predictions, answer_lists):
+    """vqaEval.py (master) ``VQAEval.evaluate``'s bookkeeping: ``accQA`` gets each question's
+    unrounded mean, ``setEvalQA`` stores ``round(100*acc, self.n)`` with n = 2, and
+    ``setAccuracy`` sets overall = ``round(100*float(sum(accQA))/len(accQA), self.n)``."""
+    acc_qa, eval_qa = [], []
+    for prediction, answers in zip(predictions, answer_lists):
+        acc = script_accuracy(prediction, answers)
+        acc_qa.append(acc)
+        eval_qa.append(py27_round(100 * acc, 2))
+    total = 0
+    for acc in acc_qa:  # Python 2's sum(): left to right
+        total += acc
+    return eval_qa, py27_round(100 * float(total) / len(acc_qa), 2)
+
+
+def test_python27_round():
+    """Exact ties go away from zero as in Python 2.7 (Python 3 sends them to even); values
+    whose binary form lies below the tie (2.675) round down in both."""
+    for x, expected in [(0.125, 0.13), (0.375, 0.38), (12.125, 12.13), (2.675, 2.67), (66.666, 66.67),
+                        (33.33333333333333, 33.33), (0.0, 0.0), (100.0, 100.0)]:
+        assert official_round(x) == py27_round(x) == expected, x
+    assert round(0.125, 2) == 0.12  # what Python 3 would have reported
+
+
+def test_official_rounding_matches_the_script():
+    rng = random.Random(1)
+    items = []
+    for _ in range(3000):
+        base = rng.sample(VOCAB, rng.choice([1, 2, 3]))
+        n = rng.choice([2, 3, 5, 10, 10, 10])
+        items.append((rng.choice(base + VOCAB[:5]), [rng.choice(base) for _ in range(n)]))
+    predictions, answers = [p for p, _ in items], [r for _, r in items]
+    eval_qa, overall = script_report(predictions, answers)
+    assert vqa_accuracy_many(predictions, answers, official_rounding=True) == eval_qa
+    assert vqa_overall_accuracy(vqa_accuracy_many(predictions, answers)) == overall
+    for k in range(1, 40):  # and on every prefix, where the last digit moves
+        assert vqa_overall_accuracy(vqa_accuracy_many(predictions[:k], answers[:k])) == \
+            script_report(predictions[:k], answers[:k])[1]
+
+
+def test_overall_rounds_once_from_unrounded_values():
+    # 2/3, 2/3, 0: per question 66.67, 66.67, 0.0; overall 44.44 (not 44.45 from the rounded)
+    accs = [2 / 3, 2 / 3, 0.0]
+    assert [official_round(100 * a) for a in accs] == [66.67, 66.67, 0.0]
+    assert vqa_overall_accuracy(accs) == 44.44
+    # 97 of 800 right: 100 * 97 / 800 is exactly 12.125, a tie: 12.13 as the script reports
+    assert vqa_overall_accuracy([1.0] * 97 + [0.0] * 703) == 12.13
+    with pytest.raises(ValueError, match="no accuracies"):
+        vqa_overall_accuracy([])
+
+
+def test_vqa_acc_summary_reports_the_script_overall(tmp_path, capsys):
+    import json
+
+    from fastjudge.cli import main
+
+    rows = [{"id": i, "question": "?", "prediction": p, "references": r}
+            for i, (p, r) in enumerate([("cat", ["cat", "cat", "dog"]), ("dog", ["cat"] * 9 + ["dog"]),
+                                        ("red", ["red", "blue"])])]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
+    assert main(["vqa-acc", "--input", str(src), "--output", str(out), "--no-progress"]) == 0
+    accs = [r["vqa_accuracy"] for r in map(json.loads, out.read_text().splitlines()) if r["error"] is None]
+    line = [x for x in capsys.readouterr().err.splitlines() if "overall accuracy" in x]
+    assert line == [f"fastjudge vqa-acc overall accuracy (vqaEval.py rounding): "
+                    f"{vqa_overall_accuracy(accs):.2f} over the 3 items scored in this run"]

@@ -4,6 +4,7 @@ on a real loopback socket, on the tiny random-weight Flan-T5 judge."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -157,21 +158,33 @@ def test_concurrent_clients_no_lost_or_duplicated_results(lave_judge):
     assert app.state.batcher.batches_done < len(groups)  # callers shared batches
 
 
+@contextlib.contextmanager
+def serving(config):
+    """``uvicorn.Server(config)`` on a free loopback port, in a thread; yields the port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.started
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
 def test_real_socket_server(lave_judge):
     import uvicorn
 
     app = create_app(lave_judge)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.started
+    with serving(uvicorn.Config(app, log_level="warning", lifespan="on")) as port:
         base = f"http://127.0.0.1:{port}"
         groups = [sample_examples(n, tag=f"r{k}-") for k, n in enumerate([3, 1, 7, 4, 2, 5])]
         with httpx.Client(base_url=base, timeout=30) as hc:
@@ -186,10 +199,6 @@ def test_real_socket_server(lave_judge):
                            json={"items": item_dicts(groups[2])}) as r:
                 lines = [json.loads(x) for x in r.iter_lines() if x]
             assert sorted(x["id"] for x in lines) == sorted(e.id for e in groups[2])
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def test_cli_has_serve_subcommand():

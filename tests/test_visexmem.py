@@ -14,19 +14,12 @@ import pytest
 import torch
 
 from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
-from fastjudge.checkpoints import build_random_qwen_vl
-from fastjudge.demo import tokenizer_corpus
 from fastjudge.judges.visexmem import AGGREGATES, PART_TYPES, ClaimResult, aggregate, validate_parts
 from fastjudge.runtime.scheduler import run_requests
 from conftest import TEST_DEVICE
 
 TOL = 1e-4
 BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)
-
-
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    return build_random_qwen_vl(tmp_path_factory.mktemp("visex_vl"), tokenizer_corpus(), seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +225,7 @@ def test_caption_without_claims_is_an_item_error(judge):
 
 
 def test_holistic_matches_transformers(judge, hf):
-    h = HolisticJudge(judge.backend)
+    h = HolisticJudge(judge.backend, template="fastjudge")  # renormalised over {yes, no}
     examples = [ImageTextExample(image(8), "A red bus."), ImageTextExample(image(9, 64, 80), "Two dogs."),
                 ImageTextExample(image(8), "   ")]
     results = h.score(examples)

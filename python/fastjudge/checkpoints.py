@@ -87,6 +87,23 @@ def build_random_t5(out_dir: str | os.PathLike, corpus: Iterable[str], shape: st
     return out
 
 
+def scale_output_rows(model_dir: str | os.PathLike, scales: dict[int, float]) -> None:
+    """Multiply rows of a saved checkpoint's (untied) LM head in place, ``{token id: factor}``.
+
+    Random weights almost never emit EOS, while a real judge's outputs end at varied lengths,
+    often on a rating. Scaling up the EOS and rating rows makes those tokens win greedy steps
+    often enough to give that shape to generations (tests and benchmarks of decoding)."""
+    from safetensors.torch import load_file, save_file
+
+    weights_file = Path(model_dir) / "model.safetensors"
+    state = load_file(str(weights_file))
+    if "lm_head.weight" not in state:
+        raise ValueError(f"{model_dir}: no separate lm_head.weight to scale")
+    for token, factor in scales.items():
+        state["lm_head.weight"][token] *= factor
+    save_file(state, str(weights_file), metadata={"format": "pt"})
+
+
 # Qwen shapes: (hidden, intermediate, layers, heads, kv heads, head_dim, DeltaNet k/v heads, dims).
 QWEN_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

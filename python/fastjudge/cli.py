@@ -38,11 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="Qwen3.5 vision-language checkpoint directory")
     add_job_arguments(
         visexmem, input_help="JSONL (or Parquet: *.parquet, *.pq): id, image (path) or "
-                             "image_b64, text, optional boxes [[x0,y0,x1,y1], ...]",
+                             "image_b64, text, optional boxes [[x0,y0,x1,y1], ...] and claims (strings "
+                             "or part objects: verified instead of decomposing)",
         output_help=RESUMABLE_OUTPUT, chunk_size=64,
         chunk_help="pairs taken through the stages together; results are written per chunk")
     visexmem.add_argument("--holistic", action="store_true",
-                          help="the holistic yes/no baseline instead (one P(yes) per pair)")
+                          help="the holistic baseline instead (VQAScore by default: one P(\"Yes\") per pair)")
     add_options(visexmem, VISEXMEM_OPTIONS + HOLISTIC_OPTIONS)
 
     demo = sub.add_parser("demo", help="run LAVE on bundled sample data (no download needed)")
@@ -112,11 +113,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
-    if args.command == "demo":
-        from .demo import run_demo
-
-        return run_demo(args.model, **option_values(args, DEMO_OPTIONS))
     try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.model, **option_values(args, DEMO_OPTIONS))
         if args.command == "lave":
             return run_judge_job(args, "lave")
         if args.command == "visexmem":
@@ -140,8 +141,10 @@ def main(argv=None) -> int:
         from .builders.cli import run_build
 
         return run_build(args)
-    except (OSError, ValueError) as bad:  # bad paths, checkpoints, demonstration files
-        print(f"fastjudge: error: {bad}", file=sys.stderr)
+    except (OSError, ValueError) as bad:  # bad paths, checkpoints (CheckpointError), demo files
+        # one line: a checkpoint's problem can arrive as a multi-line message from its reader
+        lines = [line.strip() for line in str(bad).splitlines() if line.strip()]
+        print(f"fastjudge: error: {' '.join(lines)}", file=sys.stderr)
         return 2
 
 

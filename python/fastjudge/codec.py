@@ -12,6 +12,8 @@ on the checkpoint's tokenizer and prompt format:
   to ids, the images in order and the exact shared-prefix length;
 * image slots: an image is a typed slot, expanded by the codec to its token run (vision start,
   one image token per merged patch, vision end) in id space; never placeholder text;
+* :meth:`~PromptCodec.check_text_length`: a text too long for a token limit refused before it
+  is tokenized;
 * :meth:`~PromptCodec.decode`, the EOS ids, and :meth:`~PromptCodec.answer_ids`: the token ids
   of answer strings written right after a response prefix, the one rule every judge and the
   engine manifest use.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -119,6 +122,30 @@ class PromptCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry as the tokenizer stores it (added tokens
+        included). No token stands for more characters of the text than its entry has: a
+        byte-level entry has one character per byte, a SentencePiece entry one per character."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def max_text_chars(self, max_tokens: int) -> int:
+        """The most characters a prompt of ``max_tokens`` tokens can hold."""
+        return max_tokens * self.longest_token_chars
+
+    def check_text_length(self, parts: Segments, max_tokens: int) -> None:
+        """ValueError, before any tokenizing, when the text of ``parts`` (a string, or a
+        sequence of strings and image slots) has more characters than ``max_tokens`` tokens can
+        hold (:meth:`max_text_chars`), so an over-long text costs time independent of its size.
+        Text that the tokenizer's normalizer would shrink (runs of spaces it collapses, marks it
+        composes) is counted as given, and so refused as well past that length."""
+        chars = sum(len(p) for p in _segments(parts) if isinstance(p, str))
+        limit = self.max_text_chars(max_tokens)
+        if chars > limit:
+            raise ValueError(f"text is {chars} characters, more than a prompt of {max_tokens} "
+                             f"tokens can hold ({limit} characters with this tokenizer); not "
+                             "tokenized")
 
     def answer_ids(self, answers: Sequence[str], after: str = "", single_token: bool = False) -> AnswerIds:
         """Token ids of ``answers`` as the model writes them right after ``after`` in its

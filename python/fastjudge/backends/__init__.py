@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 
-from .loading import CheckpointError, read_config
+import torch
+
+from .loading import CheckpointError, one_line, read_config
 from .protocol import Backend, check_backend
 
 
@@ -34,12 +36,28 @@ def load_backend(model: str | os.PathLike, backend: str = "torch", device: str =
     options = dict(device=device, dtype=dtype, allow_pickle=allow_pickle,
                    max_input_tokens=max_input_tokens)
     if model_type in T5_MODEL_TYPES:
-        return TorchT5Backend(model, **options)
+        return _open_checkpoint(TorchT5Backend, model, options)
     if model_type in QWEN_MODEL_TYPES:
-        return TorchQwenBackend(model, **options)
+        return _open_checkpoint(TorchQwenBackend, model, options)
     supported = ", ".join(T5_MODEL_TYPES + QWEN_MODEL_TYPES)
     raise CheckpointError(f"{model}: model_type {model_type!r} is not supported by the torch backend "
                           f"(supported: {supported})")
+
+
+def _open_checkpoint(backend_class, model: str | os.PathLike, options: dict):
+    """The backend on ``model``; every failure to load it a :class:`CheckpointError` naming the
+    checkpoint (the shape checks name the file and tensor; what slips past them -- a vision
+    tower or tokenizer files that do not load -- is named here by the directory)."""
+    try:
+        return backend_class(model, **options)
+    except CheckpointError as bad:
+        if str(model) in str(bad):  # already names the checkpoint
+            raise
+        raise CheckpointError(f"{model}: {bad}") from None
+    except (torch.OutOfMemoryError, ImportError):
+        raise  # the machine or the installation, not the checkpoint
+    except Exception as bad:  # noqa: BLE001 - whatever the files make the loaders raise
+        raise CheckpointError(f"{model}: cannot be loaded ({one_line(bad)})") from bad
 
 
 __all__ = ["load_backend", "CheckpointError", "Backend", "check_backend"]

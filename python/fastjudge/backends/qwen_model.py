@@ -1,6 +1,6 @@
 """Qwen3.5 (hybrid Gated DeltaNet + gated attention) and Qwen3 (dense) language models in plain
 PyTorch: the model math only (weights, one forward pass over batched rows that continues from a
-prefix state, logits, one batched decoding step).
+prefix state, logits, one batched decoding step); the shape is ``qwen_shape``.
 
 Every operation is causal (attention with a causal mask, causal depthwise conv, the chunked delta
 rule), so what follows a row's last token never reaches that token's output.
@@ -11,68 +11,16 @@ implementation, called as a function; the engine owns batching, masking, state a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
 from .fp8 import Fp8Weight, fuse, linear, projection_weight
-from .loading import CheckpointError
+from .loading import CheckpointError, check_shapes
+from .qwen_shape import QwenShape
 
 SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
-
-
-@dataclass(frozen=True)
-class QwenShape:
-    arch: str
-    vocab_size: int
-    hidden: int
-    num_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    eps: float
-    layer_types: tuple[str, ...]
-    hybrid: bool  # Qwen3.5: zero-centred norms, gated attention output, DeltaNet layers
-    max_positions: int
-    lin_k_heads: int = 0
-    lin_v_heads: int = 0
-    lin_k_dim: int = 0
-    lin_v_dim: int = 0
-    conv_kernel: int = 0
-    # M-RoPE (multimodal Qwen3.5): rotary frequency pairs taken from the t/h/w position rows,
-    # interleaved (transformers' default when the config names none)
-    mrope_section: tuple[int, ...] = (11, 11, 10)
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "QwenShape":
-        model_type = cfg.get("model_type")
-        text = cfg.get("text_config", cfg) if model_type == "qwen3_5" else cfg
-        hybrid = model_type in ("qwen3_5", "qwen3_5_text")
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
-        if rope.get("rope_type", "default") not in ("default",) and not rope.get("mrope_section"):
-            raise CheckpointError(f"rope type {rope.get('rope_type')!r} is not supported")
-        n = text["num_hidden_layers"]
-        layer_types = tuple(text.get("layer_types") or ["full_attention"] * n)
-        return cls(
-            arch=model_type, vocab_size=text["vocab_size"], hidden=text["hidden_size"],
-            num_layers=n, heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"],
-            head_dim=head_dim, rotary_dim=int(head_dim * partial),
-            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
-            eps=text.get("rms_norm_eps", 1e-6), layer_types=layer_types, hybrid=hybrid,
-            max_positions=text.get("max_position_embeddings", 32768),
-            lin_k_heads=text.get("linear_num_key_heads", 0),
-            lin_v_heads=text.get("linear_num_value_heads", 0),
-            lin_k_dim=text.get("linear_key_head_dim", 0),
-            lin_v_dim=text.get("linear_value_head_dim", 0),
-            conv_kernel=text.get("linear_conv_kernel_dim", 0),
-            mrope_section=tuple(rope.get("mrope_section") or (11, 11, 10)),
-        )
 
 
 def _delta_rule():
@@ -91,6 +39,7 @@ class QwenWeights:
     def __init__(self, state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
         prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state) \
             else "model."
+        check_shapes(state, shape.tensor_shapes(prefix))
 
         def take(name: str, full: bool = False) -> torch.Tensor:
             w = dense(name, full)

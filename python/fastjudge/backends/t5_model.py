@@ -1,5 +1,5 @@
-"""T5 v1.1 / Flan-T5 in plain PyTorch: the model math only (shape, weights in the engine's fused
-layout, the packed encoder, the score-only decoder step, greedy decoding).
+"""T5 v1.1 / Flan-T5 in plain PyTorch: the model math only (weights in the engine's fused layout,
+the packed encoder, the score-only decoder step, greedy decoding; the shape is ``t5_shape``).
 
 Same math as transformers' T5ForConditionalGeneration, with the engine owning the parts that
 decide speed:
@@ -14,13 +14,13 @@ decide speed:
   ``q . (W_k h)`` is computed as ``(W_k^T q) . h`` and ``sum p W_v h`` as ``W_v (sum p h)``:
   exact reassociation that skips projecting every encoder token to K and V in every decoder
   layer. Only the K candidate rows of the LM head are computed.
-* **Rationale decoding** caches self-attention K/V and computes cross-attention K/V once.
+* **Rationale decoding** caches self-attention K/V, computes cross-attention K/V once and
+  drops finished rows from the step batch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -30,52 +30,12 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from .fp8 import Fp8Weight, fuse, linear, projection_weight
-from .loading import CheckpointError
+from .loading import CheckpointError, check_shapes
+from .t5_shape import T5Shape
 
-
-@dataclass(frozen=True)
-class T5Shape:
-    vocab_size: int
-    d_model: int
-    d_kv: int
-    num_heads: int
-    num_layers: int
-    num_decoder_layers: int
-    num_buckets: int
-    max_distance: int
-    eps: float
-    gated: bool
-    act: str
-    scale_decoder_outputs: bool
-    decoder_start_token_id: int
-    eos_token_id: int
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "T5Shape":
-        ff = cfg.get("feed_forward_proj", "relu")
-        gated = ff.startswith("gated-")
-        act = cfg.get("dense_act_fn") or (ff.split("-", 1)[1] if gated else ff)
-        if gated and act == "gelu":
-            act = "gelu_new"  # transformers maps "gated-gelu" to the tanh approximation
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            d_model=cfg["d_model"],
-            d_kv=cfg["d_kv"],
-            num_heads=cfg["num_heads"],
-            num_layers=cfg["num_layers"],
-            num_decoder_layers=cfg.get("num_decoder_layers") or cfg["num_layers"],
-            num_buckets=cfg.get("relative_attention_num_buckets", 32),
-            max_distance=cfg.get("relative_attention_max_distance", 128),
-            eps=cfg.get("layer_norm_epsilon", 1e-6),
-            gated=gated,
-            act=act,
-            # Original T5 (tied head) rescales decoder outputs by d_model**-0.5; T5 v1.1 and
-            # Flan-T5 (tie_word_embeddings=False, separate lm_head) do not.
-            scale_decoder_outputs=cfg.get("scale_decoder_outputs",
-                                          cfg.get("tie_word_embeddings", True) is not False),
-            decoder_start_token_id=cfg.get("decoder_start_token_id", cfg.get("pad_token_id", 0)) or 0,
-            eos_token_id=cfg.get("eos_token_id", 1),
-        )
+# Greedy decoding drops finished rows from the step batch once at most this fraction of its
+# rows still run (each drop copies the rows' caches, so not at every EOS).
+COMPACT_WHEN = 0.75
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
@@ -125,6 +85,8 @@ class T5Weights:
     dequantized."""
 
     def __init__(self, state: dict[str, torch.Tensor], shape: T5Shape, device, dtype):
+        check_shapes(state, shape.tensor_shapes())
+
         def dense(name: str):
             if name not in state:
                 raise CheckpointError(f"checkpoint lacks tensor {name!r}")
@@ -289,7 +251,13 @@ class T5Model:
     @torch.inference_mode()
     def generate(self, enc: torch.Tensor, lengths: Sequence[int], max_new_tokens: int,
                  track: torch.Tensor | None) -> tuple[list[list[int]], list[bool], list[torch.Tensor]]:
-        """Greedy decoding with cached self-attention K/V and cross-attention K/V computed once."""
+        """Greedy decoding with cached self-attention K/V and cross-attention K/V computed once.
+
+        A row stops at its EOS, and finished rows leave the step batch as soon as at most
+        ``COMPACT_WHEN`` of its rows still run (each drop copies the caches, so not at every
+        EOS): a batch whose outputs end at different lengths costs about the tokens it
+        generates, not rows x longest output. Rows never interact, so dropping rows changes no
+        row's tokens."""
         s = self.s
         h, dk = s.num_heads, s.d_kv
         B, dev, dt = len(lengths), enc.device, enc.dtype
@@ -305,6 +273,7 @@ class T5Model:
             k = F.linear(enc_pad, layer["x_k"]).view(B, Lmax, h, dk).transpose(1, 2)
             v = F.linear(enc_pad, layer["x_v"]).view(B, Lmax, h, dk).transpose(1, 2)
             cross_kv.append((k, v))
+        del enc_pad
         total = max_new_tokens
         cache_k = [torch.zeros(B, h, total, dk, dtype=dt, device=dev) for _ in self.w.decoder]
         cache_v = [torch.zeros(B, h, total, dk, dtype=dt, device=dev) for _ in self.w.decoder]
@@ -313,35 +282,45 @@ class T5Model:
         out_tokens: list[list[int]] = [[] for _ in range(B)]
         finished = [False] * B
         tracked: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        rows = list(range(B))  # the request row of each step-batch row
         for t in range(max_new_tokens):
-            x = F.embedding(token, self.w.embed)[:, None, :]  # [B,1,d]
+            b = len(rows)
+            x = F.embedding(token, self.w.embed)[:, None, :]  # [b,1,d]
             for li, layer in enumerate(self.w.decoder):
                 qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
-                q, k, v = qkv.view(B, 1, 3, h, dk).permute(2, 0, 3, 1, 4)
+                q, k, v = qkv.view(b, 1, 3, h, dk).permute(2, 0, 3, 1, 4)
                 cache_k[li][:, :, t] = k[:, :, 0]
                 cache_v[li][:, :, t] = v[:, :, 0]
                 o = F.scaled_dot_product_attention(
                     q, cache_k[li][:, :, : t + 1], cache_v[li][:, :, : t + 1],
                     attn_mask=bias[None, :, t : t + 1, : t + 1], scale=1.0)
-                x = x + F.linear(o.transpose(1, 2).reshape(B, 1, h * dk), layer["o"])
+                x = x + F.linear(o.transpose(1, 2).reshape(b, 1, h * dk), layer["o"])
                 xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"])
-                xq = xq.view(B, 1, h, dk).transpose(1, 2)
+                xq = xq.view(b, 1, h, dk).transpose(1, 2)
                 ck, cv = cross_kv[li]
                 o = F.scaled_dot_product_attention(xq, ck, cv, attn_mask=key_mask, scale=1.0)
-                x = x + F.linear(o.transpose(1, 2).reshape(B, 1, h * dk), layer["x_o"])
+                x = x + F.linear(o.transpose(1, 2).reshape(b, 1, h * dk), layer["x_o"])
                 x = self.feed_forward(x, layer)
-            logits = self._logits_rows(x[:, 0], None)  # [B, V]
+            logits = self._logits_rows(x[:, 0], None)  # [b, V]
             token = logits.argmax(-1)
-            token_list = token.tolist()
-            for i in range(B):
+            running = []  # step-batch rows that go on
+            for j, (i, tok) in enumerate(zip(rows, token.tolist())):
                 if finished[i]:
-                    continue
-                if token_list[i] == s.eos_token_id:
+                    continue  # finished earlier, kept until the next compaction
+                if tok == s.eos_token_id:
                     finished[i] = True
                     continue
-                out_tokens[i].append(token_list[i])
+                out_tokens[i].append(tok)
                 if track is not None:
-                    tracked[i].append(logits[i, track])
-            if all(finished):
+                    tracked[i].append(logits[j, track])
+                running.append(j)
+            if not running:
                 break
+            if len(running) <= COMPACT_WHEN * b:
+                keep = torch.tensor(running, device=dev)
+                rows = [rows[j] for j in running]
+                token, key_mask = token[keep], key_mask[keep]
+                cache_k = [c[keep] for c in cache_k]
+                cache_v = [c[keep] for c in cache_v]
+                cross_kv = [(k[keep], v[keep]) for k, v in cross_kv]
         return out_tokens, finished, [torch.stack(r) if r else torch.empty(0) for r in tracked]

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from ..codec import open_codec
+from ..kernels.choice_head import choice_head
 from ..runtime.requests import Choice, Image, Output, Request, Text, choice_probs
 from .caches import ImageEmbeddingCache, prefix_cache_key
-from .fp8 import fp8_gemm_supported
-from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
+from .loading import load_state_dict, place_checkpoint
 from .qwen_decode import DECODE_ROOM, DecodeCache, decode_greedy
 from .qwen_model import PrefixState, QwenModel, QwenShape, QwenWeights
 from .qwen_vision import image_token_count, mrope_positions
@@ -55,15 +55,10 @@ class TorchQwenBackend:
         with FP8 tensor cores (compute capability 8.9+)."""
         from ..runtime.prefix_cache import PrefixCache
 
-        cfg = read_config(model_dir)
-        if cfg.get("model_type") not in QWEN_MODEL_TYPES:
-            raise CheckpointError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not a Qwen3/3.5 model")
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, QWEN_MODEL_TYPES, "a Qwen3/3.5 model",
+                                                                  device, dtype, fp8_gemm)
         self.shape = QwenShape.from_config(cfg)
-        if fp8_gemm is None:
-            fp8_gemm = fp8_gemm_supported(self.device)
-        state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=fp8_gemm)
+        state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=keep_fp8)
         self.model = QwenModel(QwenWeights(state, self.shape, self.device, self.dtype), self.shape)
         self.vision = None
         if cfg.get("vision_config"):
@@ -198,11 +193,21 @@ class TorchQwenBackend:
             width = max(len(r.spec.token_ids) for r in batch)
             cand = torch.tensor([list(r.spec.token_ids) + [r.spec.token_ids[0]] * (width - len(r.spec.token_ids))
                                  for r in batch], device=self.device)
-        logits = self.model.logits(final, cand).cpu().numpy().astype(np.float64)
+        logprobs = None
+        if any(r.spec.full_vocab for r in batch):
+            # the fused head's online log-sum-exp over vocabulary tiles: never [B, vocab]
+            head = choice_head(final, self.model.w.final_norm, self.model.w.lm_head, cand,
+                               eps=self.shape.eps, full_vocab=True)
+            logits = head.logits.cpu().numpy().astype(np.float64)
+            logprobs = head.logprobs.cpu().numpy().astype(np.float64)
+        else:
+            logits = self.model.logits(final, cand).cpu().numpy().astype(np.float64)
         outputs = []
-        for r, z in zip(batch, logits):
-            z = z[: len(r.spec.token_ids)]
-            outputs.append(Output(index=r.index, logits=z, probs=choice_probs(z)))
+        for i, r in enumerate(batch):
+            k = len(r.spec.token_ids)
+            z = logits[i, :k]
+            outputs.append(Output(index=r.index, logits=z, probs=choice_probs(z),
+                                  logprobs=logprobs[i, :k] if r.spec.full_vocab else None))
         return outputs
 
     def _matcher(self, spec):

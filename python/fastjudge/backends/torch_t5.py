@@ -17,8 +17,7 @@ import torch
 
 from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, choice_probs
-from .fp8 import fp8_gemm_supported
-from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
+from .loading import load_state_dict, place_checkpoint
 from .t5_model import T5Model, T5Shape, T5Weights
 
 log = logging.getLogger("fastjudge")
@@ -37,15 +36,10 @@ class TorchT5Backend:
         """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
         with FP8 tensor cores (compute capability 8.9+)."""
-        cfg = read_config(model_dir)
-        if cfg.get("model_type") not in T5_MODEL_TYPES:
-            raise CheckpointError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not a T5 model")
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, T5_MODEL_TYPES, "a T5 model",
+                                                                  device, dtype, fp8_gemm)
         self.shape = T5Shape.from_config(cfg)
-        if fp8_gemm is None:
-            fp8_gemm = fp8_gemm_supported(self.device)
-        state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=fp8_gemm)
+        state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=keep_fp8)
         self.model = T5Model(T5Weights(state, self.shape, self.device, self.dtype))
         del state
         self.codec = open_codec(model_dir, cfg, self.kind, eos_token_id=self.shape.eos_token_id)
@@ -80,6 +74,10 @@ class TorchT5Backend:
         return self._run_text(batch, enc, lengths)
 
     def _run_choice(self, batch, enc, lengths) -> list[Output]:
+        if any(r.spec.full_vocab for r in batch):
+            # no judge of an encoder-decoder checkpoint reads full-vocabulary probabilities
+            raise NotImplementedError("full-vocabulary Choice probabilities are implemented for "
+                                      "decoder-only judges only (the torch Qwen backend)")
         start = self.shape.decoder_start_token_id
         # Rows of one batch may ask for different candidate sets; group rows that share one.
         by_candidates: dict[tuple[int, ...], list[int]] = {}

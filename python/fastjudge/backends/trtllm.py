@@ -14,7 +14,8 @@ checkpoint also loads in the torch backend).
 * Qwen3.5 / Qwen3: the FP8 checkpoint through the LLM API (``tensorrt_llm.LLM``, PyTorch
   backend), KV-cache block reuse on (``KvCacheConfig(enable_block_reuse=True)``): requests
   sharing the LAVE prefix reuse its cached blocks. ``Choice``: ``max_tokens=1`` with
-  ``return_generation_logits``, read at the K ids. ``Json``: guided decoding with the xgrammar
+  ``return_generation_logits``, read at the K ids (and, for a ``full_vocab`` Choice, normalised
+  over the whole row). ``Json``: guided decoding with the xgrammar
   backend, given the same grammar the torch path compiles (no free whitespace, fixed
   separators) as EBNF, so both paths constrain identically.
 * ``Text``: greedy decoding; ``track_ids`` read from the generation logits.
@@ -223,8 +224,15 @@ def _per_row_logits(logits, rows: int) -> list[np.ndarray]:
 
 
 def _choice_output(request: Request, logits: np.ndarray) -> Output:
-    z = np.asarray(logits, dtype=np.float64)[list(request.spec.token_ids)]
-    return Output(index=request.index, logits=z, probs=choice_probs(z))
+    """A Choice read from one step's generation logits, which cover the whole vocabulary
+    anyway: a ``full_vocab`` request's log-probabilities cost one log-sum-exp more."""
+    row = np.asarray(logits, dtype=np.float64)
+    z = row[list(request.spec.token_ids)]
+    logprobs = None
+    if request.spec.full_vocab:
+        top = row.max()
+        logprobs = z - (top + np.log(np.exp(row - top).sum()))
+    return Output(index=request.index, logits=z, probs=choice_probs(z), logprobs=logprobs)
 
 
 def _text_output(request: Request, tokens: list[int], logits: np.ndarray | None, eos: set[int],

@@ -4,6 +4,14 @@ An image may be a path (relative paths resolved against ``root``), encoded bytes
 an ``H x W x 3`` uint8 array. It becomes an RGB ``[3, H, W]`` uint8 tensor plus a content key
 (a hash of the pixels), so the same picture given twice is encoded once.
 
+Pixel budget: an image of more than ``max_pixels`` pixels (default :data:`MAX_IMAGE_PIXELS`) is
+refused with an ``ImageError`` before it is decoded: the size comes from the file's header, so a
+decompression bomb (a small file that claims a huge image) costs nothing. The Qwen processors
+downscale every image to at most their ``max_pixels`` (about one megapixel by default) before
+the model sees it, so a larger image only costs decoding time and memory. PIL's own bomb limit
+(``PIL.Image.MAX_IMAGE_PIXELS``) applies as well, also as an ``ImageError``. Decoded inputs (a
+PIL image, an array) are held to the same budget, since preprocessing costs grow with it.
+
 Box policy (documented in the README): boxes are ``(x0, y0, x1, y1)`` pixels. A box that reaches
 outside the image is clipped to it, with a warning; a box with no area (inside the image after
 clipping) is dropped, with a warning; a box that is not four finite numbers makes the item an
@@ -23,8 +31,15 @@ import numpy as np
 import torch
 
 
+# 64 Mi pixels (an 8192 x 8192 image, ~200 MB decoded as RGB): room for 8K frames and most
+# camera photos, about 64 times what the Qwen processors' default max_pixels (28 * 28 * 1280)
+# passes to the model.
+MAX_IMAGE_PIXELS = 1 << 26
+
+
 class ImageError(ValueError):
-    """An image that cannot be used (unreadable, corrupt, wrong shape or type)."""
+    """An image that cannot be used (unreadable, corrupt, over the pixel budget, wrong shape or
+    type)."""
 
 
 @dataclass(frozen=True)
@@ -41,42 +56,57 @@ class LoadedImage:
         return int(self.pixels.shape[2])
 
 
-def _from_pil(img) -> np.ndarray:
+def check_pixel_budget(width: int, height: int, max_pixels: int) -> None:
+    """``ImageError`` for an image of more than ``max_pixels`` pixels."""
+    if width * height > max_pixels:
+        raise ImageError(f"image is {width}x{height} = {width * height} pixels, above the pixel "
+                         f"budget of {max_pixels} (max_image_pixels); not decoded")
+
+
+def _from_pil(img, max_pixels: int) -> np.ndarray:
+    check_pixel_budget(*img.size, max_pixels)  # before load(): the header gave the size
     try:
         img.load()
         return np.asarray(img.convert("RGB"))
-    except (OSError, ValueError) as bad:  # truncated or corrupt data surfaces on load
+    except Exception as bad:  # noqa: BLE001 - any failure to decode one image is that image's error
         raise ImageError(f"corrupt image: {bad}") from None
 
 
-def load_image(image, root: str | os.PathLike | None = None) -> LoadedImage:
+def _decode(source, where: str, max_pixels: int) -> np.ndarray:
+    """Pixels of an encoded image (a path or a file object); ``where`` names it in errors."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(source) as img:
+            return _from_pil(img, max_pixels)
+    except ImageError:
+        raise
+    except FileNotFoundError:
+        raise ImageError(f"image file not found: {where}") from None
+    except Image.DecompressionBombError as bad:
+        raise ImageError(f"{where} refused as a decompression bomb: {bad}") from None
+    except (UnidentifiedImageError, OSError) as bad:
+        raise ImageError(f"unreadable image {where}: {bad}") from None
+    except Exception as bad:  # noqa: BLE001 - a decoder failing on odd data fails this image only
+        raise ImageError(f"unreadable image {where}: {type(bad).__name__}: {bad}") from None
+
+
+def load_image(image, root: str | os.PathLike | None = None,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> LoadedImage:
     """An example's image as RGB uint8 pixels with a content key; ``ImageError`` says what is
-    wrong."""
+    wrong. ``max_pixels``: the pixel budget (see the module docstring)."""
     if isinstance(image, (str, os.PathLike)):
-        from PIL import Image, UnidentifiedImageError
-
         path = os.path.join(root, image) if root is not None and not os.path.isabs(image) else image
-        try:
-            with Image.open(path) as img:
-                array = _from_pil(img)
-        except FileNotFoundError:
-            raise ImageError(f"image file not found: {path}") from None
-        except (UnidentifiedImageError, OSError) as bad:
-            raise ImageError(f"unreadable image {path}: {bad}") from None
+        array = _decode(path, str(path), max_pixels)
     elif isinstance(image, (bytes, bytearray, memoryview)):
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(io.BytesIO(bytes(image))) as img:
-                array = _from_pil(img)
-        except (UnidentifiedImageError, OSError) as bad:
-            raise ImageError(f"unreadable image bytes: {bad}") from None
+        array = _decode(io.BytesIO(bytes(image)), "bytes", max_pixels)
     elif isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             raise ImageError(f"an image array must be H x W x 3 uint8, got {image.shape} {image.dtype}")
+        check_pixel_budget(image.shape[1], image.shape[0], max_pixels)
         array = image
     elif hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
-        array = _from_pil(image)
+        array = _from_pil(image, max_pixels)
     else:
         raise ImageError(f"unsupported image type {type(image).__name__} (use a path, bytes, a PIL "
                          "image or an H x W x 3 uint8 array)")
@@ -90,12 +120,16 @@ def load_image(image, root: str | os.PathLike | None = None) -> LoadedImage:
 
 def encode_region(loaded: LoadedImage, box: tuple[int, int, int, int], config):
     """One region of an image (the whole image: ``(0, 0, width, height)``) encoded for the vision
-    tower as a request ``Image``, keyed by the image's content, the box and the preprocessing."""
+    tower as a request ``Image``, keyed by the image's content, the box and the preprocessing.
+    ``ImageError`` when the region cannot be preprocessed."""
     from fastjudge.kernels.crop_encode import crop_encode
 
     from ..runtime.requests import Image
 
-    pixels, grid = crop_encode(loaded.pixels, torch.tensor([box]), config)
+    try:
+        pixels, grid = crop_encode(loaded.pixels, torch.tensor([box]), config)
+    except (ValueError, RuntimeError) as bad:  # e.g. an aspect ratio the processor refuses
+        raise ImageError(f"region {list(box)} cannot be preprocessed: {bad}") from None
     key = loaded.key + np.asarray(box, dtype=np.int64).tobytes() + repr(config).encode()
     return Image(pixels, tuple(int(v) for v in grid[0]), key)
 

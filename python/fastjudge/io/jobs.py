@@ -11,9 +11,17 @@ not an object, rejected when made an example or by the judge, or on a batch the 
 on) gets an error row: result fields null and ``error`` naming its line. A job never fails
 because of an item.
 
-Resume: rerunning the same command skips every id already in the output and appends the rest
-(JSONL: a partial last line of a killed run is cut off first; Parquet: new part files). Done
-ids are filtered out before any work is dispatched.
+Repeated ids: each id is scored once, at its first line; every later line with the same id
+gets an error row naming that first line (``line 7: id 'a' repeats line 3; each id is scored
+once``). A repeat's row is written after its first line's row, so the rows of each id in the
+output of a killed run are those of its first lines, and resuming adds exactly the rows an
+uninterrupted run would have written after them.
+
+Resume: rerunning the same command skips the lines whose rows are already in the output and
+appends the rest: an id with ``k`` rows there has its first ``k`` lines done (JSONL: a partial
+last line of a killed run is cut off and corrupt lines are removed first; Parquet: new part
+files). Done lines are filtered out before any work is dispatched. Output to standard output
+(``--output -``), a pipe or a device is a stream and is not resumed (:mod:`.jsonl`).
 
 Scoring: in this process, ``chunk_size`` items at a time, each row written as soon as the
 judge's batch holding it finishes; or on a Ray actor pool (:mod:`.ray_pool`). A progress bar
@@ -29,12 +37,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from functools import partial
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .jsonl import InputLine, ResumableWriter, read_jsonl
+from .jsonl import STDOUT, InputLine, ResumableWriter, read_jsonl
 from .parquet import is_parquet
 from .ray_pool import WorkerFailure, score_on_ray
 
@@ -74,6 +83,23 @@ def make_row(spec, line: InputLine, fields: dict) -> dict:
 
 def _failed(spec, message: str) -> dict:
     return {**dict.fromkeys(spec.result_fields), "error": message}
+
+
+def repeat_row(spec, line: InputLine, first_line_no: int) -> dict:
+    """The error row of a line whose id an earlier line has (see the module docstring)."""
+    return make_row(spec, line, _failed(spec, f"id {line.id!r} repeats line {first_line_no}; "
+                                              "each id is scored once"))
+
+
+def fresh_lines(lines: Iterable[InputLine], done: Counter) -> Iterator[tuple[InputLine, int | None]]:
+    """The lines whose rows are not in the output yet (``done``: rows per id there), each with
+    the line number of the first line of its id when it repeats one, else ``None``."""
+    seen: dict[str, list[int]] = {}  # id -> [its first line number, lines read with it]
+    for line in lines:
+        entry = seen.setdefault(line.id, [line.line_no, 0])
+        entry[1] += 1
+        if entry[1] > done[line.id]:
+            yield line, entry[0] if entry[1] > 1 else None
 
 
 def _prepare_line(spec, line: InputLine) -> tuple[dict | None, Any]:
@@ -127,24 +153,45 @@ def local_rows(judge, spec, todo: Sequence, chunk_size: int) -> Iterator[dict]:
             yield make_row(spec, chunk[i][0], fields)
 
 
-def _rows_as_read(judge, spec, lines: Iterable[InputLine], done: set[str],
+def _rows_as_read(judge, spec, fresh: Iterable[tuple[InputLine, int | None]],
                   chunk_size: int) -> Iterator[dict]:
-    """Rows of the input lines whose ids are not ``done``, read as the job goes: an error row
-    as soon as its line is read, the items scored ``chunk_size`` at a time."""
+    """Rows of the ``fresh_lines``, read as the job goes: an error row as soon as its line is
+    read (a repeat's once its first line's row is out), the items scored ``chunk_size`` at a
+    time."""
     chunk_size = max(1, chunk_size)
-    todo = []
-    for line in lines:
-        if line.id in done:
+    todo, pending, waiting = [], set(), []  # waiting: repeats of ids pending in todo
+    for line, first in fresh:
+        if first is not None:
+            row = repeat_row(spec, line, first)
+            if line.id in pending:
+                waiting.append(row)
+            else:
+                yield row
             continue
         row, example = _prepare_line(spec, line)
         if row is not None:
             yield row
             continue
         todo.append((line, example))
+        pending.add(line.id)
         if len(todo) == chunk_size:
             yield from local_rows(judge, spec, todo, chunk_size)
-            todo = []
+            yield from waiting
+            todo, pending, waiting = [], set(), []
     yield from local_rows(judge, spec, todo, chunk_size)
+    yield from waiting
+
+
+def _rows_on_ray(pool, spec, build_judge, fresh: Sequence[tuple[InputLine, int | None]],
+                 chunk_size: int, label: str) -> Iterator[dict]:
+    """Rows of the ``fresh_lines``, the items scored on Ray; repeats last, after every first
+    line's row."""
+    done_rows, todo = prepare(spec, [line for line, first in fresh if first is None])
+    scored = score_on_ray(pool, partial(_judge_scorer, spec, build_judge),
+                          [ex for _, ex in todo], chunk_size, label)
+    yield from done_rows
+    yield from (make_row(spec, todo[i][0], fields) for i, fields in scored)
+    yield from (repeat_row(spec, line, first) for line, first in fresh if first is not None)
 
 
 def _judge_scorer(spec, build_judge: Callable[[], Any]):
@@ -159,18 +206,18 @@ class JobOutput:
 
     def __init__(self, name: str, output: str, means: dict[str, str], progress: bool = True,
                  writer=None):
-        """``writer``: where rows go (``done``, ``write``, ``close``, ``truncated_partial_line``);
-        default a :class:`ResumableWriter` on ``output``."""
+        """``writer``: where rows go (``done``: rows per id already there, ``notes``: repairs
+        made to the output, ``write``, ``close``); default a :class:`ResumableWriter` on
+        ``output``."""
         from tqdm import tqdm
 
         self.name = name
         self.output = output
         self.means = means
         self.writer = writer if writer is not None else ResumableWriter(output)
-        if self.writer.truncated_partial_line:
-            print(f"fastjudge: removed a partial last line from {output} (interrupted run)",
-                  file=sys.stderr)
-        self.already_done = len(self.writer.done)
+        for note in self.writer.notes:
+            print(f"fastjudge: {note}", file=sys.stderr)
+        self.already_done = sum(self.writer.done.values())
         self.progress = tqdm(unit="item", disable=not progress, file=sys.stderr, desc=name,
                              mininterval=0.5)
         self.items = self.errors = self._pending = 0
@@ -178,7 +225,7 @@ class JobOutput:
         self.start = time.perf_counter()
 
     @property
-    def done(self) -> set[str]:
+    def done(self) -> Counter:
         return self.writer.done
 
     def set_total(self, total: int) -> None:
@@ -208,8 +255,8 @@ class JobOutput:
 
     def interrupted(self) -> int:
         self._close()
-        print(f"\nfastjudge: interrupted after {self.items} items; rerun the same command to "
-              "resume.", file=sys.stderr)
+        resume = "" if getattr(self.writer, "stream", False) else "; rerun the same command to resume"
+        print(f"\nfastjudge: interrupted after {self.items} items{resume}.", file=sys.stderr)
         return 130
 
     def finish(self) -> int:
@@ -234,11 +281,7 @@ def open_writer(spec, output: str, lines: Sequence[InputLine], rows_per_part: in
     schema, as_json = output_schema(
         (line.output_row() for line in lines if line.item is not None), spec.result_fields,
         spec.result_types)
-    writer = ParquetPartWriter(output, schema, as_json, rows_per_part=rows_per_part)
-    if writer.removed_temporary:
-        print(f"fastjudge: removed {writer.removed_temporary} unfinished part file(s) from "
-              f"{output} (interrupted run)", file=sys.stderr)
-    return writer
+    return ParquetPartWriter(output, schema, as_json, rows_per_part=rows_per_part)
 
 
 # -- the job ---------------------------------------------------------------------------------
@@ -247,7 +290,9 @@ def add_job_arguments(parser, input_help: str, output_help: str, chunk_size: int
     """A file job's command-line arguments: ``--input``, ``--output``, ``--chunk-size`` (when
     the command has a ``chunk_size`` default) and ``--no-progress``."""
     parser.add_argument("--input", required=True, help=input_help)
-    parser.add_argument("--output", required=True, help=output_help)
+    parser.add_argument("--output", required=True,
+                        help=f"{output_help}. '{STDOUT}': standard output, as are pipes and "
+                             "devices: streamed, never resumed")
     if chunk_size is not None:
         parser.add_argument("--chunk-size", type=int, default=chunk_size, help=chunk_help)
     parser.add_argument("--no-progress", action="store_true")
@@ -270,17 +315,17 @@ def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
         lines = list(lines)
     job = JobOutput(name, output_path, spec.means, progress,
                     open_writer(spec, output_path, lines, rows_per_part))
+    # a snapshot: the rows this run writes must not count as done for the lines still to come
+    fresh: Iterable = fresh_lines(lines, Counter(job.done))
     if isinstance(lines, list):
-        job.set_total(sum(line.id not in job.done for line in lines))
+        fresh = list(fresh)
+        job.set_total(len(fresh))
     failure = None
     try:
         if pool is None:
-            rows = _rows_as_read(judge, spec, lines, job.done, chunk_size)
+            rows = _rows_as_read(judge, spec, fresh, chunk_size)
         else:
-            done_rows, todo = prepare(spec, [line for line in lines if line.id not in job.done])
-            scored = score_on_ray(pool, partial(_judge_scorer, spec, build_judge),
-                                  [ex for _, ex in todo], chunk_size, f"fastjudge {name}")
-            rows = chain(done_rows, (make_row(spec, todo[i][0], fields) for i, fields in scored))
+            rows = _rows_on_ray(pool, spec, build_judge, fresh, chunk_size, f"fastjudge {name}")
         try:
             for row in rows:
                 job.emit(row)

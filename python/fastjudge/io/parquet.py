@@ -8,8 +8,9 @@ Output: a directory of part files ``part-NNNNN.parquet``. Each part is written t
 temporary file and renamed into place when complete, so a part either holds all its rows or
 does not exist. Rows are buffered and a part is written every ``rows_per_part`` rows and at the
 end; an interrupted run loses the rows of its unwritten part (the next run scores them again)
-and never leaves a partial or duplicated row. Resumption is by id: the ids of all parts already
-in the directory are skipped, and new rows go to new parts.
+and never leaves a partial or duplicated row. Resumption is by id: the rows of each id in the
+parts already in the directory are counted (as :class:`fastjudge.io.jsonl.ResumableWriter`
+does), and new rows go to new parts.
 
 Columns: ``id`` first, always a string (the id resumption compares); then the input fields in
 order of first appearance, each with the Arrow type its values share over the whole input (a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -104,9 +106,8 @@ def output_schema(rows: Iterable[dict], result_fields: Sequence[str],
 
 class ParquetPartWriter:
     """Appends rows to the part-file directory ``path`` (see the module docstring); the same
-    interface as :class:`fastjudge.io.jsonl.ResumableWriter` (``done``, ``write``, ``close``)."""
-
-    truncated_partial_line = False  # parts are atomic: nothing to cut
+    interface as :class:`fastjudge.io.jsonl.ResumableWriter` (``done``, ``notes``, ``write``,
+    ``close``)."""
 
     def __init__(self, path: str | os.PathLike, schema, as_json: Iterable[str] = (),
                  rows_per_part: int = 10000, id_field: str = "id"):
@@ -121,15 +122,16 @@ class ParquetPartWriter:
         self.as_json = set(as_json)
         self.rows_per_part = rows_per_part
         self.id_field = id_field
-        self.done: set[str] = set()
-        self.removed_temporary = 0
+        self.done: Counter[str] = Counter()
+        self.notes: list[str] = []
+        removed = 0
         self._buffer: list[dict] = []
         self.path.mkdir(parents=True, exist_ok=True)
         last = -1
         for p in sorted(self.path.iterdir()):
             if p.name.startswith(".part-") and p.name.endswith(".tmp"):
                 p.unlink()  # a part whose write never completed
-                self.removed_temporary += 1
+                removed += 1
                 continue
             m = PART_RE.match(p.name)
             if not m:
@@ -143,6 +145,9 @@ class ParquetPartWriter:
             ids = pa.parquet.read_table(p, columns=[id_field]).column(id_field).to_pylist()
             self.done.update(str(i) for i in ids)
         self._next = last + 1
+        if removed:
+            self.notes.append(f"removed {removed} unfinished part file(s) from {self.path} "
+                              "(interrupted run)")
 
     def _cell(self, name: str, value):
         if value is None:
@@ -155,7 +160,7 @@ class ParquetPartWriter:
 
     def write(self, row: dict) -> None:
         self._buffer.append({f.name: self._cell(f.name, row.get(f.name)) for f in self.schema})
-        self.done.add(str(row.get(self.id_field)))
+        self.done[str(row.get(self.id_field))] += 1
         if len(self._buffer) >= self.rows_per_part:
             self.flush()
 

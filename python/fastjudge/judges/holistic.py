@@ -1,6 +1,20 @@
-"""The holistic yes/no baseline (VQAScore-style): P(yes) that the image shows the text, read in
-one step over the answer words "yes" and "no" (renormalised over the two), for the paper's
-holistic-vs-decomposed comparison."""
+"""The holistic yes/no baseline: one probability that the image shows the text, read at the
+first answer token, for the paper's holistic-vs-decomposed comparison.
+
+Two prompt templates:
+
+* ``"vqascore"`` (default): VQAScore as t2v_metrics computes it for Qwen3-VL / Qwen3.5
+  (``t2v_metrics/models/vqascore_models/qwen3vl_model.py``, ``Qwen3VLModel.forward``): one user
+  turn holding the image, then the metric's question about the text verbatim; the chat template
+  with thinking off; the score is the probability of the first token of ``"Yes"`` at the first
+  answer position, under the softmax over the full vocabulary.
+* ``"fastjudge"``: fastjudge's own instruction, then the image and a question whose answer words
+  are ``yes``/``no`` (each one token, or the judge refuses).
+
+``normalize``: ``"vocab"`` (the full-vocabulary probability, VQAScore's definition; read through
+the fused choice head's log-sum-exp, never ``[batch, vocab]`` logits) or ``"yes-no"`` (P(yes)
+renormalised over the two answer tokens).
+"""
 
 from __future__ import annotations
 
@@ -8,59 +22,103 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from ..io.images import ImageError, encode_region, load_image
+import numpy as np
+
+from ..io.images import MAX_IMAGE_PIXELS, ImageError, encode_region, load_image
 from ..runtime.requests import Choice, Image, Request
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from .base import Judge, open_backend
 
+TEMPLATES = ("vqascore", "fastjudge")
+NORMALIZATIONS = ("vocab", "yes-no")
+
 INTRO = "You are an image-text evaluator. Look at the image and answer the question with yes or no."
+
+# VQAScore's question: the metric's definition (t2v_metrics,
+# t2v_metrics/models/vqascore_models/qwen3vl_model.py, the default question template of
+# Qwen3VLModel.forward). Its score is read at the first token of "Yes".
+VQASCORE_QUESTION = 'Does this figure show "{}"? Please answer Yes or No.'
 
 
 def holistic_prompt(image: Image, caption: str) -> tuple[str, tuple]:
-    """(shared prefix, rest) of the prompt: the instruction, then the image and the question."""
+    """fastjudge's own prompt, as (shared prefix, rest): the instruction, then the image and the
+    question."""
     question = f'Does this image show "{" ".join(caption.split())}"? Answer yes or no.'
     return INTRO + "\n\n", (image, "\n" + question)
+
+
+def vqascore_prompt(image: Image, text: str) -> tuple[str, tuple]:
+    """VQAScore's user turn, as (shared prefix, rest): no shared text, the image, then the
+    question with the text as given."""
+    return "", (image, VQASCORE_QUESTION.format(text))
 
 
 @dataclass
 class HolisticResult:
     index: int
     id: object = None
-    score: float | None = None  # P(yes) renormalised over {yes, no}
-    decision: str | None = None
-    probs: list[float] = field(default_factory=list)  # [P(yes), P(no)]
+    score: float | None = None  # P(yes): over the vocabulary or renormalised over {yes, no}
+    decision: str | None = None  # "yes" when P(yes) >= P(no)
+    probs: list[float] = field(default_factory=list)  # [P(yes), P(no)], normalised as score
     error: str | None = None
     prompt_tokens: int | None = None
 
 
 class HolisticJudge(Judge):
     """One ``Choice`` step per image-text pair. ``examples`` are ``ImageTextExample`` (boxes are
-    ignored). The question text precedes the image, so every prompt shares the instruction
-    prefix and carries its own image."""
+    ignored). ``template`` and ``normalize``: see the module docstring (``normalize`` defaults
+    to ``"vocab"`` for ``"vqascore"`` and to ``"yes-no"`` for ``"fastjudge"``).
+    ``max_image_pixels``: the pixel budget of an image (see :mod:`fastjudge.io.images`); a
+    larger one is that item's error."""
 
     def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
                  image_root: str | os.PathLike | None = None, max_batch_tokens: int | None = None,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
-                 max_input_tokens: int | None = None):
+                 max_input_tokens: int | None = None, template: str = "vqascore",
+                 normalize: str | None = None, max_image_pixels: int | None = None):
+        if template not in TEMPLATES:
+            raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+        normalize = normalize or ("vocab" if template == "vqascore" else "yes-no")
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+        self.template, self.normalize = template, normalize
         self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="the holistic judge")
         self.image_root = image_root
+        self.max_image_pixels = max_image_pixels or MAX_IMAGE_PIXELS
         self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
         self.max_batch_size = max_batch_size
         self.codec = self.backend.codec
-        # each word as the first token of the response (one token each, or the judge refuses)
-        self.yes_no_ids = self.codec.answer_ids(["yes", "no"], single_token=True).ids
+        self.yes_no_ids = self._answer_ids()
+        self._prompt = vqascore_prompt if template == "vqascore" else holistic_prompt
+
+    def _answer_ids(self) -> tuple[int, int]:
+        """The (yes, no) token ids read at the first answer position."""
+        if self.template == "fastjudge":
+            return self.codec.answer_ids(["yes", "no"], single_token=True).ids
+        # VQAScore reads the first token of "Yes" as the response starts with it; "No" likewise
+        # (for the decision and ``probs``)
+        yes, no = (self.codec.response_ids(word)[0] for word in ("Yes", "No"))
+        if yes == no:
+            raise ValueError(f'"Yes" and "No" start with the same token ({yes}) for this tokenizer')
+        return yes, no
 
     def _request(self, index: int, example) -> Request:
         text = example.text
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text (the caption) must be a non-empty string")
-        loaded = load_image(example.image, self.image_root)
+        self.codec.check_text_length(text, self.backend.max_input_tokens)
+        loaded = load_image(example.image, self.image_root, self.max_image_pixels)
         image = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.codec.image_config)
-        encoded = self.codec.encode(*holistic_prompt(image, text))
+        encoded = self.codec.encode(*self._prompt(image, text))
         if len(encoded.ids) > self.backend.max_input_tokens:
             raise ValueError(f"prompt is {len(encoded.ids)} tokens, above the model limit of "
                              f"{self.backend.max_input_tokens}")
-        return encoded.request(index, Choice(self.yes_no_ids))
+        return encoded.request(index, Choice(self.yes_no_ids, full_vocab=self.normalize == "vocab"))
+
+    def _probs(self, out) -> list[float]:
+        if self.normalize == "vocab":
+            return [float(p) for p in np.exp(out.logprobs)]
+        return [float(p) for p in out.probs]
 
     def stream(self, examples: Iterable) -> Iterator[HolisticResult]:
         requests, results = [], {}
@@ -78,7 +136,7 @@ class HolisticJudge(Judge):
         for batch in run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size):
             for out in batch:
                 result = results[out.index]
-                result.probs = [float(p) for p in out.probs]
+                result.probs = self._probs(out)
                 result.score = result.probs[0]
-                result.decision = "yes" if result.score >= 0.5 else "no"
+                result.decision = "yes" if result.probs[0] >= result.probs[1] else "no"
                 yield result

@@ -6,7 +6,10 @@ LAVE items: ``question``, ``references`` (strings or ``{"answer": ...}`` objects
 
 Image-text items (VisExMEM, holistic): ``image`` (a path; file jobs resolve relative paths
 against the image root) or ``image_b64`` (base64 of the encoded image), ``text`` (or
-``caption``), optional ``boxes`` ``[[x0, y0, x1, y1], ...]`` in pixels and ``id``.
+``caption``), optional ``boxes`` ``[[x0, y0, x1, y1], ...]`` in pixels, optional ``claims`` (the
+text's claims to check instead of decomposing it: strings, or objects with ``text`` and
+optionally ``part_id``, ``type``, ``parent_part_id``, ``head_part_id``, ``target_part_id``; the
+judge bounds their count and length) and ``id``.
 
 Nothing here imports torch: the example classes are imported when an item is converted.
 """
@@ -81,10 +84,15 @@ def image_text_from_row(row: Any, ident: Any = None, where: str = "item"):
     boxes = row.get("boxes")
     if boxes is not None and not isinstance(boxes, list):
         raise ItemError(f"{where}: boxes must be a list of [x0, y0, x1, y1]")
+    claims = row.get("claims")
+    if claims is not None and not (isinstance(claims, list) and claims and all(
+            isinstance(c, str) or (isinstance(c, dict) and isinstance(c.get("text"), str)) for c in claims)):
+        raise ItemError(f"{where}: claims must be a non-empty list of strings (or of objects with a "
+                        "text)")
     from .visexmem import ImageTextExample
 
     return ImageTextExample(image=image, text=text, boxes=boxes,
-                            id=ident if ident is not None else row.get("id"))
+                            id=ident if ident is not None else row.get("id"), claims=claims)
 
 
 def parse_image_text_item(d: Any, where: str):

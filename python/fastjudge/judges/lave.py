@@ -10,6 +10,12 @@ Modes:
   three rating tokens gives ``probs`` over ratings 1, 2, 3.
 * rationale: demonstrations show "<explanation> So rating=<r>"; the model decodes greedily and
   the rating is the last character of its text, as in the paper.
+
+Both modes use fastjudge's own wording and demonstrations, and the authors' data handling:
+reference answers as given (no stripping), filtered with their repetitions kept, sorted and
+quoted; the yes/no demonstrations when the most common raw reference is yes or no.
+``official_repo=PATH`` instead runs the authors' own prompt builder and rating rule from the
+user's checkout of their repository (:mod:`.lave_official`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from .base import Judge, open_backend
+from .lave_official import load_prompt_builder, official_rating, rating_probs, split_prompt, tracked_ids
 
 RATINGS = (1, 2, 3)
 RATING_CUE = " So rating="
@@ -70,8 +77,9 @@ class LaveResult:
     prompt_tokens: int = 0
     error: str | None = None
     # How the rating was obtained: "choice" (score-only step), "parsed" (last character of the
-    # rationale), "constrained" (rationale unparsable: rating cue appended and a constrained
-    # step taken), "official-fallback" (unparsable: rating 2, as the LAVE authors' code does).
+    # rationale; with official_repo, the token before EOS), "constrained" (rationale unparsable:
+    # rating cue appended and a constrained step taken), "official-fallback" (unparsable:
+    # rating 2, as the LAVE authors' code does).
     rating_source: str | None = None
 
 
@@ -123,30 +131,31 @@ def load_demonstrations(source: str | os.PathLike | Iterable | None, default: st
 
 
 def reference_answers(references: Sequence) -> list[str]:
-    """Reference answers as stripped strings; accepts strings or VQA-style answer objects."""
+    """Reference answers as given (spacing kept, as the authors' code keeps it); accepts
+    strings or VQA-style answer objects."""
     answers = []
     for r in references:
         if isinstance(r, dict):
             r = r.get("answer")
         if not isinstance(r, str):
             raise ValueError(f"reference answers must be strings, got {type(r).__name__}")
-        answers.append(r.strip())
+        answers.append(r)
     return answers
 
 
 def filter_references(answers: Sequence[str], p: float = 0.25) -> list[str]:
-    """Distinct answers whose frequency is above ``p`` times the most frequent answer's
-    (annotation noise filter from the paper), sorted for a deterministic prompt."""
+    """The answers whose count is above ``p`` times the most frequent answer's (annotation
+    noise filter from the paper), each repetition kept, sorted: how the authors show them."""
     counts = Counter(answers)
     top = max(counts.values())
-    return sorted(a for a, c in counts.items() if c > p * top)
+    return sorted(a for a in answers if counts[a] > p * top)
 
 
 def is_binary_question(answers: Sequence[str]) -> bool:
-    """Binary when the most common reference, lowercased and without a trailing period, is
-    yes or no. Ties go to the answer seen first."""
+    """Binary when the most common raw reference, lowercased and without trailing periods, is
+    yes or no (so " no " is not). Ties go to the answer seen first."""
     most_common = Counter(answers).most_common(1)[0][0]
-    return most_common.lower().rstrip(".").strip() in ("yes", "no")
+    return most_common.lower().rstrip(".") in ("yes", "no")
 
 
 def _quote(answers: Iterable[str]) -> str:
@@ -159,17 +168,26 @@ class LaveJudge(Judge):
     ``model`` is a local Hugging Face checkpoint directory (or an already opened backend, to
     share one model between judges).
 
+    ``official_repo``: a checkout of the LAVE authors' repository, whose ``lave.py`` is run
+    (as a plugin is) to build every prompt, with their demonstration files unless ``demos`` /
+    ``binary_demos`` name others; ``rationale`` then defaults to on, ``filter_p`` must stay at
+    their 0.25, and ratings follow their rule (free generation; the token before EOS; rating 2
+    when it is not a digit 1-3), whatever ``on_unparsable`` says. ``probs`` / ``soft_score``
+    are then the distribution over the rating tokens at the step that produced the rating, or
+    null when no rating token was produced.
+
     Prompt-length policy: a prompt longer than the backend's ``max_input_tokens`` is never
     truncated (truncation would cut the test example or silently change the demonstrations);
     the item gets an ``error`` naming its length and the limit, and the job goes on.
     """
 
     def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
-                 rationale: bool = False, num_shots: int = 8, demos=None, binary_demos=None,
+                 rationale: bool | None = None, num_shots: int = 8, demos=None, binary_demos=None,
                  filter_refs: bool = True, filter_p: float = 0.25, use_caption: bool = False,
                  max_batch_tokens: int | None = None, max_new_tokens: int = 100,
                  on_unparsable: str = "constrain", max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None):
+                 allow_pickle: bool = False, max_input_tokens: int | None = None,
+                 official_repo: str | os.PathLike | None = None):
         if on_unparsable not in ON_UNPARSABLE:
             raise ValueError(f"on_unparsable must be one of {ON_UNPARSABLE}, got {on_unparsable!r}")
         if num_shots < 0:
@@ -180,10 +198,9 @@ class LaveJudge(Judge):
             raise ValueError("max_new_tokens must be >= 1")
         self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens)
         self.codec = self.backend.codec
-        self.rationale = rationale
+        # off by default; on by default with the authors' code, as in their code
+        self.rationale = (official_repo is not None) if rationale is None else bool(rationale)
         self.num_shots = num_shots
-        self.general_demos = load_demonstrations(demos, "general")[:num_shots]
-        self.binary_demos = load_demonstrations(binary_demos, "binary")[:num_shots]
         self.filter_refs = filter_refs
         self.filter_p = filter_p
         self.use_caption = use_caption
@@ -191,14 +208,25 @@ class LaveJudge(Judge):
         self.max_batch_size = max_batch_size
         self.max_new_tokens = max_new_tokens
         self.on_unparsable = on_unparsable
+        self._answer_ids = self._rating_ids("")
+        self._cue_ids = self.codec.response_ids(RATING_CUE)
+        self._cue_rating_ids = self._rating_ids(RATING_CUE)
+        if official_repo is not None:
+            self._official = load_prompt_builder(
+                official_repo, num_shots=num_shots, rationalize=self.rationale,
+                filter_refs=filter_refs, filter_p=filter_p, use_caption=use_caption, demos=demos,
+                binary_demos=binary_demos)
+            # a rating may be written word-initial or glued to "=": read the one produced
+            self._rating_families = tuple(dict.fromkeys((self._answer_ids, self._cue_rating_ids)))
+            return
+        self._official = None
+        self.general_demos = load_demonstrations(demos, "general")[:num_shots]
+        self.binary_demos = load_demonstrations(binary_demos, "binary")[:num_shots]
         if use_caption:
             for d in self.general_demos + self.binary_demos:
                 if not d.caption:
                     raise ValueError("use_caption=True needs a caption in every demonstration")
         self._prefixes = {binary: self._prefix(binary) for binary in (False, True)}
-        self._answer_ids = self._rating_ids("")
-        self._cue_ids = self.codec.response_ids(RATING_CUE)
-        self._cue_rating_ids = self._rating_ids(RATING_CUE)
 
     # -- prompt ----------------------------------------------------------------------------------
     def _block(self, question: str, refs: Sequence[str], prediction: str, caption: str | None) -> str:
@@ -224,28 +252,32 @@ class LaveJudge(Judge):
                          + " " + self._demo_output(d))
         return "\n\n".join(parts) + "\n\n"
 
-    def _check(self, example: VQAExample) -> tuple[list[str], bool]:
-        """Validated, filtered references and the binary flag; ValueError names what is wrong."""
+    def _answers(self, example: VQAExample) -> list[str]:
+        """The validated reference answers, as given; ValueError names what is wrong."""
         if not isinstance(example.question, str) or not example.question.strip():
             raise ValueError("question must be a non-empty string")
         if not isinstance(example.prediction, str):
             raise ValueError(f"prediction must be a string, got {type(example.prediction).__name__}")
         if isinstance(example.references, (str, bytes)) or not isinstance(example.references, Sequence):
             raise ValueError("references must be a list of answers")
-        answers = [a for a in reference_answers(example.references) if a]
-        if not answers:
+        answers = reference_answers(example.references)
+        if not any(a.strip() for a in answers):
             raise ValueError("references are empty")
         if self.use_caption and not (isinstance(example.caption, str) and example.caption.strip()):
             raise ValueError("use_caption=True but the example has no caption")
-        refs = filter_references(answers, self.filter_p) if self.filter_refs else sorted(set(answers))
-        return refs, is_binary_question(answers)
+        return answers
 
     def _prompt_parts(self, example: VQAExample) -> tuple[str, str]:
-        """(shared prefix, example-specific rest) of the prompt text."""
-        refs, binary = self._check(example)
-        caption = example.caption.strip() if isinstance(example.caption, str) else example.caption
-        return self._prefixes[binary], self._block(example.question.strip(), refs,
-                                                   example.prediction.strip(), caption)
+        """(shared prefix, example-specific rest) of the prompt text. Question and prediction
+        as given; the caption stripped (what the authors' code does)."""
+        answers = self._answers(example)
+        caption = example.caption.strip() if self.use_caption else None
+        if self._official is not None:
+            return split_prompt(self._official.build_prompt(example.prediction, answers,
+                                                            example.question, caption))
+        refs = filter_references(answers, self.filter_p) if self.filter_refs else sorted(answers)
+        return self._prefixes[is_binary_question(answers)], self._block(
+            example.question, refs, example.prediction, caption)
 
     def build_prompt(self, example: VQAExample) -> str:
         """The judge's prompt text for ``example`` (decoder-only backends wrap it in the
@@ -268,7 +300,11 @@ class LaveJudge(Judge):
     def _request(self, index: int, example: VQAExample) -> tuple[Request | None, LaveResult]:
         result = LaveResult(index=index, id=getattr(example, "id", None))
         try:
-            encoded = self.codec.encode(*self._prompt_parts(example))
+            prefix, rest = self._prompt_parts(example)
+            # an item's text too long to fit is refused before tokenizing, at a cost independent
+            # of its size (a prompt merely over the limit gets its token count below)
+            self.codec.check_text_length(rest, self.backend.max_input_tokens)
+            encoded = self.codec.encode(prefix, rest)
         except (ValueError, TypeError, AttributeError) as bad:
             result.error = f"invalid example: {bad}"
             return None, result
@@ -278,20 +314,34 @@ class LaveJudge(Judge):
                             f"{self.backend.max_input_tokens}; not truncated (use fewer shots, "
                             "shorter references, or raise max_input_tokens)")
             return None, result
-        spec = (Text(self.max_new_tokens, track_ids=self._cue_rating_ids) if self.rationale
-                else Choice(self._answer_ids))
+        if self._official is not None:
+            spec = Text(self.max_new_tokens, track_ids=tracked_ids(self._rating_families))
+        elif self.rationale:
+            spec = Text(self.max_new_tokens, track_ids=self._cue_rating_ids)
+        else:
+            spec = Choice(self._answer_ids)
         return encoded.request(index, spec), result
 
-    @staticmethod
-    def _set_rating(result: LaveResult, rating: int, probs: np.ndarray | None, source: str) -> None:
+    def _set_rating(self, result: LaveResult, rating: int, probs: np.ndarray | None, source: str) -> None:
         result.rating = rating
         result.score = (rating - 1) / 2
         result.rating_source = source
         if probs is not None:
             result.probs = [float(p) for p in probs]
             result.soft_score = float(np.dot(probs, [0.0, 0.5, 1.0]))
-        else:
+        elif self._official is None:
             result.soft_score = result.score
+
+    def _finish_official(self, out: Output, result: LaveResult) -> None:
+        """The authors' rating rule (:mod:`.lave_official`) on a free generation."""
+        if self.rationale:
+            result.rationale = self.codec.decode(out.token_ids)
+        rating = official_rating(out.token_ids, self.codec.decode)
+        if rating is None:
+            self._set_rating(result, 2, None, "official-fallback")
+        else:
+            probs = rating_probs(self._rating_families, out.tracked_logits, out.token_ids)
+            self._set_rating(result, rating, probs, "parsed")
 
     def _finish_text(self, out: Output, result: LaveResult, request: Request) -> Request | None:
         """Rating from a rationale; a constrained follow-up request when it has none."""
@@ -328,6 +378,10 @@ class LaveJudge(Judge):
                 result = results[out.index]
                 if out.probs is not None:  # score-only
                     self._set_rating(result, RATINGS[int(np.argmax(out.probs))], out.probs, "choice")
+                    yield result
+                    continue
+                if self._official is not None:
+                    self._finish_official(out, result)
                     yield result
                     continue
                 followup = self._finish_text(out, result, by_index[out.index])

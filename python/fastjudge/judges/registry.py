@@ -22,7 +22,7 @@ from .items import ItemError
 
 __all__ = ["Option", "ItemError", "JudgeSpec", "JUDGES", "register_judge", "get_judge",
            "add_options", "add_judge_options", "option_values", "MODEL_OPTIONS", "LAVE_OPTIONS",
-           "VISEXMEM_OPTIONS", "HOLISTIC_OPTIONS", "LAVE_RESULT_FIELDS"]
+           "VISEXMEM_OPTIONS", "IMAGE_TEXT_OPTIONS", "HOLISTIC_OPTIONS", "LAVE_RESULT_FIELDS"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,9 @@ class Option:
     """One keyword argument of a judge's constructor and its command-line flag.
 
     The flag is ``--name-with-dashes``, or ``flag`` when given; a ``bool`` option is a switch
-    that sets the opposite of its default (``--no-name`` when the default is true). ``help``
-    may refer to the default as ``%(default)s``."""
+    that sets the opposite of its default (``--no-name`` when the default is true), or, with
+    default None (the judge decides), the pair ``--name`` / ``--no-name``. ``help`` may refer
+    to the default as ``%(default)s``."""
 
     name: str
     type: type = str
@@ -48,7 +49,10 @@ class Option:
         return f"--no-{dashed}" if self.type is bool and self.default else f"--{dashed}"
 
     def add_to(self, parser) -> None:
-        if self.type is bool:
+        if self.type is bool and self.default is None:
+            parser.add_argument(self.option_string, dest=self.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=self.help)
+        elif self.type is bool:
             parser.add_argument(self.option_string, dest=self.name, default=self.default,
                                 action="store_false" if self.default else "store_true",
                                 help=self.help)
@@ -135,9 +139,11 @@ MODEL_OPTIONS = (
 )
 
 LAVE_OPTIONS = MODEL_OPTIONS + (
-    Option("rationale", bool, False,
-           "decode a rationale before the rating (slower; the paper's setting)"),
-    Option("max_new_tokens", int, 100, "rationale length cap (%(default)s)"),
+    Option("rationale", bool, None,
+           "decode a rationale before the rating (slower; the paper's setting); default: off, "
+           "on with --official-repo"),
+    Option("max_new_tokens", int, 100, "generation length cap of rationale and "
+                                       "--official-repo runs (%(default)s, as the authors)"),
     Option("num_shots", int, 8, "demonstrations per prompt (%(default)s)"),
     Option("demos", str, None, "JSON file of general-question demonstrations"),
     Option("binary_demos", str, None, "JSON file of yes/no-question demonstrations"),
@@ -148,14 +154,36 @@ LAVE_OPTIONS = MODEL_OPTIONS + (
     Option("on_unparsable", str, "constrain", "a rationale that ends without a rating: "
            "constrain (one more step restricted to 1/2/3; default) or official (rating 2, as "
            "the authors' code)", choices=("constrain", "official")),
+    Option("official_repo", str, None, "a checkout of the LAVE authors' repository: its "
+           "lave.py is run (as a plugin) to build the prompts from its demonstration files, "
+           "and ratings follow its rule"),
 )
 
 IMAGE_ROOT = Option("image_root", str, None,
                     "folder for relative image paths (default: the input file's folder)")
 
-HOLISTIC_OPTIONS = MODEL_OPTIONS + (IMAGE_ROOT,)
+# the judge's default (fastjudge.io.images.MAX_IMAGE_PIXELS) is not imported: this module stays light
+MAX_IMAGE_PIXELS = Option("max_image_pixels", int, None,
+                          "pixel budget: a larger image is refused from its header, before "
+                          "decoding, as that item's error (default: 67108864, 8192 x 8192)")
 
-VISEXMEM_OPTIONS = HOLISTIC_OPTIONS + (
+IMAGE_TEXT_OPTIONS = MODEL_OPTIONS + (IMAGE_ROOT, MAX_IMAGE_PIXELS)
+
+HOLISTIC_OPTIONS = IMAGE_TEXT_OPTIONS + (
+    Option("template", str, "vqascore", "vqascore: VQAScore's question and answer word as "
+           "t2v_metrics asks them (default); fastjudge: fastjudge's own instruction and question",
+           choices=("vqascore", "fastjudge")),
+    Option("normalize", str, None, "vocab: P(yes) over the whole vocabulary (VQAScore; default "
+           "with --template vqascore); yes-no: renormalised over the two answer tokens (default "
+           "with --template fastjudge)", choices=("vocab", "yes-no")),
+)
+
+VISEXMEM_OPTIONS = IMAGE_TEXT_OPTIONS + (
+    Option("mode", str, "pipeline", "pipeline: the VisExMEM stages, one model call per step "
+           "(default); single-response: the paper's Dec. control, decomposition, evidence, claim "
+           "scores, explanations and an overall score in one constrained response; "
+           "holistic-score: the paper's Hol. control, one 0-100 alignment score read as its "
+           "expected value", choices=("pipeline", "single-response", "holistic-score")),
     Option("aggregate", str, "mean", "claim supports -> global score (default: %(default)s, as "
            "the paper)", choices=("mean", "geometric", "harmonic", "min")),
     Option("explain", bool, True, "skip the explanation stage"),

@@ -11,6 +11,11 @@
   EqBen's group score is the same definition).
 * :func:`spearman_by_benchmark` -- Spearman's rho per benchmark (e.g. "SRCC" on
   T2I-CompBench++), via :func:`fastjudge.metrics.stats.spearman`.
+* :func:`cohen_kappa` -- Cohen's kappa between two raters (a metric's labels and the humans'),
+  unweighted or with linear or quadratic weights, as scikit-learn's ``cohen_kappa_score``
+  (e.g. ProtoBias' kappa; quadratic-weighted kappa for ordinal ratings).
+* :func:`ts2_rank` / :func:`ts2_sep` -- T2IScoreScore's ordering and separation scores over
+  semantic error graphs (defined in :mod:`.error_graphs`).
 
 File layouts (JSONL):
 
@@ -33,11 +38,14 @@ from typing import Sequence
 
 import numpy as np
 
+from .error_graphs import ts2_rank, ts2_sep
 from .stats import _vector, spearman
 
 __all__ = ["pairwise_accuracy", "tie_calibrated_pairwise_accuracy", "winoground_scores",
-           "spearman_by_benchmark", "ScoredItems", "read_scored_items", "WinogroundItems",
-           "read_winoground"]
+           "spearman_by_benchmark", "cohen_kappa", "ts2_rank", "ts2_sep", "ScoredItems",
+           "read_scored_items", "WinogroundItems", "read_winoground"]
+
+KAPPA_WEIGHTS = (None, "linear", "quadratic")
 
 _PAIR_BLOCK = 1 << 22  # pairs handled at once
 
@@ -167,6 +175,36 @@ def spearman_by_benchmark(metric, human, benchmarks: Sequence) -> dict[str, dict
         members[str(b)].append(i)
     return {b: {"n": len(ix), "spearman": spearman(m[ix], h[ix])}
             for b, ix in sorted(members.items())}
+
+
+def cohen_kappa(a: Sequence, b: Sequence, weights: str | None = None, labels: Sequence | None = None) -> float:
+    """Cohen's kappa between two raters' labels of the same items, as scikit-learn's
+    ``cohen_kappa_score``: ``1 - sum(W * O) / sum(W * E)`` with ``O`` the counts of label pairs,
+    ``E`` the counts expected from each rater's label frequencies alone, and ``W`` zero on the
+    diagonal and one elsewhere (``weights=None``), ``|i - j|`` (``"linear"``) or ``(i - j)**2``
+    (``"quadratic"``), where ``i``, ``j`` are positions in ``labels``: weighted kappa treats the
+    labels as ordered, evenly spaced categories. ``labels``: the categories in order (default:
+    the distinct labels of both raters, sorted); items with a label outside them are left out,
+    as scikit-learn does. NaN when undefined (no disagreement is possible by chance, e.g. both
+    raters always give one same label)."""
+    if weights not in KAPPA_WEIGHTS:
+        raise ValueError(f"weights must be one of {KAPPA_WEIGHTS}, got {weights!r}")
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ValueError(f"a and b must be non-empty label sequences of one length ({a.size} vs {b.size})")
+    if labels is None:
+        labels = np.unique(np.concatenate([a, b]))
+    position = {label: i for i, label in enumerate(np.asarray(labels).tolist())}
+    ia = np.array([position.get(v, -1) for v in a.tolist()])
+    ib = np.array([position.get(v, -1) for v in b.tolist()])
+    both = (ia >= 0) & (ib >= 0)
+    k = len(position)
+    observed = np.bincount(ia[both] * k + ib[both], minlength=k * k).reshape(k, k).astype(np.float64)
+    expected = np.outer(observed.sum(axis=1), observed.sum(axis=0)) / max(observed.sum(), 1.0)
+    distance = np.abs(np.subtract.outer(np.arange(k), np.arange(k))).astype(np.float64)
+    w = {None: (distance > 0).astype(np.float64), "linear": distance, "quadratic": distance ** 2}[weights]
+    chance = float((w * expected).sum())
+    return 1.0 - float((w * observed).sum()) / chance if chance > 0 else math.nan
 
 
 # --- readers ---------------------------------------------------------------------------------

@@ -28,6 +28,15 @@ answers bug", 2021 -- the version used for VQA v2 evaluation). Its rules, all re
    order as the script does (so results are bit-identical to it). With ``k`` matching answers
    among 10 that is 0, 0.3, 0.6, 0.9, 1.0 for ``k`` = 0, 1, 2, 3, >= 4.
 
+6. Rounding (``setEvalQA``, ``setAccuracy``): the script reports each question's accuracy as
+   ``round(100 * acc, 2)`` (a percent with two decimals) and the overall accuracy as
+   ``round(100 * float(sum(accs)) / len(accs), 2)``, the sum taken over the *unrounded* per-question
+   accuracies in question order. The script is Python 2.7 code, whose ``round`` is correctly
+   rounded from the exact binary value with exact ties going away from zero (Python 3's goes to
+   even: ``round(0.125, 2)`` is 0.13 there, 0.12 here). ``vqa_accuracy_many(...,
+   official_rounding=True)`` returns the per-question figures, :func:`vqa_overall_accuracy` the
+   overall one, :func:`official_round` is the rounding.
+
 Each reference is one annotator. (The script removes "the same" answer by comparing answer
 dicts, which carry a unique ``answer_id`` in the VQA annotations, so exactly one answer is left
 out; answers given here as plain strings are left out one at a time the same way.)
@@ -44,18 +53,24 @@ script gives 0.0 to every answer; ``single_reference`` picks what is returned in
 
 ``normalize``: ``"official"`` (rule 2), ``"always"`` (normalize references and prediction
 whatever the references are; fixes the ``"Yes"`` vs ``"yes"`` case), ``"none"`` (rule 1 only).
+
+Over 400 lines: one transcription of the script (its tables, normalization, accuracy and
+rounding), kept in one file to be read side by side with it, and the ``fastjudge vqa-acc`` job
+that applies it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 __all__ = ["normalize_answer", "process_punctuation", "process_digit_article", "vqa_accuracy",
-           "vqa_accuracy_many", "exact_match", "vqa_scores", "clear_caches", "run_vqa_acc",
-           "NORMALIZE_MODES", "SINGLE_REFERENCE_MODES"]
+           "vqa_accuracy_many", "vqa_overall_accuracy", "official_round", "exact_match",
+           "vqa_scores", "clear_caches", "run_vqa_acc", "NORMALIZE_MODES", "SINGLE_REFERENCE_MODES"]
 
 NORMALIZE_MODES = ("official", "always", "none")
 SINGLE_REFERENCE_MODES = ("vqa", "official", "exact")
@@ -301,9 +316,15 @@ def vqa_scores(prediction: str, references: Sequence, normalize: str = "official
 
 
 def vqa_accuracy_many(predictions: Iterable[str], references: Iterable[Sequence],
-                      normalize: str = "official", single_reference: str = "vqa") -> list[float]:
+                      normalize: str = "official", single_reference: str = "vqa",
+                      official_rounding: bool = False) -> list[float]:
     """:func:`vqa_accuracy` over parallel sequences, the fast path for large jobs (same values;
-    the cleaned and normalized form of each distinct answer string is computed once)."""
+    the cleaned and normalized form of each distinct answer string is computed once).
+
+    ``official_rounding``: each value as the script reports it per question (``evalQA``): a
+    percent rounded to two decimals, ``official_round(100 * acc)`` (``2 / 3`` -> ``66.67``). Their
+    mean is not the script's overall accuracy, which rounds once at the end: pass the unrounded
+    values to :func:`vqa_overall_accuracy`."""
     _check_modes(normalize, single_reference)
     clean, norm, norm_all, clean_refs = _clean, _normalize_clean, _normalize_all, _clean_refs
     official, always = normalize == "official", normalize == "always"
@@ -324,7 +345,48 @@ def vqa_accuracy_many(predictions: Iterable[str], references: Iterable[Sequence]
             append(_loo_accuracy(pred, refs, single_reference))
         else:
             append(0.0 if k == 0 else 1.0)
+    if official_rounding:
+        return [official_round(100 * acc) for acc in out]
     return out
+
+
+# --- the script's rounding --------------------------------------------------------------------
+_HUNDREDTH = Decimal("0.01")
+
+
+def official_round(x: float) -> float:
+    """``round(x, 2)`` as the script's Python 2.7 computes it: to the nearest hundredth of the
+    exact binary value of ``x``, an exact tie away from zero (``Decimal(x)`` is exact, and its
+    ``ROUND_HALF_UP`` is half away from zero)."""
+    return float(Decimal(x).quantize(_HUNDREDTH, rounding=ROUND_HALF_UP))
+
+
+@dataclass
+class _Overall:
+    """``setAccuracy``'s overall figure, item by item: the unrounded accuracies summed in order
+    (a plain left-to-right sum, as Python 2's ``sum()``: no compensation), rounded once."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, accuracy: float) -> None:
+        self.total += accuracy
+        self.count += 1
+
+    def percent(self) -> float | None:
+        return official_round(100 * float(self.total) / self.count) if self.count else None
+
+
+def vqa_overall_accuracy(accuracies: Iterable[float]) -> float:
+    """The script's overall accuracy (``setAccuracy``): the unrounded per-question accuracies
+    (fractions, e.g. from :func:`vqa_accuracy_many`) summed in order, as a percent rounded to
+    two decimals. Raises ``ValueError`` when there are none."""
+    overall = _Overall()
+    for accuracy in accuracies:
+        overall.add(accuracy)
+    if not overall.count:
+        raise ValueError("no accuracies to average")
+    return overall.percent()
 
 
 # --- the ``fastjudge vqa-acc`` command --------------------------------------------------------
@@ -345,6 +407,8 @@ class VqaAccJob:
 
     normalize: str = "official"
     single_reference: str = "vqa"
+    # the script's overall accuracy of the items scored so far
+    overall: _Overall = field(default_factory=_Overall, compare=False)
     result_fields = VQA_RESULT_FIELDS
     result_types = {"vqa_accuracy": "float", "exact_match": "float", "error": "str"}
     means = {"vqa_accuracy": "mean VQA accuracy", "exact_match": "mean exact match"}
@@ -367,6 +431,7 @@ class VqaAccJob:
             except ValueError as bad:
                 yield VqaScore(i, None, None, f"invalid item: {bad}")
                 continue
+            self.overall.add(acc)
             yield VqaScore(i, acc, em, None)
 
 
@@ -376,10 +441,16 @@ VQA_CHUNK_SIZE = 64
 
 def run_vqa_acc(args) -> int:
     """``fastjudge vqa-acc``: the ``fastjudge lave`` input layout in, the input fields plus
-    ``vqa_accuracy``, ``exact_match``, ``error`` out; resumable by id; summary on stderr. The
-    input is read as the job goes (no torch, no model)."""
+    ``vqa_accuracy``, ``exact_match``, ``error`` out; resumable by id; summary on stderr, with
+    the script's overall accuracy of the items scored in this run. The input is read as the job
+    goes (no torch, no model)."""
     from ..io.jobs import run_job
 
     job = VqaAccJob(args.normalize, args.single_reference)
-    return run_job("vqa-acc", job, lambda: job, args.input, args.output,
+    code = run_job("vqa-acc", job, lambda: job, args.input, args.output,
                    chunk_size=VQA_CHUNK_SIZE, progress=not args.no_progress, stream=True)
+    overall = job.overall.percent()
+    if code == 0 and overall is not None:
+        print(f"fastjudge vqa-acc overall accuracy (vqaEval.py rounding): {overall:.2f} "
+              f"over the {job.overall.count} items scored in this run", file=sys.stderr)
+    return code

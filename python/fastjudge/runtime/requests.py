@@ -19,10 +19,13 @@ class Choice:
     """Score-only: the probability of each candidate token at the next position.
 
     ``probs`` in the output are the softmax over the K candidate logits (renormalised among the
-    candidates, as a judge that must pick one of them would).
+    candidates, as a judge that must pick one of them would). ``full_vocab``: the output also
+    carries ``logprobs``, the candidates' log-probabilities under the softmax over the whole
+    vocabulary (a metric defined as one token's probability, such as VQAScore's P("Yes")).
     """
 
     token_ids: tuple[int, ...]
+    full_vocab: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class Request:
 class Output:
     """What the backend computed for one request.
 
-    For :class:`Choice`: ``probs`` (K,) and ``logits`` (K,).
+    For :class:`Choice`: ``probs`` (K,) and ``logits`` (K,); with ``full_vocab``, ``logprobs``
+    (K,) over the whole vocabulary.
     For :class:`Text`: ``token_ids`` (generated, without EOS), ``finished`` (EOS seen) and, when
     ``track_ids`` were given, ``tracked_logits`` (steps, K).
     """
@@ -92,6 +96,7 @@ class Output:
     index: int
     probs: np.ndarray | None = None
     logits: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     tracked_logits: np.ndarray | None = None

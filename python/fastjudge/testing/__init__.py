@@ -7,6 +7,9 @@ time the C++ core against a straightforward Python loop in the same run.
 
 * :func:`plan_batches_python` -- :func:`fastjudge.runtime.planner.plan_batches`.
 * :class:`PrefixIndexPython` -- :class:`fastjudge.runtime.prefix_index.PrefixIndex`.
+
+``vqa_eval_script.script_accuracy``: the official VQA script's per-question loop, the reference
+for ``fastjudge.metrics.vqa``.
 """
 
 from .planner import plan_batches_python

@@ -29,9 +29,13 @@ For each image-caption pair, in stages over a whole batch of examples:
 5. **Explanation** (``explain=True``) -- after the decisions are fixed, from the same evidence
    and decisions: one ``{"explanation": "..."}`` per claim and one overall.
 
+Claims given with an example (``ImageTextExample.claims``) replace the decomposition: the
+other stages check exactly those. ``mode`` runs one of the paper's controls for untuned judges
+instead of the pipeline: ``"single-response"`` ("Dec.") or ``"holistic-score"`` ("Hol."), see
+``controls.py``.
+
 Prompts are this project's own wording; the output formats follow the paper. The pipeline runs
-on any Qwen3.5 vision-language checkpoint (the paper's untuned "Dec." controls) and on trained
-VisExMEM weights.
+on any Qwen3.5 vision-language checkpoint and on trained VisExMEM weights.
 """
 
 from __future__ import annotations
@@ -42,58 +46,22 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
-from ...io.images import (ImageError, LoadedImage, check_boxes, encode_region, grid_boxes, load_image,
-                          relative_to_pixels)
+from ...io.images import (MAX_IMAGE_PIXELS, ImageError, LoadedImage, check_boxes, encode_region, grid_boxes,
+                          load_image, relative_to_pixels)
 from ...runtime.grammar import Json
 from ...runtime.requests import Choice, Image, Output, Request
 from ...runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from ..base import Judge, open_backend
 from . import prompts
-from .claims import AGGREGATES, LINK_FIELDS, aggregate, validate_parts
+from .claims import AGGREGATES, LINK_FIELDS, aggregate, given_parts, validate_parts
+from .controls import ControlModes, check_mode, score_reading
 from .prompts import (DECISION_PREFIX, DECOMPOSE_TASK, EXPLAIN_CLAIM_TASK, EXPLAIN_OVERALL_TASK,
                       PROPOSE_TASK, SELECT_TASK)
+from .records import ClaimResult, ImageTextExample, VisExResult
 from .schemas import boxes_schema, evidence_schema, explanation_schema, parts_schema
 
 EVIDENCE_LAYOUTS = ("per-claim", "shared")
-STAGES = ("decompose", "propose", "select", "verify", "explain")
-
-
-@dataclass
-class ImageTextExample:
-    """One image-text pair. ``image``: a path, encoded bytes, a PIL image or an H x W x 3 uint8
-    array; ``boxes``: optional candidate evidence boxes ``(x0, y0, x1, y1)`` in pixels."""
-
-    image: object
-    text: str
-    boxes: Sequence | None = None
-    id: object = None
-
-
-@dataclass
-class ClaimResult:
-    part_id: str
-    text: str
-    type: str
-    parent_part_id: str | None = None
-    head_part_id: str | None = None
-    target_part_id: str | None = None
-    decision: str | None = None
-    support: float | None = None
-    evidence_ids: list[str] = field(default_factory=list)
-    evidence_boxes: list[list[int]] = field(default_factory=list)
-    explanation: str | None = None
-
-
-@dataclass
-class VisExResult:
-    index: int
-    id: object = None
-    score: float | None = None
-    claims: list[ClaimResult] = field(default_factory=list)
-    explanation: str | None = None
-    error: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    prompt_tokens: int | None = None
+STAGES = ("decompose", "propose", "select", "verify", "explain", "single-response", "holistic-score")
 
 
 @dataclass
@@ -110,7 +78,7 @@ class _Item:
     claims: list[ClaimResult] = field(default_factory=list)
 
 
-class VisExJudge(Judge):
+class VisExJudge(ControlModes, Judge):
     """The VisExMEM evaluator over a multimodal Qwen3.5 checkpoint. See the module docstring.
 
     Bad input never stops a job: an unreadable image, malformed boxes, an empty caption or a
@@ -121,9 +89,11 @@ class VisExJudge(Judge):
     without boxes, instead of the quadrants); ``max_claims``, ``max_claim_chars``,
     ``max_explanation_chars`` (grammar bounds, hence token budgets, of the written stages);
     ``evidence_layout`` (``"per-claim"`` or ``"shared"``, see the module docstring);
-    ``strict`` (repaired part links become an item error); ``image_root`` (for relative image
-    paths); ``crop_max_pixels`` (resize evidence crops to at most this many pixels, fewer image
-    tokens per claim; default: the checkpoint's processor limit)."""
+    ``strict`` (repaired part links become an item error); ``mode`` (``"pipeline"``, or a
+    control: ``"single-response"``, ``"holistic-score"``; see ``controls.py``); ``image_root``
+    (for relative image paths); ``crop_max_pixels`` (resize evidence crops to at most this many pixels, fewer image
+    tokens per claim; default: the checkpoint's processor limit); ``max_image_pixels`` (the pixel
+    budget of an image, see :mod:`fastjudge.io.images`; a larger one is that item's error)."""
 
     def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
                  aggregate: str = "mean", explain: bool = True, propose_boxes: bool = False,
@@ -131,13 +101,15 @@ class VisExJudge(Judge):
                  evidence_layout: str = "per-claim", strict: bool = False, image_root: str | os.PathLike | None = None,
                  crop_max_pixels: int | None = None, max_batch_tokens: int | None = None,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
-                 max_input_tokens: int | None = None):
+                 max_input_tokens: int | None = None, max_image_pixels: int | None = None,
+                 mode: str = "pipeline"):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
         if evidence_layout not in EVIDENCE_LAYOUTS:
             raise ValueError(f"evidence_layout must be one of {EVIDENCE_LAYOUTS}, got {evidence_layout!r}")
         if min(max_claims, max_claim_chars, max_explanation_chars) < 1:
             raise ValueError("max_claims, max_claim_chars and max_explanation_chars must be >= 1")
+        check_mode(mode, propose_boxes, evidence_layout)
         self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="VisExMEM")
         self.aggregate = aggregate
         self.explain = explain
@@ -148,6 +120,7 @@ class VisExJudge(Judge):
         self.evidence_layout = evidence_layout
         self.strict = strict
         self.image_root = image_root
+        self.max_image_pixels = max_image_pixels or MAX_IMAGE_PIXELS
         self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
         self.max_batch_size = max_batch_size
         self.codec = self.backend.codec
@@ -157,6 +130,8 @@ class VisExJudge(Judge):
             self.crop_config = replace(self.image_config, max_pixels=int(crop_max_pixels),
                                        min_pixels=min(self.image_config.min_pixels, int(crop_max_pixels)))
         self.decision_prefix, self.yes_no_ids = self._decision_tokens()
+        self.mode = mode
+        self.score_reading = score_reading(self.codec) if mode == "holistic-score" else None
         self.stage_seconds = {s: 0.0 for s in STAGES}
 
     # -- tokens -----------------------------------------------------------------------------------
@@ -174,16 +149,21 @@ class VisExJudge(Judge):
             text = example.text
             if not isinstance(text, str) or not text.strip():
                 raise ValueError("text (the caption) must be a non-empty string")
+            self.codec.check_text_length(text, self.backend.max_input_tokens)
             if not any(ch.isalnum() for ch in text):
                 raise ValueError("the caption yielded no claims (it has no words)")
-            loaded = load_image(example.image, self.image_root)
+            loaded = load_image(example.image, self.image_root, self.max_image_pixels)
             boxes, warnings = check_boxes(example.boxes, loaded.width, loaded.height)
             result.warnings += warnings
             full = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.image_config)
+            claims = getattr(example, "claims", None)
+            parts = None if claims is None else given_parts(claims, self.max_claims, self.max_claim_chars)
         except (ImageError, ValueError, TypeError) as bad:
             result.error = f"invalid example: {bad}"
             return result
         item = _Item(index, result, loaded, " ".join(text.split()), full)
+        if parts is not None and self._set_parts(item, parts) is None:
+            return result
         if example.boxes is not None and not boxes:
             result.warnings.append("no usable boxes given; candidates come from the fallback")
         if boxes:
@@ -229,6 +209,8 @@ class VisExJudge(Judge):
         return self._request(item, key, prefix, task, spec, response_prefix)
 
     def _run(self, stage: str, requests: Sequence[Request]) -> dict[int, Output]:
+        if not requests:  # a stage with nothing to do takes no time (e.g. all claims given)
+            return {}
         start = time.perf_counter()
         outputs = {o.index: o for batch in run_requests(self.backend, requests, self.max_batch_tokens,
                                                        self.max_batch_size) for o in batch}
@@ -268,16 +250,21 @@ class VisExJudge(Judge):
             if parsed is None:
                 it.result.error = "decomposition did not finish within its token budget"
                 continue
-            parts, problems = validate_parts(parsed["parts"])
-            if problems and self.strict:
-                it.result.error = "invalid decomposition: " + "; ".join(problems)
-                continue
-            it.result.warnings += problems
-            if not parts:
-                it.result.error = "the caption yielded no claims"
-                continue
-            it.claims = [ClaimResult(**{k: p.get(k) for k in ("part_id", "text", "type") + LINK_FIELDS})
-                         for p in parts]
+            self._set_parts(it, parsed["parts"])
+
+    def _set_parts(self, it: _Item, parts: Sequence[dict]) -> list[dict] | None:
+        """The item's claims from parts (decomposed or given), links repaired (an item error
+        with ``strict``): the parts kept, or None when the item failed."""
+        kept, problems = validate_parts(parts)
+        if problems and self.strict:
+            it.result.error = "invalid decomposition: " + "; ".join(problems)
+            return None
+        it.result.warnings += problems
+        if not kept:
+            it.result.error = "the caption yielded no claims"
+            return None
+        it.claims = [ClaimResult(**{k: p.get(k) for k in ("part_id", "text", "type") + LINK_FIELDS}) for p in kept]
+        return kept
 
     def _propose(self, items: list[_Item]) -> None:
         """Candidate boxes for items without usable ones: the model's grounding output when
@@ -317,9 +304,12 @@ class VisExJudge(Judge):
             parsed = self._json(out)
             if parsed is None:
                 it.result.warnings.append(f"{c.part_id}: evidence selection did not finish; no regions used")
-            chosen = set(parsed["selected_evidence_ids"]) if parsed else set()
-            c.evidence_ids = sorted(chosen, key=lambda e: int(e[1:]))
-            c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in c.evidence_ids]
+            self._set_evidence(it, c, parsed["selected_evidence_ids"] if parsed else ())
+
+    @staticmethod
+    def _set_evidence(it: _Item, c: ClaimResult, selected: Iterable[str]) -> None:
+        c.evidence_ids = sorted(set(selected), key=lambda e: int(e[1:]))
+        c.evidence_boxes = [list(it.boxes[int(e[1:]) - 1]) for e in c.evidence_ids]
 
     def verification_task(self, item: _Item, claim: ClaimResult) -> prompts.Prompt:
         """The claim's part of its verification prompt. Per-claim layout: the selected regions,
@@ -350,7 +340,8 @@ class VisExJudge(Judge):
                 task = (f"Claim: {c.text}\nEvidence regions: {evidence}\nDecision: {c.decision} "
                         f"(support {c.support:.2f})\n{EXPLAIN_CLAIM_TASK}")
                 return self._evidence_request(it, key, task, spec)
-            listing = "\n".join(f"- {c.part_id} ({c.type}): {c.text} -> {c.decision} (support {c.support:.2f}; "
+            listing = "\n".join(f"- {c.part_id} ({c.type or 'claim'}): {c.text} -> {c.decision} "
+                                f"(support {c.support:.2f}; "
                                 f"evidence {', '.join(c.evidence_ids) or 'none'})" for c in it.claims)
             task = f"Claims and decisions:\n{listing}\nOverall score: {it.result.score:.2f}\n{EXPLAIN_OVERALL_TASK}"
             return self._evidence_request(it, key, task, spec)
@@ -374,17 +365,22 @@ class VisExJudge(Judge):
         through every stage (each result has ``.index``)."""
         items, invalid = self.prepare(examples)
         yield from invalid
-        self._decompose(items)
+        run = {"single-response": self._single_response, "holistic-score": self._holistic_score}
+        run.get(self.mode, self._pipeline)(items)
+        for it in items:
+            if it.result.error:  # a stage failed it: no partial claims or score
+                it.result.claims, it.result.score, it.result.explanation = [], None, None
+            else:
+                it.result.claims = it.claims
+            yield it.result
+
+    def _pipeline(self, items: list[_Item]) -> None:
+        self._decompose([it for it in items if not it.claims])  # given claims replace it
         self._propose(items)
         self._select(items)
         self._verify(items)
         for it in items:
             if not it.result.error:
-                it.result.claims = it.claims
                 it.result.score = aggregate([c.support for c in it.claims], self.aggregate)
         if self.explain:
             self._explain([it for it in items if not it.result.error])
-        for it in items:
-            if it.result.error:  # a stage failed it: no partial claims or score
-                it.result.claims, it.result.score, it.result.explanation = [], None, None
-            yield it.result

@@ -3,14 +3,15 @@ public); the output formats follow the paper. Prompts are sequences of text and 
 (``runtime.requests.Image``), which the checkpoint's codec expands to image tokens.
 
 Every prompt is a shared prefix (the intro, the whole image and the caption; in the
-``"shared"`` evidence layout also every candidate region with its crop) and a task."""
+``"shared"`` evidence layout also every candidate region with its crop) and a task. The
+holistic-score control has an intro of its own that says nothing of claims or regions."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from ...runtime.requests import Image
-from .schemas import PART_TYPES
+from .schemas import PART_TYPES, SCORE_MAX
 
 DECISION_PREFIX = '{"decision": "'
 
@@ -37,9 +38,19 @@ EXPLAIN_OVERALL_TASK = ("Task: in two short sentences, explain the overall score
 Prompt = tuple  # of str and Image, in order
 
 
-def base_prefix(image: Image, caption: str) -> Prompt:
+HOLISTIC_INTRO = ("You are an image-text evaluator. You look at the image as a whole and judge how "
+                  "well the caption describes it.")
+HOLISTIC_SCORE_TASK = (f"Task: rate the agreement of the image and the caption as a whole, from 0 (they "
+                       f"do not match at all) to {SCORE_MAX} (the caption is entirely right). "
+                       'Answer in JSON: {"score": N}')
+#: The forced start of the holistic-score answer; the number is read right after it.
+SCORE_PREFIX = '{"score": '
+SCORE_SUFFIX = "}"
+
+
+def base_prefix(image: Image, caption: str, intro: str = INTRO) -> Prompt:
     """Intro, the whole image and the caption: shared by every stage of an example."""
-    return (f"{INTRO}\n\n", image, f"\nCaption: {caption}\n\n")
+    return (f"{intro}\n\n", image, f"\nCaption: {caption}\n\n")
 
 
 def candidates_head(width: int, height: int) -> str:
@@ -75,3 +86,28 @@ def verification_task(claim: str, evidence_ids: Sequence[str], boxes: Sequence[S
         sep = "" if i == 0 else "\n"
         regions += [f"{sep}{e} {box}: ", crop]
     return (f"Claim: {claim}\nEvidence regions:\n", *regions, f"\n{VERIFY_TASK}")
+
+
+def single_response_task(width: int, height: int, boxes: Sequence[Sequence[int]], explain: bool,
+                         claims: Sequence[str] | None = None) -> str:
+    """The task of the "Dec." control: every step in one answer. ``claims``: the example's own
+    claims, listed as C1, C2, ... (the answer then rates those instead of decomposing)."""
+    why = " and a short explanation of that rating" if explain else ""
+    if claims is None:
+        what = ("split the caption into atomic parts, each a short claim that can be checked on its "
+                "own, with an id (P1, P2, ...), its text, a type (" + ", ".join(PART_TYPES) + ") and "
+                "links to other parts by id (parent_part_id, head_part_id, target_part_id; null where "
+                "a link does not apply). For every part give")
+        listing, shape = "", '{"claims": [{"part_id": ..., "text": ..., ...}, ...]'
+    else:
+        what = "for every claim below give"
+        listing = "Claims:\n" + "\n".join(f"C{k}: {c}" for k, c in enumerate(claims, start=1)) + "\n"
+        shape = '{"claims": {"C1": {...}, ...}'
+    overall = ', "explanation": "...", "score": N}' if explain else ', "score": N}'
+    return (f"{candidates_head(width, height)}\n{box_listing(boxes)}\n{listing}"
+            f"Task: evaluate the caption in a single answer. First {what} the ids of the candidate "
+            f"regions that hold its visual evidence (selected_evidence_ids), how well the image "
+            f"supports it from 0 (not at all) to {SCORE_MAX} (fully) as support{why}. "
+            + ("Then explain the overall result in two short sentences. " if explain else "")
+            + f"Last, give the overall alignment of image and caption from 0 to {SCORE_MAX} as score. "
+            f"Answer in JSON: {shape}{overall}")

@@ -1,0 +1,163 @@
+"""The holistic baseline in VQAScore mode: fastjudge against t2v_metrics' per-sample path.
+
+Both run in this process, same dtype, on the same random-weight multimodal Qwen3.5 checkpoint
+(``bench_visexmem.build_checkpoint``: at most 256 merged image tokens per image), over
+``--pairs`` image-text pairs (synthetic images, one caption each):
+
+* baseline: what t2v_metrics' ``Qwen3VLModel.forward``
+  (``t2v_metrics/models/vqascore_models/qwen3vl_model.py``) does for each pair alone: the image
+  through transformers' image processor (``Qwen2VLImageProcessorPil``, built from the
+  checkpoint's preprocessor_config.json; t2v_metrics resizes with qwen-vl-utils first and then
+  calls the processor without resizing -- with image sides that are multiples of 28, as here,
+  neither resizes), the user turn [image, VQAScore question] through the chat template with
+  thinking off, the image pad expanded to its token count, then
+  ``Qwen3_5ForConditionalGeneration.generate`` at batch size 1 with ``max_new_tokens=1``,
+  greedy, ``output_scores=True``; the generated token is decoded as they do, and the score is
+  the softmax over the full vocabulary of the step's scores at the first token of "Yes";
+* fastjudge: ``HolisticJudge(template="vqascore")`` (the default) scoring all pairs: image
+  loading and crop encoding, one ``Choice(full_vocab=True)`` request per pair, batched by the
+  planner, the vision tower once per batch, the fused choice head's vocabulary log-sum-exp. The
+  image-embedding cache and the prefix-token memo are emptied before every run.
+
+Prints pairs/s both ways (medians over ``--repeats`` after one warm-up run), the ratio against
+the 10x target, the largest relative difference of P("Yes") between the two paths, and whether
+the input ids are identical.
+
+    python benchmarks/bench_holistic.py --shapes tiny --pairs 16 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastjudge import HolisticJudge, ImageTextExample
+from fastjudge.backends.caches import ImageEmbeddingCache
+from fastjudge.checkpoints import QWEN_SHAPES
+from fastjudge.judges.holistic import VQASCORE_QUESTION
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lave_t5 import timed  # noqa: E402  (shared timer: median after one warm-up run)
+from bench_visexmem import (CAPTIONS, COLORS, IMAGE_PAD, OBJECTS, PLACEHOLDER, Baseline,  # noqa: E402
+                            build_checkpoint, synthetic_image)
+
+TARGET = 10.0
+
+
+def make_pairs(n: int, width: int, height: int) -> list[ImageTextExample]:
+    out = []
+    for i in range(n):
+        o, o2, c = OBJECTS[i % len(OBJECTS)], OBJECTS[(i + 3) % len(OBJECTS)], COLORS[i % len(COLORS)]
+        text = CAPTIONS[i % len(CAPTIONS)].format(o=o, o2=o2, c=c)
+        out.append(ImageTextExample(synthetic_image(i, width, height), text, id=i))
+    return out
+
+
+def fresh(backend) -> None:
+    """Empty what a run could reuse: image embeddings and the codec's prefix-token memo (the
+    VQAScore prompt has no shared prefix, so no prefix state is kept)."""
+    backend._image_embeds = ImageEmbeddingCache(backend._image_embeds.capacity)
+    backend.codec._prefix_ids.clear()
+
+
+class PerSampleBaseline(Baseline):
+    """t2v_metrics' VQAScore path for Qwen3.5, one pair at a time through transformers (the
+    model, tokenizer and PIL image processor loaded as ``bench_visexmem.Baseline`` loads them)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype):
+        super().__init__(model_dir, dtype, yes_no_ids=())
+        self.yes = self.tok.encode("Yes", add_special_tokens=False)[0]
+
+    def inputs(self, image, text: str):
+        """Input ids, pixel values and grid of one pair, as the processor call gives them."""
+        enc = self.processor(images=[image], return_tensors="pt")
+        user = PLACEHOLDER + VQASCORE_QUESTION.format(text)
+        prompt = self.tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=False)
+        count = int(enc["image_grid_thw"][0].prod()) // self.merge ** 2
+        prompt = prompt.replace(IMAGE_PAD, IMAGE_PAD * count)
+        ids = self.tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        return ids, enc["pixel_values"], enc["image_grid_thw"]
+
+    @torch.inference_mode()
+    def score(self, ids, pixel_values, grid) -> float:
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
+                                  image_grid_thw=grid, mm_token_type_ids=(ids == self.image_token_id).int(),
+                                  max_new_tokens=1, do_sample=False, temperature=1.0, output_scores=True,
+                                  return_dict_in_generate=True)
+        self.tok.decode(out.sequences[0][ids.shape[1]:], skip_special_tokens=True)
+        return float(torch.softmax(out.scores[-1][0].float(), dim=-1)[self.yes])
+
+    def run(self, pairs: list[ImageTextExample]) -> list[float]:
+        from PIL import Image
+
+        return [self.score(*self.inputs(Image.fromarray(ex.image), ex.text)) for ex in pairs]
+
+
+def checks(judge: HolisticJudge, base: PerSampleBaseline, pairs, ours, theirs) -> dict:
+    """Input identity (ids, pixels) and the score difference between the two paths."""
+    from PIL import Image
+
+    same_ids, pixel_diff = 0, 0.0
+    for ex in pairs:
+        request = judge._request(0, ex)
+        ids, pixels, _ = base.inputs(Image.fromarray(ex.image), ex.text)
+        same_ids += list(request.prompt_ids) == ids[0].tolist()
+        mine = torch.as_tensor(request.images[0].pixel_values).float()
+        pixel_diff = max(pixel_diff, float((mine - pixels.float()).abs().max()))
+    rel = [abs(a - b) / b for a, b in zip(ours, theirs)]
+    return dict(same_ids=same_ids, pixel_diff=pixel_diff, max_rel=max(rel))
+
+
+def bench_one(model_dir: Path, dtype: torch.dtype, pairs, args) -> dict:
+    judge = HolisticJudge(model_dir, device="cpu", dtype=dtype)
+    base = PerSampleBaseline(model_dir, dtype)
+    t_base, theirs = timed(lambda: base.run(pairs), args.repeats)
+    t_fast, results = timed(lambda: judge.score(pairs), args.repeats, lambda: fresh(judge.backend))
+    assert all(r.error is None for r in results), [r.error for r in results]
+    ours = [r.score for r in results]
+    return dict(t_base=t_base, t_fast=t_fast, **checks(judge, base, pairs, ours, theirs))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["tiny", "mini"], choices=sorted(QWEN_SHAPES))
+    ap.add_argument("--pairs", type=int, default=32)
+    ap.add_argument("--size", default="448x336", help="image WIDTHxHEIGHT (multiples of 28: no resizing)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    pairs = make_pairs(args.pairs, width, height)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            rows.append(dict(shape=shape, **bench_one(build_checkpoint(Path(tmp) / shape, shape), dtype, pairs, args)))
+            print(f"[{shape}] baseline {rows[-1]['t_base']:.2f}s fastjudge {rows[-1]['t_fast']:.2f}s", file=sys.stderr)
+
+    print(f"\nHolistic VQAScore: {args.pairs} pairs ({width}x{height}), {args.dtype}, median of "
+          f"{args.repeats}, {torch.get_num_threads()} threads")
+    print(f"{'shape':6} {'base pairs/s':>12} {'fast pairs/s':>12} {'ratio':>7} {'>=10x':>6} "
+          f"{'max rel dP':>10} {'same ids':>8} {'max dpixel':>10}")
+    n = args.pairs
+    for r in rows:
+        ratio = r["t_base"] / r["t_fast"]
+        print(f"{r['shape']:6} {n / r['t_base']:12.1f} {n / r['t_fast']:12.1f} {ratio:6.2f}x "
+              f"{'PASS' if ratio >= TARGET else 'FAIL':>6} {r['max_rel']:10.1e} {r['same_ids']:4d}/{n:<3d} "
+              f"{r['pixel_diff']:10.1e}")
+    print("max rel dP: largest |P_fastjudge(Yes) - P_baseline(Yes)| / P_baseline(Yes); same ids: pairs whose "
+          "input ids are identical; max dpixel: largest pixel-value difference of the two image preprocessors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""LAVE as the authors compute it, rationale mode: fastjudge against the authors' scoring path.
+
+Both run in this process on the same random-weight Flan-T5-shaped checkpoint, dtype and items,
+with the prompts of the authors' own builder (``lave.py`` of the checkout given with
+``--official-repo``, its demonstration files, their defaults: rationale, 8 shots, filter):
+
+* authors' path (``LaveFT5.batch_compute`` in their ``lave_ft5.py``): transformers
+  ``T5ForConditionalGeneration.generate`` on one pad-longest batch of all items,
+  ``max_new_tokens=100``; the rating is the token before each row's first EOS, decoded alone;
+* fastjudge: ``LaveJudge(model, official_repo=...)``: length-planned batches, packed encoder,
+  KV-cached greedy decoding whose rows leave the batch at their EOS.
+
+The checkpoint's EOS and rating rows of the LM head are scaled up
+(``fastjudge.checkpoints.scale_output_rows``) so that outputs end at varied lengths, as a real
+judge's rationales do, some running to the 100-token limit. Prints items/s of both, the ratio,
+whether every score is identical, and the spread of output lengths.
+
+    python benchmarks/bench_lave_official.py --official-repo PATH/TO/lave --items 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from fastjudge import LaveJudge, VQAExample
+from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
+from fastjudge.demo import tokenizer_corpus
+
+MAX_NEW_TOKENS = 100  # the authors' generation limit
+
+
+def sample_examples(n: int) -> list[VQAExample]:
+    rows = [json.loads(line) for line in
+            resources.files("fastjudge.data").joinpath("sample_vqa.jsonl").read_text().splitlines()
+            if line.strip()]
+    return [VQAExample(r["question"], r["references"], r["prediction"], None, f"{i}")
+            for i, r in enumerate(rows[j % len(rows)] for j in range(n))]
+
+
+class AuthorsPath:
+    """The authors' scoring loop on their prompts: one padded batch through ``generate``."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype):
+        from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+        self.model = T5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    @torch.inference_mode()
+    def score(self, prompts: list[str]) -> tuple[list[float], list[int]]:
+        """Scores and each row's generated length (EOS excluded)."""
+        enc = self.tok(prompts, padding="longest", return_tensors="pt")
+        seqs = self.model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                                   max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True).sequences
+        is_eos = seqs == self.tok.eos_token_id  # column 0 is the decoder start token
+        first_eos = is_eos.float().argmax(dim=1)  # 0 when a row has none
+        tokens = seqs[torch.arange(len(seqs)), first_eos - 1].tolist()  # none: the last column
+        scores = []
+        for t in tokens:
+            text = self.tok.decode([t], clean_up_tokenization_spaces=True)
+            scores.append((int(text) - 1) / 2 if text in ("1", "2", "3") else 0.5)
+        lengths = torch.where(is_eos.any(dim=1), first_eos - 1, seqs.shape[1] - 1)
+        return scores, lengths.tolist()
+
+
+def varied_length_checkpoint(out_dir: Path, shape: str, eos_scale: float, rating_scale: float) -> Path:
+    model_dir = build_random_t5(out_dir, tokenizer_corpus(), shape=shape, model_vocab_size=32128)
+    codec = LaveJudge(model_dir, device="cpu", dtype="float32", num_shots=0).codec
+    ratings = {*codec.answer_ids(["1", "2", "3"]).ids,
+               *codec.answer_ids(["1", "2", "3"], after=" So rating=").ids}
+    eos = min(codec.eos_token_ids)
+    scale_output_rows(model_dir, {**{t: rating_scale for t in ratings}, eos: eos_scale})
+    return model_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--official-repo", required=True, help="checkout of the LAVE authors' repository")
+    ap.add_argument("--shape", default="small", choices=sorted(T5_SHAPES))
+    ap.add_argument("--items", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of each (median)")
+    ap.add_argument("--eos-scale", type=float, default=2.5)
+    ap.add_argument("--rating-scale", type=float, default=2.5)
+    ap.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="fastjudge's batch budget (default: the backend's)")
+    args = ap.parse_args(argv)
+
+    dtype = getattr(torch, args.dtype)
+    examples = sample_examples(args.items)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = varied_length_checkpoint(Path(tmp) / args.shape, args.shape, args.eos_scale,
+                                             args.rating_scale)
+        judge = LaveJudge(model_dir, device="cpu", dtype=dtype, official_repo=args.official_repo,
+                          max_batch_tokens=args.max_batch_tokens)
+        prompts = [judge.build_prompt(e) for e in examples]
+        authors = AuthorsPath(model_dir, dtype)
+        authors.score(prompts[:2])  # warm-up: allocator, kernels, position-bias tables
+        judge.score(examples[:2])
+        t_authors, t_fast = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            authors_scores, lengths = authors.score(prompts)
+            t_authors.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            results = judge.score(examples)
+            t_fast.append(time.perf_counter() - start)
+        prompt_tokens = [r.prompt_tokens for r in results]
+
+    same = sum(r.score == s for r, s in zip(results, authors_scores))
+    base, fast = statistics.median(t_authors), statistics.median(t_fast)
+    print(f"LAVE with the authors' code, rationale mode: {args.items} items, {args.shape}, "
+          f"{args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"prompt tokens {min(prompt_tokens)}-{max(prompt_tokens)}; generated tokens "
+          f"min {min(lengths)} median {statistics.median(lengths):.0f} max {max(lengths)} "
+          f"({sum(n >= MAX_NEW_TOKENS for n in lengths)} at the limit)")
+    print(f"{'path':16} {'seconds':>8} {'items/s':>8}")
+    print(f"{'authors (HF)':16} {base:8.2f} {args.items / base:8.2f}")
+    print(f"{'fastjudge':16} {fast:8.2f} {args.items / fast:8.2f}")
+    print(f"ratio {base / fast:.2f}x (target 4x); identical scores {same}/{len(results)}")
+    return 0 if same == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

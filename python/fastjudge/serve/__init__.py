@@ -1,0 +1,42 @@
+"""Reward server: a judge behind HTTP, with dynamic batching across concurrent requests.
+
+    pip install "fastjudge[serve]"
+    fastjudge serve --judge lave --model /models/flan-t5-xl --port 8000
+
+Endpoints:
+
+* ``POST /v1/score`` — ``{"items": [{"question", "references", "prediction", "caption"?,
+  "id"?}, ...]}`` → ``{"results": [{"index", "id", "score", "soft_score", "rating", "probs",
+  "rationale", "prompt_tokens", "error", "rating_source"}, ...]}`` in input order. With
+  ``?stream=1`` the answer is NDJSON, one result per line as each finishes (a line
+  ``{"error": "timeout ..."}`` ends a stream that ran past the timeout).
+* ``POST /get_reward`` — OpenRLHF remote reward-model protocol: ``{"query": [str, ...]}`` →
+  ``{"rewards": [float, ...], "scores": [...], "errors": [...]}``. Each query string must be a
+  JSON object string ``{"question": ..., "references": [...], "prediction": ...,
+  "caption"?: ...}``; the reward is the LAVE score in [0, 1]. A query that is not such an
+  object fails the whole request with 422 naming the query; an item the judge rejects (e.g. a
+  prompt above the model limit) gets reward ``null`` and its message in ``errors``.
+* ``GET /health`` — ``{"status": "ok", "judge": ..., "queue_depth": ...}``.
+* ``GET /metrics`` — Prometheus text format.
+* ``GET /openapi.json`` — the API as an OpenAPI 3.1 document.
+
+Limits: bodies above ``max_body_bytes`` → 413; a body not received ``body_timeout_s`` after its
+head → 408; more items than the queue can take → 429; a request not finished within
+``timeout_s`` → 504; malformed JSON or JSON nested deeper than 400 levels → 400; wrong shapes or
+types, or a string that is not valid Unicode (a lone surrogate) → 422; an unexpected error →
+500, with the connection kept open. Each error body is ``{"error": message}``. An item the
+judge fails on gets its own error result; the items batched with it are unaffected. With an
+API key every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+
+Judges come from a registry (:mod:`fastjudge.judges.registry`, shared with
+``fastjudge rescore``): ``lave``, ``visexmem`` and ``holistic``, each with the command-line
+options its declaration lists; ``register_judge(name, factory, parse_item)`` adds one, where
+``factory(args)`` builds a judge from the parsed command-line arguments.
+"""
+
+from ..judges.registry import JUDGES, ItemError, add_judge_options, register_judge  # noqa: F401 (re-exported)
+from .app import create_app
+from .command import add_serve_parser, run_serve
+
+__all__ = ["create_app", "add_serve_parser", "run_serve", "JUDGES", "ItemError",
+           "register_judge", "add_judge_options"]

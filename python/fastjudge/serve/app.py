@@ -1,0 +1,174 @@
+"""The Starlette app: the routes, their limits and their error answers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+from .. import __version__
+from ..judges.registry import ItemError, get_judge
+from ..runtime.async_batcher import AsyncBatcher, QueueFullError
+from .bodies import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError,
+                     load_embedded_json, read_json)
+from .guards import BearerAuth, JsonErrors
+from .isolation import IsolatingJudge
+from .metrics import Metrics
+from .openapi import openapi_document
+
+EXPECTED_QUERY = '\'{"question": ..., "references": [...], "prediction": ...}\''
+
+
+def _json_safe(obj):
+    """NaN/inf are not JSON; send null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_queue: int = 10000, timeout_s: float = 60.0, max_wait_ms: float = 5,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None):
+    """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
+    route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    spec = get_judge(judge_name)
+    batcher = AsyncBatcher(IsolatingJudge(judge), max_wait_ms=max_wait_ms,
+                           max_queue_items=max_queue)
+    metrics = Metrics()
+    document = openapi_document(spec, __version__, authenticated=bool(api_key))
+    # Every result carries the judge's declared fields, also an item that failed alone.
+    blank_result = dict.fromkeys(("index", "id", *spec.result_fields))
+
+    def result_json(r) -> dict:
+        fields = dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r)
+        return _json_safe({**blank_result, **fields})
+
+    def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    def parse_items(body: Any) -> list:
+        if not isinstance(body, dict):
+            raise RequestError(422, 'body must be a JSON object {"items": [...]}')
+        items = body.get("items")
+        if not isinstance(items, list):
+            raise RequestError(422, '"items" must be a list of objects')
+        return [spec.parse_item(d, f"items[{i}]") for i, d in enumerate(items)]
+
+    async def handle(path: str, request, work) -> Any:
+        start = time.monotonic()
+        status, n_items = 500, 0
+        try:
+            response, n_items = await work(request)
+            status = response.status_code
+            return response
+        except RequestError as bad:
+            status = bad.status
+            return error(bad.status, bad.message, bad.headers)
+        except ItemError as bad:
+            status = 422
+            return error(422, str(bad))
+        except QueueFullError as full:
+            status = 429
+            return error(429, str(full))
+        except asyncio.TimeoutError:
+            status = 504
+            return error(504, f"request not finished within {timeout_s} s")
+        finally:
+            metrics.observe(path, status, time.monotonic() - start, n_items)
+
+    async def score_work(request):
+        examples = parse_items(await read_json(request, max_body_bytes, body_timeout_s))
+        if request.query_params.get("stream") in ("1", "true", "yes"):
+            futures = batcher.submit(examples)  # QueueFullError -> 429 before streaming
+            deadline = time.monotonic() + timeout_s
+
+            async def lines():
+                agen = batcher.stream_futures(futures)
+                try:
+                    while True:
+                        remaining = deadline - time.monotonic()
+                        try:
+                            r = await asyncio.wait_for(agen.__anext__(), max(remaining, 0))
+                        except StopAsyncIteration:
+                            return
+                        except asyncio.TimeoutError:
+                            yield json.dumps({"error": f"timeout: request not finished within "
+                                                       f"{timeout_s} s"}) + "\n"
+                            return
+                        yield json.dumps(result_json(r)) + "\n"
+                finally:
+                    await agen.aclose()
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson"), len(examples)
+        results = await asyncio.wait_for(batcher.score(examples), timeout_s)
+        return JSONResponse({"results": [result_json(r) for r in results]}), len(examples)
+
+    async def reward_work(request):
+        body = await read_json(request, max_body_bytes, body_timeout_s)
+        if not isinstance(body, dict) or not isinstance(body.get("query"), list):
+            raise RequestError(422, 'body must be a JSON object {"query": [str, ...]}')
+        examples = []
+        for i, q in enumerate(body["query"]):
+            where = f"query[{i}]"
+            if not isinstance(q, str):
+                raise RequestError(422, f"{where}: must be a string")
+            examples.append(spec.parse_item(load_embedded_json(q, where, EXPECTED_QUERY), where))
+        results = await asyncio.wait_for(batcher.score(examples), timeout_s)
+        rewards = [None if r.error else r.score for r in results]
+        return JSONResponse({"rewards": rewards, "scores": rewards,
+                             "errors": [r.error for r in results]}), len(examples)
+
+    async def score(request):
+        return await handle("/v1/score", request, score_work)
+
+    async def get_reward(request):
+        return await handle("/get_reward", request, reward_work)
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "judge": judge_name,
+                             "queue_depth": batcher.queue_depth})
+
+    async def prom(request):
+        return PlainTextResponse(metrics.render(batcher),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def openapi(request):
+        return JSONResponse(document)
+
+    async def http_error(request, exc: HTTPException):
+        """Unknown paths (404) and methods (405) answer JSON like every other error."""
+        return error(exc.status_code, exc.detail, exc.headers)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(batcher.close)
+
+    middleware = [Middleware(JsonErrors)]
+    if api_key:
+        middleware.append(Middleware(BearerAuth, api_key=api_key))
+    app = Starlette(routes=[Route("/v1/score", score, methods=["POST"]),
+                            Route("/get_reward", get_reward, methods=["POST"]),
+                            Route("/health", health, methods=["GET"]),
+                            Route("/metrics", prom, methods=["GET"]),
+                            Route("/openapi.json", openapi, methods=["GET"])],
+                    middleware=middleware, exception_handlers={HTTPException: http_error},
+                    lifespan=lifespan)
+    app.state.batcher = batcher
+    app.state.metrics = metrics
+    return app

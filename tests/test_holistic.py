@@ -1,0 +1,162 @@
+"""The holistic judge's VQAScore mode against the world, on a tiny random-weight Qwen3.5
+vision-language checkpoint.
+
+The reference is t2v_metrics' VQAScore for Qwen3-VL / Qwen3.5
+(``t2v_metrics/models/vqascore_models/qwen3vl_model.py``, ``Qwen3VLModel.forward`` and
+``_build_inputs``): the user turn is [image, question] through the chat template with thinking
+off; ``generate`` runs one greedy step with ``output_scores=True``; the score is the softmax over
+the full vocabulary of that step's scores, read at the first token of ``tokenizer.encode("Yes")``.
+Here transformers' ``Qwen3_5ForConditionalGeneration.generate`` does exactly that on the ids and
+pixel values fastjudge built, in float32."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from fastjudge import HolisticJudge, ImageTextExample
+from fastjudge.checkpoints import build_random_qwen_vl
+from fastjudge.demo import tokenizer_corpus
+from fastjudge.runtime.requests import Choice
+from fastjudge.runtime.scheduler import run_requests
+from conftest import TEST_DEVICE
+
+REL_TOL = 1e-4
+CAPTIONS = ["A red bus.", "Two  dogs play on the grass ", 'A sign that says "stop".']
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return build_random_qwen_vl(tmp_path_factory.mktemp("holistic_vl"), tokenizer_corpus(), seed=5)
+
+
+@pytest.fixture(scope="module")
+def judge(vl_dir):
+    return HolisticJudge(vl_dir, device=TEST_DEVICE, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf(vl_dir):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
+
+
+def image(seed: int, h: int, w: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def examples() -> list[ImageTextExample]:
+    sizes = [(72, 96), (64, 64), (56, 112)]
+    return [ImageTextExample(image(k, *hw), text, id=k) for k, (hw, text) in enumerate(zip(sizes, CAPTIONS))]
+
+
+@torch.inference_mode()
+def vqascore_generate(hf, tokenizer, request) -> tuple[float, float]:
+    """P("Yes"), P("No") as t2v_metrics reads them: one greedy ``generate`` step, softmax over
+    the whole vocabulary of its scores, at each word's first token."""
+    ids = torch.tensor([list(request.prompt_ids)])
+    pixel_values = torch.cat([torch.as_tensor(im.pixel_values) for im in request.images])
+    grid = torch.tensor([im.grid_thw for im in request.images])
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
+                      image_grid_thw=grid, mm_token_type_ids=(ids == hf.config.image_token_id).int(),
+                      max_new_tokens=1, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    probs = torch.softmax(out.scores[-1][0].double(), dim=-1)
+    yes, no = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("Yes", "No"))
+    return float(probs[yes]), float(probs[no])
+
+
+def test_vqascore_prompt_is_the_metric_user_turn(judge):
+    """[image, question] in one user turn, the image first with nothing between it and the
+    question (the Qwen chat templates write an image item as vision start, image pad, vision
+    end), the text unchanged, then the assistant turn with thinking off."""
+    tok = judge.codec.tokenizer
+    ex = examples()[1]
+    request = judge._request(0, ex)
+    question = f'Does this figure show "{ex.text}"? Please answer Yes or No.'
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>" + question
+            + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids = tok(text, add_special_tokens=False).input_ids
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    (im,) = request.images
+    count = int(np.prod(im.grid_thw)) // 4  # merged 2 x 2 patches
+    at = ids.index(pad)
+    assert list(request.prompt_ids) == ids[:at] + [pad] * count + ids[at + 1:]
+    assert request.prefix_len == 0 and request.spec == Choice(judge.yes_no_ids, full_vocab=True)
+    assert judge.yes_no_ids == tuple(tok.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
+
+
+def test_vqascore_matches_transformers_generate(judge, hf):
+    """All pairs scored together (batched, right-padded) against ``generate`` on each pair
+    alone, within 1e-4 relative in float32; ``probs`` carry P("No") the same way."""
+    exs = examples()
+    results = judge.score(exs)
+    tok = judge.codec.tokenizer
+    worst = 0.0
+    for ex, r in zip(exs, results):
+        assert r.error is None, r.error
+        yes, no = vqascore_generate(hf, tok, judge._request(0, ex))
+        for ours, theirs in ((r.score, yes), (r.probs[1], no)):
+            worst = max(worst, abs(ours - theirs) / theirs)
+        assert r.decision == ("yes" if r.probs[0] >= r.probs[1] else "no")
+        assert 0 < r.probs[0] + r.probs[1] < 1  # full-vocabulary probabilities
+    assert worst < REL_TOL, worst
+
+
+def test_normalizations_and_templates(judge):
+    """``normalize="yes-no"`` is the full-vocabulary pair renormalised; ``template="fastjudge"``
+    keeps fastjudge's own prompt and reads either way."""
+    exs = examples()
+    vocab = judge.score(exs)
+    pair = HolisticJudge(judge.backend, normalize="yes-no").score(exs)
+    for v, p in zip(vocab, pair):
+        assert sum(p.probs) == pytest.approx(1)
+        assert p.score == pytest.approx(v.probs[0] / (v.probs[0] + v.probs[1]), rel=1e-6)
+        assert p.decision == v.decision
+    own = HolisticJudge(judge.backend, template="fastjudge")
+    assert own.normalize == "yes-no"
+    own_vocab = HolisticJudge(judge.backend, template="fastjudge", normalize="vocab")
+    for a, b in zip(own.score(exs), own_vocab.score(exs)):
+        assert a.score == pytest.approx(b.probs[0] / (b.probs[0] + b.probs[1]), rel=1e-6)
+    request = own._request(0, exs[0])
+    assert request.prefix_len > 0 and request.spec == Choice(own.yes_no_ids)
+    with pytest.raises(ValueError, match="template"):
+        HolisticJudge(judge.backend, template="clip")
+    with pytest.raises(ValueError, match="normalize"):
+        HolisticJudge(judge.backend, normalize="softmax")
+
+
+def test_full_vocab_choice_beside_plain_choice(judge):
+    """One batch may mix full-vocabulary and candidate-only Choice requests: the first get
+    ``logprobs`` over the vocabulary, the second none, and both the same logits and probs as
+    when run apart."""
+    request = judge._request(0, examples()[0])
+    plain = replace(request, index=1, spec=Choice(judge.yes_no_ids))
+    together = {o.index: o for b in run_requests(judge.backend, [request, plain], 1 << 16) for o in b}
+    apart = judge.backend.run([plain])[0]
+    assert together[1].logprobs is None
+    np.testing.assert_allclose(together[1].probs, apart.probs, rtol=1e-6)
+    np.testing.assert_allclose(together[0].logits, together[1].logits, rtol=1e-6)
+    full = together[0].logprobs
+    assert full.shape == (2,) and np.all(full < np.log(together[0].probs))
+
+
+def test_t5_backend_refuses_full_vocab(t5_backend):
+    from fastjudge.runtime.requests import Request
+
+    request = Request(0, t5_backend.codec.encode_prompt("Question: a? Output:"), Choice((3, 4), full_vocab=True))
+    with pytest.raises(NotImplementedError, match="decoder-only"):
+        t5_backend.run([request])
+
+
+def test_command_line_options():
+    from fastjudge.cli import build_parser
+    from fastjudge.judges import registry
+
+    argv = ["rescore", "--judge", "holistic", "--model", "m", "--input", "i", "--output", "o",
+            "--template", "fastjudge", "--normalize", "vocab"]
+    values = registry.option_values(build_parser().parse_args(argv), registry.HOLISTIC_OPTIONS)
+    assert values["template"] == "fastjudge" and values["normalize"] == "vocab"
