@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rescore_parser(sub)
 
+    from .report import add_report_parser
+
+    add_report_parser(sub)
+
     from .builders.cli import add_build_parser
 
     add_build_parser(sub)
@@ -134,6 +138,10 @@ def main(argv=None) -> int:
             from .serve import run_serve
 
             return run_serve(args)
+        if args.command == "report":
+            from .report import run_report
+
+            return run_report(args)
         if args.command == "rescore":
             from .rescore import run_rescore
 

@@ -1,0 +1,138 @@
+"""``fastjudge report``: escaping, the --limit bound, the summary over every row, and the page as
+a real headless Chromium renders it (box pixel positions, no injected element, no JS error)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from fastjudge.cli import main
+from fastjudge.report import build_report
+from fastjudge.report.html import safe_json
+from fastjudge.report.sample import write_sample
+
+HOSTILE = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_safe_json_escapes_markup():
+    text = safe_json({"a": "</script><b>&"})
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == {"a": "</script><b>&"}
+
+
+def test_hostile_text_is_escaped(tmp_path):
+    src = _write(tmp_path / "o.jsonl", [{"id": "x", "text": HOSTILE, "score": 1.0, "claims": [
+        {"part_id": "P1", "text": HOSTILE, "explanation": HOSTILE}]},
+        {"id": "q", "question": HOSTILE, "references": [HOSTILE], "prediction": HOSTILE,
+         "rating": 3, "rationale": HOSTILE, "score": 1.0}])
+    page = build_report(src)
+    assert "window.__pwned" in page  # the text is there ...
+    assert "<script>window.__pwned" not in page and "<img src=x" not in page  # ... as text
+
+
+def test_limit_bounds_page_and_summary_counts_all(tmp_path):
+    rows = [{"id": f"q{i}", "question": "what?", "references": ["a"] * 10, "prediction": "a",
+             "rating": 1 + i % 3, "probs": {"1": 0.1, "2": 0.2, "3": 0.7}, "score": (i % 3) / 2}
+            for i in range(20000)]
+    src = _write(tmp_path / "big.jsonl", rows)
+    small = build_report(src, limit=10)
+    assert small.count('<section class="row') == 10
+    assert 'data-total="20000"' in small and "19990 omitted" in small
+    # ratings histogram covers every row, not only the 10 drawn
+    assert re.search(r"1: 6667</title>", small) and re.search(r"3: 6666</title>", small)
+    assert len(small) < 40_000  # size follows --limit, not the input
+
+
+def test_bad_lines_and_human_meta_eval(tmp_path):
+    src = tmp_path / "o.jsonl"
+    src.write_text("".join(json.dumps({"id": f"i{k}", "rating": 1 + k % 3, "prediction": "p",
+                                       "score": (k % 3) / 2}) + "\n" for k in range(30)) + "{oops\n")
+    human = _write(tmp_path / "h.jsonl", [{"id": f"i{k}", "human_score": (k % 3) + (k % 2) * 0.1}
+                                          for k in range(30)])
+    page = build_report(src, human=human)
+    assert "1 unreadable lines" in page and "line 31: not JSON" in page
+    assert re.search(r"<td>all</td><td>30</td><td>0\.\d{3} \[0\.\d{3}, [01]\.\d{3}\]", page)
+    assert "Kendall" in page and page.count("<circle") == 30
+
+
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--no-first-run"]
+
+
+def _chromium():
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.skip("no chromium binary (install the Debian package 'chromium')")
+    return binary
+
+
+def test_page_in_headless_chromium(tmp_path):
+    binary = _chromium()
+    folder = tmp_path / "sample"
+    rows_path = write_sample(folder)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    rows[1]["text"] = HOSTILE
+    _write(rows_path, rows)
+    out = tmp_path / "r.html"
+    assert main(["report", "--input", str(rows_path), "--image-root", str(folder),
+                 "--output", str(out)]) == 0
+    dom = subprocess.run([binary, *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'p1'}",
+                          "--virtual-time-budget=5000", "--dump-dom", out.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    found = re.search(r'<pre id="selftest">([^<]*)</pre>', dom)
+    assert found, dom[-2000:]
+    selftest = json.loads(found.group(1))
+    assert selftest["rows"] == 3 and selftest["errors"] == 0
+    assert selftest["scripts"] == 2  # the summary JSON and the page script: nothing injected
+    assert "__pwned" in dom and "<img src=\"x\"" not in dom
+    # the ball picture is 400 x 300, drawn at its size: boxes land on their pixel coordinates
+    by_id = {b["eid"]: b for b in selftest["boxes"] if b["figure"] == 0}
+    for eid, (x0, y0, x1, y1) in {"E1": (40, 120, 160, 240), "E2": (250, 60, 370, 230),
+                                  "E3": (0, 220, 400, 300)}.items():
+        b = by_id[eid]
+        scale = b["img_w"] / 400
+        assert b["x"] == pytest.approx(x0 * scale, abs=1) and b["y"] == pytest.approx(y0 * scale, abs=1)
+        assert b["w"] == pytest.approx((x1 - x0) * scale, abs=1)
+        assert b["h"] == pytest.approx((y1 - y0) * scale, abs=1)
+    shot = tmp_path / "report.png"
+    subprocess.run([binary, *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'p2'}",
+                    f"--screenshot={shot}", "--window-size=1280,1600", out.as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_image_b64_rows_and_bad_images(tmp_path):
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (50, 40), (10, 200, 10)).save(buf, format="PNG")
+    src = _write(tmp_path / "o.jsonl", [
+        {"id": "b64", "image_b64": base64.b64encode(buf.getvalue()).decode(), "text": "green",
+         "score": 1.0, "claims": []},
+        {"id": "bad", "image_b64": "bm90IGFuIGltYWdl", "text": "x", "score": 0.0, "claims": []}])
+    page = build_report(src)
+    assert page.count("data:image/jpeg;base64,") == 1 and 'data-w="50" data-h="40"' in page
+    assert "image image_b64:" in page  # the undecodable picture is one message, not a crash
+
+
+def test_sort_by_disagreement_with_other_scores(tmp_path):
+    src = _write(tmp_path / "o.jsonl", [{"id": f"q{i}", "prediction": "a", "rating": 3,
+                                         "score": 1.0} for i in range(4)])
+    other = _write(tmp_path / "acc.jsonl", [{"id": f"q{i}", "score": s}
+                                            for i, s in enumerate([1.0, 0.0, 0.6, 0.3])])
+    page = build_report(src, sort="disagreement", scores_path=other)
+    order = re.findall(r'<h3>#\d+ (q\d)', page)
+    assert order == ["q1", "q3", "q2", "q0"]
+    assert 'data-gap="1.000"' in page
