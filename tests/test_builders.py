@@ -695,3 +695,60 @@ def test_fp8_gemm_path_on_the_fp8_checkpoint(kind, request):
     b = LaveJudge(plain, num_shots=1).score(examples)
     assert all(r.error is None for r in a)
     assert max(abs(p - q) for r, s in zip(a, b) for p, q in zip(r.probs, s.probs)) < 0.05
+
+
+def test_fp8_config_accepts_both_modelopt_quant_cfg_forms():
+    """ModelOpt's ``FP8_DEFAULT_CFG["quant_cfg"]`` (modelopt/torch/quantization/config.py): a
+    wildcard -> attributes dict up to 0.43, a list of ``{"quantizer_name", "cfg" | "enable"}``
+    entries from 0.44. fp8_config adds the K/V quantizers and exclusions in either form."""
+    from types import SimpleNamespace
+
+    from fastjudge.builders.quantize import BuildError, fp8_config
+
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    old = SimpleNamespace(FP8_DEFAULT_CFG={"quant_cfg": {"*weight_quantizer": fp8, "*input_quantizer": fp8,
+                                                         "default": {"enable": False}}, "algorithm": "max"})
+    cfg = fp8_config(old, kv_cache=True, exclude=["model.vision"])
+    assert cfg["quant_cfg"]["*[kv]_bmm_quantizer"] == fp8
+    assert cfg["quant_cfg"]["model.vision*"] == {"enable": False}
+    assert "*[kv]_bmm_quantizer" not in old.FP8_DEFAULT_CFG["quant_cfg"]  # the library's copy untouched
+    new = SimpleNamespace(FP8_DEFAULT_CFG={"quant_cfg": [{"quantizer_name": "*weight_quantizer", "cfg": fp8}],
+                                           "algorithm": "max"})
+    entries = fp8_config(new, kv_cache=False, exclude=["lm_head"])["quant_cfg"]
+    assert entries[-1] == {"quantizer_name": "lm_head*", "enable": False}
+    assert not any(e["quantizer_name"] == "*[kv]_bmm_quantizer" for e in entries)
+    with pytest.raises(BuildError):
+        fp8_config(SimpleNamespace(FP8_DEFAULT_CFG={"quant_cfg": "?"}))
+
+
+def test_fp8_config_of_installed_modelopt_quantizes():
+    """The installed ModelOpt's own config form, through mtq.quantize on a small module:
+    excluded layers stay unquantized, the others get calibrated E4M3 ranges."""
+    from fastjudge.builders.quantize import collect_amax, quantize_fp8
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    data = torch.randn(4, 8)
+    quantize_fp8(model, lambda m: m(data), kv_cache=True, exclude=["2"])
+    linears, _ = collect_amax(model)
+    assert set(linears) == {"0"}
+    assert linears["0"].input == pytest.approx(float(data.abs().max()), rel=1e-3)
+
+
+def test_vision_index_inputs_without_transformers_vision_utils(vl_dir, monkeypatch):
+    """transformers 5.5 has no ``transformers.vision_utils``: the export's own index helpers
+    give what transformers' get_vision_cu_seqlens, get_vision_position_ids and
+    get_vision_interpolation_indices_and_weights (transformers/vision_utils.py) give."""
+    import sys
+
+    from fastjudge.backends.qwen_vision import QwenVision
+    from fastjudge.builders import vision_onnx
+
+    visual = QwenVision.from_pretrained(vl_dir, device="cpu", dtype=torch.float32).model
+    grids = torch.tensor([[1, 4, 6], [2, 2, 4]])
+    with_library = vision_onnx.vision_inputs(visual, grids)
+    monkeypatch.setitem(sys.modules, "transformers.vision_utils", None)  # import now fails
+    assert vision_onnx._grid_index_helpers()[0] is vision_onnx._cu_seqlens
+    without = vision_onnx.vision_inputs(visual, grids)
+    for name, value in with_library.items():
+        assert torch.allclose(without[name].float(), value.float()), name

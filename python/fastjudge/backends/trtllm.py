@@ -150,7 +150,7 @@ class TrtllmBackend:
         out = self._runner.generate(
             batch_input_ids=decoder_inputs, encoder_input_ids=encoder_inputs,
             max_new_tokens=steps, end_id=min(self.eos_token_ids), pad_id=self.pad_token_id, num_beams=1,
-            output_generation_logits=True, return_dict=True)
+            output_generation_logits=True, output_sequence_lengths=True, return_dict=True)
         logits = _per_row_logits(out["generation_logits"], len(batch))
         outputs = []
         for i, r in enumerate(batch):

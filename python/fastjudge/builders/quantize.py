@@ -43,13 +43,26 @@ def import_modelopt():
 
 def fp8_config(mtq, kv_cache: bool = True, exclude: Sequence[str] = ()) -> dict:
     """ModelOpt's FP8 config, FP8 K/V quantizers when ``kv_cache``, and ``exclude`` (module-name
-    wildcards) left unquantized."""
+    wildcards) left unquantized.
+
+    ``quant_cfg`` changed shape between ModelOpt releases: up to 0.43 it maps a wildcard to its
+    quantizer attributes (later keys win), from 0.44 it is a list of ``{"quantizer_name", "cfg" |
+    "enable"}`` entries (later entries win). The form is read from the config itself, so one
+    build runs under either."""
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    rules = [("*[kv]_bmm_quantizer", {"num_bits": (4, 3), "axis": None})] if kv_cache else []
+    rules += [(f"{pattern}*", None) for pattern in exclude]  # None: disable
     entries = cfg["quant_cfg"]
-    if kv_cache:
-        entries.append({"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}})
-    for pattern in exclude:
-        entries.append({"quantizer_name": f"{pattern}*", "enable": False})
+    if isinstance(entries, dict):
+        for name, attrs in rules:
+            entries[name] = {"enable": False} if attrs is None else dict(attrs)
+    elif isinstance(entries, list):
+        for name, attrs in rules:
+            entries.append({"quantizer_name": name, "enable": False} if attrs is None
+                           else {"quantizer_name": name, "cfg": dict(attrs)})
+    else:
+        raise BuildError(f"unrecognised ModelOpt quant_cfg ({type(entries).__name__}); "
+                         f"nvidia-modelopt {modelopt_version()} is not supported")
     return cfg
 
 

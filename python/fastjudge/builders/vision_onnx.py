@@ -67,11 +67,76 @@ class VisionGraph(torch.nn.Module):
         return v.merger(h)
 
 
+def _grid_index_helpers():
+    """transformers' vision index helpers where this transformers has them (``vision_utils``
+    arrived after 5.5), else the equivalents below: the export must not need one release."""
+    try:
+        from transformers.vision_utils import (get_vision_cu_seqlens,
+                                               get_vision_interpolation_indices_and_weights,
+                                               get_vision_position_ids)
+    except ImportError:
+        return _cu_seqlens, _interpolation_taps, _rope_positions
+    return get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights, get_vision_position_ids
+
+
+def _cu_seqlens(grid: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries: every frame (h * w patches) attends only to itself."""
+    per_frame = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    return torch.cat([per_frame.new_zeros(1), per_frame.cumsum(0)]).to(torch.int32)
+
+
+def _merge_order(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each patch of an h x w frame, listed merge-block by merge-block (the
+    order the vision tower emits patches in)."""
+    rows = torch.arange(h)[:, None].expand(h, w)
+    cols = torch.arange(w)[None, :].expand(h, w)
+    shape = (h // merge, merge, w // merge, merge)
+    return (rows.reshape(shape).transpose(1, 2).flatten(), cols.reshape(shape).transpose(1, 2).flatten())
+
+
+def _rope_positions(grid: torch.Tensor, merge: int) -> torch.Tensor:
+    """``[patches, 2]`` (row, column) rotary positions, repeated for every frame."""
+    parts = []
+    for t, h, w in grid.tolist():
+        rows, cols = _merge_order(h, w, merge)
+        parts.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(parts)
+
+
+def _bilinear_axis(pos: torch.Tensor, size: int, side: int, align_corners: bool):
+    """Two source taps and weights on one axis for resampling ``side`` table entries to ``size``."""
+    pos = pos.float()
+    if align_corners:
+        src = pos * (side - 1) / max(size - 1, 1)
+    else:
+        src = (pos + 0.5) * side / size - 0.5
+    low = torch.floor(src)
+    frac = src - low
+    taps = torch.stack([low, low + 1], dim=-1).long().clamp(0, side - 1)
+    return taps, torch.stack([1 - frac, frac], dim=-1)
+
+
+def _interpolation_taps(grid: torch.Tensor, num_grid_per_side: int, mode: str = "bilinear",
+                        align_corners: bool = False, spatial_merge_size: int = 1):
+    """``[patches, 4]`` indices into the flattened position-embedding table and their bilinear
+    weights, patches in merge-block order."""
+    if mode != "bilinear":
+        raise ValueError(f"the vision export supports bilinear position interpolation, not {mode!r}")
+    side = num_grid_per_side
+    indices, weights = [], []
+    for t, h, w in grid.tolist():
+        rows, cols = _merge_order(h, w, spatial_merge_size)
+        rt, rw = _bilinear_axis(rows, h, side, align_corners)
+        ct, cw = _bilinear_axis(cols, w, side, align_corners)
+        indices.append((rt[:, :, None] * side + ct[:, None, :]).reshape(-1, 4).repeat(t, 1))
+        weights.append((rw[:, :, None] * cw[:, None, :]).reshape(-1, 4).repeat(t, 1))
+    return torch.cat(indices), torch.cat(weights)
+
+
 def vision_inputs(visual, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
     """The index inputs of :class:`VisionGraph` for images of ``grid_thw`` ``[images, 3]``."""
-    from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
-                                           get_vision_position_ids)
-
+    get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights, get_vision_position_ids = \
+        _grid_index_helpers()
     grid = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3)
     merge = visual.config.spatial_merge_size
     idx, wts = get_vision_interpolation_indices_and_weights(
