@@ -752,3 +752,20 @@ def test_vision_index_inputs_without_transformers_vision_utils(vl_dir, monkeypat
     without = vision_onnx.vision_inputs(visual, grids)
     for name, value in with_library.items():
         assert torch.allclose(without[name].float(), value.float()), name
+
+
+def test_only_the_t5_build_needs_the_trtllm_build_command(monkeypatch):
+    """The Qwen3.5 engine comes from TensorRT-LLM's LLM API (no ``trtllm-build``); the Flan-T5
+    engines are built with the ``trtllm-build`` command, so only that path asks for it."""
+    import importlib.util
+    import shutil
+
+    from fastjudge.builders import pipeline
+
+    monkeypatch.setattr(pipeline.torch.cuda, "is_available", lambda: True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "tensorrt_llm" else real_find_spec(name, *a))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert pipeline.cuda_and_trtllm() is None
+    assert pipeline.cuda_and_trtllm(needs_trtllm_build=True) == "trtllm-build is not on PATH"

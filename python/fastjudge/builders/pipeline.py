@@ -173,8 +173,10 @@ def rel(path: Path | None, root: Path) -> str | None:
     return None if path is None else os.path.relpath(path, root)
 
 
-def cuda_and_trtllm() -> str | None:
-    """None when TensorRT-LLM stages can run here, else why not."""
+def cuda_and_trtllm(needs_trtllm_build: bool = False) -> str | None:
+    """None when TensorRT-LLM stages can run here, else why not. Only the TensorRT-backend
+    engines (Flan-T5) are built with the ``trtllm-build`` command; the Qwen3.5 path goes through
+    the LLM API, which needs the importable package alone."""
     import importlib.util
     import shutil
 
@@ -182,6 +184,6 @@ def cuda_and_trtllm() -> str | None:
         return "no CUDA device"
     if importlib.util.find_spec("tensorrt_llm") is None:
         return "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm]')"
-    if shutil.which("trtllm-build") is None:
+    if needs_trtllm_build and shutil.which("trtllm-build") is None:
         return "trtllm-build is not on PATH"
     return None
