@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
+from .io.harness_formats import FORMATS
 from .io.jobs import add_job_arguments, run_job
 from .io.ray_pool import RayPool
 from .judges.registry import JUDGES, add_judge_options, get_judge
@@ -38,7 +39,8 @@ def run_rescore(args) -> int:
                    use_gpus=args.device != "cpu") if args.ray else None
     return run_job("rescore", spec, partial(spec.factory, args), args.input, args.output,
                    chunk_size=args.chunk_size, progress=not args.no_progress,
-                   rows_per_part=args.rows_per_part, pool=pool)
+                   rows_per_part=args.rows_per_part, pool=pool,
+                   input_format=getattr(args, "input_format", "auto"))
 
 
 def add_rescore_parser(sub) -> None:
@@ -61,6 +63,10 @@ def add_rescore_parser(sub) -> None:
                     "resumes, skipping ids already written", chunk_size=1024,
         chunk_help="items planned together (with --ray: the most per batch); results are "
                    "written as batches finish")
+    p.add_argument("--input-format", default="auto", choices=FORMATS,
+                   help="auto (default): JSONL whose first record has doc_id and resps is "
+                        "an lmms-eval sample log, .tsv/.xlsx is a VLMEvalKit prediction "
+                        "file, else JSONL or Parquet by extension (docs/jobs.md)")
     p.add_argument("--rows-per-part", type=int, default=10000,
                    help="Parquet output: rows per part file (a killed run loses at most the "
                         "rows of its unwritten part; default 10000)")

@@ -26,7 +26,8 @@ def _text(x: Any) -> str:
         content = x[-1].get("content", "")
         if isinstance(content, list):  # multimodal content parts
             return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-        return str(content)
+        # a tool-call turn has content None: that is an empty answer, not the text "None"
+        return "" if content is None else str(content)
     return "" if x is None else str(x)
 
 
@@ -111,12 +112,13 @@ def _module_judge() -> LaveJudge:
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any,
-                  extra_info: dict | None = None) -> float:
+                  extra_info: dict | None = None, **kwargs: Any) -> float:
     """verl-style custom reward: the LAVE score of ``solution_str``.
 
     ``ground_truth`` is the reference answers (a list, a JSON list string, or one string); the
     question comes from ``extra_info["question"]`` (optional ``extra_info["caption"]``).
-    ``data_source`` is not used. The judge is ``configure(judge)``'s, or loaded once from
+    ``data_source`` and extra keyword arguments verl passes (``reward_router_address``,
+    ``reward_model_tokenizer``, config ``reward_kwargs``) are not used. The judge is ``configure(judge)``'s, or loaded once from
     ``$FASTJUDGE_MODEL`` (device ``$FASTJUDGE_DEVICE``, default auto). Invalid items score 0.0.
 
     Example::
