@@ -117,9 +117,10 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any,
 
     ``ground_truth`` is the reference answers (a list, a JSON list string, or one string); the
     question comes from ``extra_info["question"]`` (optional ``extra_info["caption"]``).
-    ``data_source`` and extra keyword arguments verl passes (``reward_router_address``,
-    ``reward_model_tokenizer``, config ``reward_kwargs``) are not used. The judge is ``configure(judge)``'s, or loaded once from
-    ``$FASTJUDGE_MODEL`` (device ``$FASTJUDGE_DEVICE``, default auto). Invalid items score 0.0.
+    ``data_source`` and the extra keyword arguments verl passes (``reward_router_address``,
+    ``reward_model_tokenizer``, config ``reward_kwargs``) are not used. The judge is
+    ``configure(judge)``'s, or loaded once from ``$FASTJUDGE_MODEL`` (device
+    ``$FASTJUDGE_DEVICE``, default auto). Invalid items score 0.0.
 
     Example::
 
