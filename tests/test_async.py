@@ -221,7 +221,7 @@ def test_trl_reward_fn_matches_judge_scores(lave_judge):
     got = reward(prompts=["ignored"] * 7, completions=[e.prediction for e in items] + ["x"],
                  question=[e.question for e in items] + ["Q?"],
                  references=[json.dumps(list(e.references)) for e in items] + [[]])
-    assert got == expected + [0.0]
+    assert got == expected + [None]  # TRL convention: ignored, not 0
     with pytest.raises(ValueError, match="references"):
         reward(prompts=["q"], completions=["a"])
 

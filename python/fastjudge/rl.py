@@ -2,7 +2,8 @@
 
 Both score completions with LAVE against reference answers; the reward is the LAVE score
 ``(rating - 1) / 2`` in {0, 0.5, 1}. Items the judge rejects (empty references, a prompt above
-the model limit) get ``error_value`` (default 0.0).
+the model limit) get the TRL function's ``error_value`` (default None: TRL turns a None reward
+into NaN and leaves it out of the advantage), and 0.0 in verl's ``compute_score``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _references(refs: Any) -> list:
 
 def lave_reward_fn(judge: LaveJudge, references_key: str = "references",
                    question_key: str = "question", caption_key: str = "caption",
-                   error_value: float = 0.0) -> Callable[..., list[float]]:
+                   error_value: float | None = None) -> Callable[..., list[float | None]]:
     """A TRL-style reward function ``f(prompts, completions, **kwargs) -> list[float]``.
 
     TRL passes the dataset's other columns as keyword lists: ``kwargs[references_key]`` holds
