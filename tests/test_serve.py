@@ -103,7 +103,9 @@ def test_get_reward_openrlhf_protocol(client, lave_judge):
     assert body["rewards"] == [x.score for x in lave_judge.score(items)]
     assert body["errors"] == [None] * 4
     bad = json.dumps({"question": "q", "references": [], "prediction": "a"})
-    assert client.post("/get_reward", json={"query": [bad]}).json()["rewards"] == [None]
+    rejected = client.post("/get_reward", json={"query": [bad]}).json()
+    assert rejected["rewards"] == [0.0] and rejected["errors"][0]  # a number, and why
+    assert rejected["extra_logs"] == {"error": [1.0], "rating": [0.0]}
     r = client.post("/get_reward", json={"query": [queries[0], "Question: q\nAnswer: a"]})
     assert r.status_code == 422 and "query[1]: not a JSON object string" in r.json()["error"]
     r = client.post("/get_reward", json={"query": "x"})

@@ -10,12 +10,13 @@ Endpoints:
   "rationale", "prompt_tokens", "error", "rating_source"}, ...]}`` in input order. With
   ``?stream=1`` the answer is NDJSON, one result per line as each finishes (a line
   ``{"error": "timeout ..."}`` ends a stream that ran past the timeout).
-* ``POST /get_reward`` — OpenRLHF remote reward-model protocol: ``{"query": [str, ...]}`` →
-  ``{"rewards": [float, ...], "scores": [...], "errors": [...]}``. Each query string must be a
-  JSON object string ``{"question": ..., "references": [...], "prediction": ...,
-  "caption"?: ...}``; the reward is the LAVE score in [0, 1]. A query that is not such an
-  object fails the whole request with 422 naming the query; an item the judge rejects (e.g. a
-  prompt above the model limit) gets reward ``null`` and its message in ``errors``.
+* ``POST /get_reward`` — OpenRLHF remote reward-model protocol: OpenRLHF's own payload
+  ``{"query": [prompt + response], "prompts": [...], "labels": [...]}`` (see
+  :mod:`.openrlhf`), or queries that are JSON object strings ``{"question": ...,
+  "references": [...], "prediction": ..., "caption"?: ...}`` →
+  ``{"rewards": [float, ...], "scores": [...], "errors": [...], "extra_logs": {...}}``. An
+  item the judge rejects gets ``reward_on_error`` (rewards are always numbers) and its message
+  in ``errors``; a query string that is no item object fails the request with 422.
 * ``GET /health`` — ``{"status": "ok", "judge": ..., "queue_depth": ...}``.
 * ``GET /metrics`` — Prometheus text format.
 * ``GET /openapi.json`` — the API as an OpenAPI 3.1 document.

@@ -16,6 +16,7 @@ from .bodies import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestErro
                      load_embedded_json, read_json)
 from .guards import BearerAuth, JsonErrors
 from .isolation import IsolatingJudge
+from . import openrlhf
 from .metrics import Metrics
 from .openapi import openapi_document
 
@@ -35,9 +36,11 @@ def _json_safe(obj):
 
 def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_queue: int = 10000, timeout_s: float = 60.0, max_wait_ms: float = 5,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None):
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
+               reward_on_error: float = 0.0):
     """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
-    route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
+    route but ``/health`` needs ``Authorization: Bearer <api_key>``. ``reward_on_error``: the
+    ``/get_reward`` reward of an item the judge rejects (rewards are always numbers)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -120,16 +123,39 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         body = await read_json(request, max_body_bytes, body_timeout_s)
         if not isinstance(body, dict) or not isinstance(body.get("query"), list):
             raise RequestError(422, 'body must be a JSON object {"query": [str, ...]}')
-        examples = []
-        for i, q in enumerate(body["query"]):
-            where = f"query[{i}]"
-            if not isinstance(q, str):
-                raise RequestError(422, f"{where}: must be a string")
-            examples.append(spec.parse_item(load_embedded_json(q, where, EXPECTED_QUERY), where))
-        results = await asyncio.wait_for(batcher.score(examples), timeout_s)
-        rewards = [None if r.error else r.score for r in results]
-        return JSONResponse({"rewards": rewards, "scores": rewards,
-                             "errors": [r.error for r in results]}), len(examples)
+        items: list = []  # a parsed example, or the error that rejected that sample
+        if openrlhf.is_stock_payload(body):
+            try:
+                samples = openrlhf.stock_items(body)
+            except ValueError as bad:
+                raise RequestError(422, str(bad)) from None
+            for i, (query, prompt, label) in enumerate(samples):
+                where = f"query[{i}]"
+                try:
+                    items.append(spec.parse_item(openrlhf.stock_item(
+                        query, prompt, label, where, text_judge=judge_name == "lave"), where))
+                except ValueError as bad:  # ItemError, or an image that does not decode
+                    items.append(bad)
+        else:  # each query is an item as a JSON object string
+            for i, q in enumerate(body["query"]):
+                where = f"query[{i}]"
+                if not isinstance(q, str):
+                    raise RequestError(422, f"{where}: must be a string")
+                items.append(spec.parse_item(load_embedded_json(q, where, EXPECTED_QUERY), where))
+        examples = [x for x in items if not isinstance(x, Exception)]
+        scored = iter(await asyncio.wait_for(batcher.score(examples), timeout_s) if examples else [])
+        errors, rewards, ratings = [], [], []
+        for x in items:
+            r = None if isinstance(x, Exception) else next(scored)
+            problem = str(x) if r is None else r.error
+            errors.append(problem)
+            # every reward is a number: OpenRLHF passes the list straight to torch.tensor
+            rewards.append(reward_on_error if problem else float(r.score))
+            rating = getattr(r, "rating", None)
+            ratings.append(float(rating) if not problem and rating is not None else 0.0)
+        extra_logs = {"error": [1.0 if e else 0.0 for e in errors], "rating": ratings}
+        return JSONResponse({"rewards": rewards, "scores": rewards, "errors": errors,
+                             "extra_logs": extra_logs}), len(items)
 
     async def score(request):
         return await handle("/v1/score", request, score_work)

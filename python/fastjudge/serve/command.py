@@ -46,6 +46,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="a request body not received this long after its head gets 408 "
                         "(default %(default)g)")
+    p.add_argument("--reward-on-error", type=float, default=0.0,
+                   help="/get_reward: the reward of an item the judge rejects (default 0.0; "
+                        "OpenRLHF needs a number for every sample)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the batcher waits to fill a batch (default 5)")
     add_judge_options(p)
@@ -88,7 +91,7 @@ def server_config(args):
     app = create_app(judge, args.judge, max_body_bytes=args.max_body_bytes,
                      max_queue=args.max_queue, timeout_s=args.timeout_s,
                      max_wait_ms=args.max_wait_ms, body_timeout_s=args.body_timeout_s,
-                     api_key=api_key)
+                     api_key=api_key, reward_on_error=args.reward_on_error)
     return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                           http=client_deadline_protocol(args.header_timeout_s))
 

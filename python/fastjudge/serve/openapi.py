@@ -148,16 +148,24 @@ def openapi_document(spec: JudgeSpec, version: str, authenticated: bool) -> dict
         "ScoreResponse": {"type": "object", "required": ["results"],
                           "properties": {"results": {"type": "array",
                                                      "items": _ref("Result")}}},
-        "RewardRequest": {"type": "object", "required": ["query"], "properties": {"query": {
-            "type": "array", "items": {"type": "string", "contentMediaType": "application/json",
-                                       "contentSchema": _ref("Item"),
-                                       "description": "an item as a JSON object string"}}}},
-        "RewardResponse": {"type": "object", "required": ["rewards", "scores", "errors"],
+        "RewardRequest": {"type": "object", "required": ["query"], "properties": {
+            "query": {"type": "array", "items": {
+                "type": "string", "description": "with prompts: the prompt and the response as "
+                "the trainer decoded them; without: an item as a JSON object string"}},
+            "prompts": {"type": "array", "items": {"type": "string"},
+                        "description": "OpenRLHF: each query's prompt (the query starts with it)"},
+            "labels": {"type": "array", "description": "OpenRLHF: a JSON object string of the "
+                       "judge's fields, or the references (a JSON list or one string)"}}},
+        "RewardResponse": {"type": "object",
+                           "required": ["rewards", "scores", "errors", "extra_logs"],
                            "properties": {
-                               "rewards": {"type": "array", "items": {"type": ["number", "null"]}},
-                               "scores": {"type": "array", "items": {"type": ["number", "null"]}},
+                               "rewards": {"type": "array", "items": {"type": "number"}},
+                               "scores": {"type": "array", "items": {"type": "number"}},
                                "errors": {"type": "array",
-                                          "items": {"type": ["string", "null"]}}}},
+                                          "items": {"type": ["string", "null"]}},
+                               "extra_logs": {"type": "object", "properties": {
+                                   "error": {"type": "array", "items": {"type": "number"}},
+                                   "rating": {"type": "array", "items": {"type": "number"}}}}}},
         "Health": {"type": "object", "required": ["status", "judge", "queue_depth"],
                    "properties": {"status": {"const": "ok"}, "judge": {"type": "string"},
                                   "queue_depth": {"type": "integer"}}},
