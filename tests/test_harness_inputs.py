@@ -1,10 +1,13 @@
 """`fastjudge rescore` on evaluation-harness outputs (python/fastjudge/io/harness_formats.py).
 
 Layouts, transcribed from the upstream writers:
-- lmms-eval ``lmms_eval/loggers/evaluation_tracker.py`` ``EvaluationTracker.save_results_samples``:
-  one ``*_samples_<task>.jsonl`` per task, a JSON object per line with ``doc_id``, ``doc``
-  (the task's document: ``question`` / ``answers`` for VQA tasks), ``target``, ``arguments``,
-  ``resps`` (list of lists) and ``filtered_resps`` (list).
+- lmms-eval: the sample is built in ``lmms_eval/evaluator.py`` ``evaluate`` (``doc_id``, ``doc``
+  without multimodal values, ``target``, ``arguments``, ``resps``, ``filtered_resps``, metrics)
+  and written by ``lmms_eval/loggers/evaluation_tracker.py``
+  ``EvaluationTracker.save_results_samples`` to one ``*_samples_<task>.jsonl`` per task. The
+  current writer sets ``input = arguments[0]`` (the prompt text), unwraps single-request
+  ``resps`` / ``filtered_resps``, drops ``resps`` when equal to ``filtered_resps``, writes
+  ``target`` as ``str(target)`` and drops ``arguments`` and ``doc``; older files keep ``doc``.
 - VLMEvalKit inference: ``<model>_<dataset>.tsv`` / ``.xlsx`` with columns ``index``,
   ``question``, ``answer``, ``prediction``; a VQA ``answer`` may be a Python list literal,
   parsed upstream in ``vlmeval/dataset/utils/vqa_eval.py`` ``process_line`` (when the cell's
@@ -61,6 +64,25 @@ def test_lmms_eval_samples_end_to_end(t5_dir, tmp_path):
     assert by_id["1"]["prediction"] == "two"
     assert "no response" in by_id["line-3"]["error"]
     assert "line 4" in by_id["line-4"]["error"]
+
+
+def test_lmms_eval_current_writer_layout(t5_dir, tmp_path):
+    """A line as today's ``save_results_samples`` writes it: no ``doc``, no ``resps`` (equal to
+    ``filtered_resps``, which is unwrapped to a string), ``target`` stringified from a list."""
+    path = tmp_path / "20261201_samples_textvqa_val.jsonl"
+    recs = [{"doc_id": 7, "target": str(["red", "red", "orange"]), "filtered_resps": "red",
+             "doc_hash": "ab", "exact_match": 1.0,
+             "input": "What color is the bus?\nReply with a short phrase."},
+            {"doc_id": 8, "target": "2", "filtered_resps": "two", "input": ""}]
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert detect_format(str(path)) == "lmms-eval"
+    out = tmp_path / "out.jsonl"
+    assert rescore(t5_dir, path, out) == 0
+    by_id = {str(r["id"]): r for r in read_rows(out)}
+    assert by_id["7"]["question"] == "What color is the bus?"
+    assert by_id["7"]["references"] == ["red", "red", "orange"]
+    assert by_id["7"]["prediction"] == "red" and by_id["7"]["error"] is None
+    assert "no question" in by_id["line-2"]["error"]
 
 
 def write_tsv(path, rows):

@@ -5,9 +5,12 @@ Each harness row becomes one :class:`.jsonl.InputLine` with the LAVE item fields
 ``InputLine`` with an error (one error row in the output), never a failed job.
 
 lmms-eval (``--log_samples``: one ``*_samples_<task>.jsonl`` per task, one JSON object a line):
-``doc_id`` -> id, ``doc["question"]`` -> question, ``doc["answers"]`` (else ``target``) ->
-references, ``filtered_resps[0]`` (else ``resps[0][0]``), flattened while it is a list ->
-prediction.
+``doc_id`` -> id; ``filtered_resps`` (else ``resps``), its first leaf when it is a list ->
+prediction; ``doc["answers"]`` (else ``target``, a list or a Python list literal) ->
+references; ``doc["question"]`` -> question. Current lmms-eval writes no ``doc`` (the writer
+drops it and keeps ``input``, the prompt the model saw): the question is then the first
+non-blank line of ``input``, because lmms-eval's VQA prompts put the question first and the
+task's answer instructions on the lines after it.
 
 VLMEvalKit (``<model>_<dataset>.tsv`` / ``.xlsx``): ``index`` -> id, ``question``,
 ``answer`` -> references, ``prediction``. An ``answer`` written as a Python list literal such
@@ -50,7 +53,7 @@ def _first_jsonl_record(path: str) -> Any:
 
 def detect_format(path: str) -> str:
     """The format ``auto`` means for ``path``: ``lmms-eval`` for a JSONL whose first record has
-    ``doc_id`` and ``resps`` (the shape, not the file name, decides: a ``*_samples_*`` name in
+    ``doc_id`` and ``filtered_resps`` or ``resps`` (the shape, not the file name, decides: a ``*_samples_*`` name in
     our own layout stays ours); ``vlmevalkit`` for ``.tsv`` / ``.xlsx``; else ``jsonl`` or
     ``parquet`` (by extension)."""
     p = Path(path)
@@ -61,7 +64,7 @@ def detect_format(path: str) -> str:
         return "parquet"
     if p.is_file():
         first = _first_jsonl_record(path)
-        if isinstance(first, dict) and "doc_id" in first and "resps" in first:
+        if isinstance(first, dict) and "doc_id" in first and ("filtered_resps" in first or "resps" in first):
             return "lmms-eval"
     return "jsonl"
 
@@ -92,10 +95,20 @@ def lmms_eval_item(record: Any) -> dict:
     references = _as_references(answers)
     question = doc.get("question")
     if question is None:
-        raise ValueError('no question: doc["question"] is missing')
+        question = _question_from_input(record.get("input"))
+    if question is None:
+        raise ValueError('no question: neither doc["question"] nor a text input')
     item = {"id": record.get("doc_id"), "question": str(question),
             "references": references, "prediction": str(prediction)}
     return item
+
+
+def _question_from_input(prompt: Any) -> str | None:
+    """The question in an lmms-eval ``input`` (the prompt text): its first non-blank line."""
+    prompt = _flatten(prompt)
+    if not isinstance(prompt, str):
+        return None
+    return next((line.strip() for line in prompt.splitlines() if line.strip()), None)
 
 
 def read_lmms_eval(path: str) -> Iterator[InputLine]:
