@@ -20,6 +20,9 @@ Endpoints:
 * ``GET /health`` — ``{"status": "ok", "judge": ..., "queue_depth": ...}``.
 * ``GET /metrics`` — Prometheus text format.
 * ``GET /openapi.json`` — the API as an OpenAPI 3.1 document.
+* ``GET /v1/models``, ``POST /v1/chat/completions`` — an OpenAI-compatible chat server on the
+  judge's own model (Qwen judges; greedy, streaming, ``response_format`` JSON schemas through
+  the grammar), for harnesses that call an LLM judge by URL (see :mod:`.openai_routes`).
 
 Limits: bodies above ``max_body_bytes`` → 413; a body not received ``body_timeout_s`` after its
 head → 408; more items than the queue can take → 429; a request not finished within

@@ -14,9 +14,11 @@ from ..judges.registry import ItemError, get_judge
 from ..runtime.async_batcher import AsyncBatcher, QueueFullError
 from .bodies import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError,
                      load_embedded_json, read_json)
+from .chat_generation import DEFAULT_MAX_COMPLETION_TOKENS, ChatJudge, served_model_id
 from .guards import BearerAuth, JsonErrors
 from .isolation import IsolatingJudge
 from . import openrlhf
+from .openai_routes import openai_routes
 from .metrics import Metrics
 from .openapi import openapi_document
 
@@ -37,10 +39,12 @@ def _json_safe(obj):
 def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_queue: int = 10000, timeout_s: float = 60.0, max_wait_ms: float = 5,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
-               reward_on_error: float = 0.0):
+               reward_on_error: float = 0.0,
+               max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS):
     """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
     route but ``/health`` needs ``Authorization: Bearer <api_key>``. ``reward_on_error``: the
-    ``/get_reward`` reward of an item the judge rejects (rewards are always numbers)."""
+    ``/get_reward`` reward of an item the judge rejects (rewards are always numbers).
+    ``max_completion_tokens``: the most tokens one ``/v1/chat/completions`` answer gets."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -48,8 +52,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
     from starlette.routing import Route
 
     spec = get_judge(judge_name)
-    batcher = AsyncBatcher(IsolatingJudge(judge), max_wait_ms=max_wait_ms,
-                           max_queue_items=max_queue)
+    # chat completions run on the judge's model, so they queue in the judge's own batcher
+    batcher = AsyncBatcher(IsolatingJudge(ChatJudge(judge, max_completion_tokens)),
+                           max_wait_ms=max_wait_ms, max_queue_items=max_queue)
     metrics = Metrics()
     document = openapi_document(spec, __version__, authenticated=bool(api_key))
     # Every result carries the judge's declared fields, also an item that failed alone.
@@ -192,7 +197,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                             Route("/get_reward", get_reward, methods=["POST"]),
                             Route("/health", health, methods=["GET"]),
                             Route("/metrics", prom, methods=["GET"]),
-                            Route("/openapi.json", openapi, methods=["GET"])],
+                            Route("/openapi.json", openapi, methods=["GET"]),
+                            *openai_routes(batcher, metrics, served_model_id(judge, judge_name),
+                                           max_body_bytes, body_timeout_s, timeout_s)],
                     middleware=middleware, exception_handlers={HTTPException: http_error},
                     lifespan=lifespan)
     app.state.batcher = batcher

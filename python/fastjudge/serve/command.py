@@ -7,6 +7,7 @@ import os
 
 from ..judges.registry import JUDGES, add_judge_options
 from .bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from .chat_generation import DEFAULT_MAX_COMPLETION_TOKENS
 
 API_KEY_VARIABLE = "FASTJUDGE_API_KEY"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -17,7 +18,8 @@ def add_serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve", help="serve a judge over HTTP (rewards for RL, dynamic batching)",
         description="Serve a judge over HTTP: POST /v1/score, POST /get_reward (OpenRLHF), "
-                    "GET /health, GET /metrics, GET /openapi.json. Needs `pip install "
+                    "GET /health, GET /metrics, GET /openapi.json, and for Qwen judges "
+                    "GET /v1/models and POST /v1/chat/completions (OpenAI-compatible). Needs `pip install "
                     "fastjudge[serve]`. Judges come from an extensible registry "
                     "(fastjudge.serve.register_judge); "
                     f"available now: {', '.join(sorted(JUDGES))}.")
@@ -49,6 +51,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--reward-on-error", type=float, default=0.0,
                    help="/get_reward: the reward of an item the judge rejects (default 0.0; "
                         "OpenRLHF needs a number for every sample)")
+    p.add_argument("--max-completion-tokens", type=int, default=DEFAULT_MAX_COMPLETION_TOKENS,
+                   help="/v1/chat/completions: the most tokens one answer gets (default "
+                        f"{DEFAULT_MAX_COMPLETION_TOKENS}; a request's max_tokens is capped by it)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the batcher waits to fill a batch (default 5)")
     add_judge_options(p)
@@ -91,7 +96,8 @@ def server_config(args):
     app = create_app(judge, args.judge, max_body_bytes=args.max_body_bytes,
                      max_queue=args.max_queue, timeout_s=args.timeout_s,
                      max_wait_ms=args.max_wait_ms, body_timeout_s=args.body_timeout_s,
-                     api_key=api_key, reward_on_error=args.reward_on_error)
+                     api_key=api_key, reward_on_error=args.reward_on_error,
+                     max_completion_tokens=args.max_completion_tokens)
     return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                           http=client_deadline_protocol(args.header_timeout_s))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..judges import items
 from ..judges.registry import JudgeSpec
+from .openai_schemas import OPENAI_SCHEMAS, openai_paths
 
 ERROR = {"type": "object", "required": ["error"],
          "properties": {"error": {"type": "string"}}}
@@ -137,6 +138,7 @@ def openapi_document(spec: JudgeSpec, version: str, authenticated: bool) -> dict
             "responses": {"200": {"description": "OpenAPI 3.1",
                                   "content": _json({"type": "object"})},
                           **_refusals(*guarded)}}},
+        **openai_paths(key),
     }
     item = ITEM_SCHEMAS.get(spec.parse_item, {"type": "object"})
     schemas = {
@@ -169,6 +171,7 @@ def openapi_document(spec: JudgeSpec, version: str, authenticated: bool) -> dict
         "Health": {"type": "object", "required": ["status", "judge", "queue_depth"],
                    "properties": {"status": {"const": "ok"}, "judge": {"type": "string"},
                                   "queue_depth": {"type": "integer"}}},
+        **OPENAI_SCHEMAS,
     }
     document = {
         "openapi": "3.1.0",

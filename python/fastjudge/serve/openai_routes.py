@@ -1,0 +1,114 @@
+"""``GET /v1/models`` and ``POST /v1/chat/completions``: the judge's model behind the OpenAI
+chat API, for evaluation harnesses that call their judge through one (lmms-eval's local
+judge provider, VLMEvalKit's ``--judge-base-url``).
+
+The body limits (size, arrival time, JSON depth, lone surrogates), the queue (429), the
+timeout (504) and the API key are the server's, as on its other routes; errors are OpenAI
+error objects. The model name a request gives is not checked: the server has one model, and
+harnesses send the name they were configured with (an OpenAI model name by default); answers
+name the served model.
+
+Streaming (``"stream": true``) answers server-sent events, ``data: {chat.completion.chunk}``
+and a final ``data: [DONE]``. The chunks are sent once the completion is decoded (the model
+decodes a batch to its end), one chunk per token that adds text; an error before that is an
+ordinary HTTP error answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+
+from ..runtime.async_batcher import QueueFullError
+from .bodies import RequestError, read_json
+from .openai_protocol import (OpenAIError, chunk_bodies, completion_body, error_body,
+                              models_body, parse_chat_request)
+
+CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+
+
+def check_schema(schema: str) -> None:
+    """400 for a response-format schema the grammar cannot be built from (checked before the
+    request is queued, so it never fails on the model's thread)."""
+    import xgrammar as xgr
+
+    from ..runtime.json_bounds import SEPARATORS
+
+    try:
+        xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS,
+                                     strict_mode=True)
+    except Exception as bad:  # xgrammar raises several kinds for schemas it cannot convert
+        # its messages start with "[time] source.cc:line: "; the reason is the rest
+        reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(bad).strip()) or repr(bad)
+        raise OpenAIError(400, f"response_format.json_schema.schema is not usable: {reason}",
+                          "response_format.json_schema.schema") from None
+
+
+def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
+                  body_timeout_s: float, timeout_s: float) -> list:
+    """The two routes for an app whose ``batcher`` runs a ``ChatJudge``; ``model_id``: the
+    served model's name (None: the judge has no chat model, and completions answer 404)."""
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    started = int(time.time())
+
+    def error(bad: OpenAIError) -> JSONResponse:
+        return JSONResponse(error_body(bad.status, bad.message, bad.param, bad.code),
+                            status_code=bad.status, headers=bad.headers)
+
+    async def complete(request):
+        body = await read_json(request, max_body_bytes, body_timeout_s)
+        if model_id is None:
+            raise OpenAIError(404, "this server's judge model is not a decoder-only chat model; "
+                                   "chat completions need a Qwen judge", "model",
+                              "model_not_found")
+        example, stream, include_usage = parse_chat_request(body)
+        if example.schema is not None:
+            await asyncio.to_thread(check_schema, example.schema)
+        try:
+            result = (await asyncio.wait_for(batcher.score([example]), timeout_s))[0]
+        except QueueFullError as full:
+            raise OpenAIError(429, str(full), code="rate_limit_exceeded") from None
+        except asyncio.TimeoutError:
+            raise OpenAIError(504, f"request not finished within {timeout_s} s") from None
+        if result.error is not None:
+            status = 400 if hasattr(result, "code") else 500  # a refused prompt, or a failure
+            raise OpenAIError(status, result.error, "messages" if status == 400 else None,
+                              getattr(result, "code", None))
+        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        if not stream:
+            return JSONResponse(completion_body(result, ident, created, model_id))
+
+        async def events():
+            for chunk in chunk_bodies(result, ident, created, model_id, include_usage):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def chat(request):
+        start, status = time.monotonic(), 500
+        try:
+            response = await complete(request)
+            status = response.status_code
+            return response
+        except RequestError as bad:  # the body limits every route shares
+            status = bad.status
+            return error(OpenAIError(bad.status, bad.message, headers=bad.headers))
+        except OpenAIError as bad:
+            status = bad.status
+            return error(bad)
+        finally:
+            metrics.observe(CHAT_PATH, status, time.monotonic() - start, 1)
+
+    async def models(request):
+        return JSONResponse(models_body(model_id, started))
+
+    return [Route(MODELS_PATH, models, methods=["GET"]),
+            Route(CHAT_PATH, chat, methods=["POST"])]
