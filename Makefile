@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 SOURCES := pyproject.toml CMakeLists.txt $(shell find engine python -type f -not -path '*/__pycache__/*' 2>/dev/null)
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench check-extras clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_planner.py
 	$(BIN)/python benchmarks/bench_lave_t5.py
 	$(BIN)/python benchmarks/bench_lave_qwen.py
+
+# Resolve the TensorRT-LLM extras against the package index (needs the network; installs nothing)
+check-extras:
+	bash benchmarks/check_extras.sh
 
 clean:
 	rm -rf $(VENV) build dist

@@ -327,7 +327,7 @@ def run_trtllm_checks(dry: bool, seconds: float, rows: list, report: dict) -> No
     the reason in the table, where it is not."""
     reason = None
     if importlib.util.find_spec("tensorrt_llm") is None:
-        reason = "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm]')"
+        reason = "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm-t5]' or 'fastjudge[trtllm-qwen]')"
     elif dry:
         reason = "dry run (no CUDA device)"
     if reason:

@@ -21,9 +21,19 @@ if ! "$PY" -c "import fastjudge._engine, fastjudge.kernels" 2>/dev/null; then
     || echo "gpu_check: offline build failed (see $OUT/pip_install.log)" >&2
 fi
 
-# The trtllm backend's checks run only where TensorRT-LLM is installed; say which up front.
+# The trtllm backend's checks run only where TensorRT-LLM is installed, each judge's in the
+# environment of its extra (docs/gpu.md, "Version matrix"): the Flan-T5 engines in trtllm-t5
+# (TensorRT-LLM 1.3.0rc15), Qwen3.5 through the LLM API in trtllm-qwen (1.3.0rc15 or later).
+# Say up front which of them this environment runs and why the others are skipped.
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('tensorrt_llm') is None)" 2>/dev/null; then
-  echo "gpu_check: TensorRT-LLM found: the trtllm backend's faithfulness checks will run" >&2
+  "$PY" - >&2 <<'EOF' || true
+from importlib import metadata
+from fastjudge.backends.trtllm import trtllm_mismatch
+print(f"gpu_check: TensorRT-LLM {metadata.version('tensorrt_llm')} found")
+for kind, model_type in (("flan-t5", "t5"), ("qwen3.5", "qwen3_5")):
+    why = trtllm_mismatch(kind, model_type)
+    print(f"gpu_check:   {kind}: " + ("its trtllm checks will run" if why is None else f"skipped: {why}"))
+EOF
 else
   echo "gpu_check: TensorRT-LLM not installed: the trtllm backend's checks are skipped" >&2
 fi

@@ -4,16 +4,18 @@
 reads ``fastjudge-engine.json`` and checks it against the tokenizer shipped in the build: model
 kind, and the token ids judges read (rating tokens, rationale rating tokens, yes/no), derived
 here exactly as the judges derive them. A mismatch raises ``ManifestError``; a machine without
-TensorRT-LLM gets ``TensorRTLLMUnavailable`` saying how to install it (and that the build's FP8
-checkpoint also loads in the torch backend).
+TensorRT-LLM, or with a release that cannot serve the judge (:func:`trtllm_mismatch`), gets
+``TensorRTLLMUnavailable`` naming the extra to install (and that the build's FP8 checkpoint also
+loads in the torch backend).
 
 * Flan-T5: the encoder and decoder engines through TensorRT-LLM's encoder-decoder runtime
   (``tensorrt_llm.runtime.ModelRunnerCpp``, ``is_enc_dec=True``). ``Choice``: one decoder step
   from the start token (plus any forced response prefix), read from the generation logits at
   the K candidate ids (the decoder engine is built with ``--gather_generation_logits``).
 * Qwen3.5 / Qwen3: the FP8 checkpoint through the LLM API (``tensorrt_llm.LLM``, PyTorch
-  backend), KV-cache block reuse on (``KvCacheConfig(enable_block_reuse=True)``): requests
-  sharing the LAVE prefix reuse its cached blocks. ``Choice``: ``max_tokens=1`` with
+  backend), KV-cache block reuse on: requests sharing the LAVE prefix reuse its cached blocks
+  (for Qwen3.5's recurrent layers with the state snapshots the release offers, see
+  :func:`kv_cache_config`). ``Choice``: ``max_tokens=1`` with
   ``return_generation_logits``, read at the K ids (and, for a ``full_vocab`` Choice, normalised
   over the whole row). ``Json``: guided decoding with the xgrammar
   backend, given the same grammar the torch path compiles (no free whitespace, fixed
@@ -43,18 +45,93 @@ ENGINE_KINDS = ("flan-t5", "qwen3.5")
 
 
 class TensorRTLLMUnavailable(ImportError):
-    """TensorRT-LLM is not importable here."""
+    """TensorRT-LLM is not importable here, or the installed release cannot serve the judge."""
 
 
-def import_tensorrt_llm():
+# Which TensorRT-LLM serves which judge (docs/gpu.md, "Version matrix"): Flan-T5 engines need a
+# release with the TensorRT backend, Qwen3.5 one with its PyTorch-backend model and a transformers
+# pin that has qwen3_5. Only 1.3.0rc15 is both, so each judge has its own extra and environment.
+TRTLLM_EXTRAS = {"flan-t5": "trtllm-t5", "qwen3.5": "trtllm-qwen"}
+# The TensorRT backend (trtllm-build engines, ModelRunnerCpp, the encoder-decoder runtime) is
+# gone from this release on (its release notes: "tensorrt-backend-removal").
+T5_ENGINES_REMOVED_IN = "1.3.0rc22"
+# The PyTorch backend's Qwen3.5 model arrived in this release (its release notes, #12242).
+QWEN3_5_SINCE = "1.3.0rc9"
+
+
+def _install_hint(kind: str | None) -> str:
+    extra = TRTLLM_EXTRAS.get(kind or "")
+    if extra is None:
+        return "pip install 'fastjudge[trtllm-t5]' (Flan-T5) or 'fastjudge[trtllm-qwen]' (Qwen3.5)"
+    return f"pip install 'fastjudge[{extra}]' in its own environment"
+
+
+def import_tensorrt_llm(kind: str | None = None):
     try:
         import tensorrt_llm
     except ImportError as missing:
         raise TensorRTLLMUnavailable(
             f"the trtllm backend needs TensorRT-LLM, which is not installed ({missing}). On a Linux machine "
-            "with an NVIDIA GPU: pip install 'fastjudge[trtllm]'. Without it, the same FP8 judge runs in "
+            f"with an NVIDIA GPU: {_install_hint(kind)}. Without it, the same FP8 judge runs in "
             "the torch backend: LaveJudge('<build dir>/checkpoint').") from None
     return tensorrt_llm
+
+
+def _is_qwen3_5(model_type: str | None) -> bool:
+    return "qwen3_5" in (model_type or "")  # qwen3_5 (VL) and qwen3_5_text: Gated DeltaNet hybrids
+
+
+def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | None = None) -> str | None:
+    """None when the installed TensorRT-LLM (``installed``: its version; default the installed
+    distribution's) can serve a ``kind`` judge, else why not and which extra to install."""
+    from importlib import metadata
+    import importlib.util
+
+    from packaging.version import Version
+
+    if installed is None:
+        try:
+            installed = metadata.version("tensorrt_llm")
+        except metadata.PackageNotFoundError:
+            return f"TensorRT-LLM is not installed ({_install_hint(kind)})"
+    have = Version(installed)
+    if kind == "flan-t5" and have >= Version(T5_ENGINES_REMOVED_IN):
+        return (f"TensorRT-LLM {installed} has no TensorRT backend (removed in {T5_ENGINES_REMOVED_IN}); "
+                f"Flan-T5 engines need the trtllm-t5 environment ({_install_hint(kind)})")
+    if kind == "qwen3.5" and _is_qwen3_5(model_type):
+        if have < Version(QWEN3_5_SINCE):
+            return (f"TensorRT-LLM {installed} has no Qwen3.5 model (added in {QWEN3_5_SINCE}); "
+                    f"Qwen3.5 needs the trtllm-qwen environment ({_install_hint(kind)})")
+        if importlib.util.find_spec("transformers.models.qwen3_5") is None:
+            return (f"the transformers installed beside TensorRT-LLM {installed} has no qwen3_5 model "
+                    f"(1.3.0rc9 to rc14 pin 4.57.3); Qwen3.5 needs the trtllm-qwen environment "
+                    f"({_install_hint(kind)})")
+    return None
+
+
+# Prefix reuse on Qwen3.5: its Gated DeltaNet layers carry a recurrent state, which TensorRT-LLM
+# can reuse only where it kept a snapshot; the interval is a multiple of the default 32-token KV
+# block, so at most this many tokens of a shared LAVE prefix are recomputed per request.
+SNAPSHOT_INTERVAL = 128
+
+
+def kv_cache_config(KvCacheConfig, model_type: str | None, free_gpu_memory_fraction: float):
+    """The LLM API's KV cache settings with block reuse that works for this model on the installed
+    release (``KvCacheConfig``: ``tensorrt_llm.llmapi.KvCacheConfig``). Returns the config and
+    whether prefix reuse is on. For hybrid models: releases with ``mamba_state_config`` (which
+    turn reuse off without a snapshot policy) get periodic snapshots there, releases with only
+    ``mamba_state_cache_interval`` get it set, older releases cannot reuse recurrent state, so
+    reuse is off."""
+    kw = {"enable_block_reuse": True, "free_gpu_memory_fraction": free_gpu_memory_fraction}
+    if _is_qwen3_5(model_type):
+        fields = getattr(KvCacheConfig, "model_fields", {})
+        if "mamba_state_config" in fields:
+            kw["mamba_state_config"] = {"periodic_snapshot_interval": SNAPSHOT_INTERVAL}
+        elif "mamba_state_cache_interval" in fields:
+            kw["mamba_state_cache_interval"] = SNAPSHOT_INTERVAL
+        else:
+            kw["enable_block_reuse"] = False
+    return KvCacheConfig(**kw), kw["enable_block_reuse"]
 
 
 class TrtllmBackend:
@@ -96,7 +173,10 @@ class TrtllmBackend:
 
     def _load_engine(self, artifacts: dict, limits: dict, kv_cache_free_gpu_memory_fraction: float) -> None:
         build_dir = self.build_dir
-        import_tensorrt_llm()
+        import_tensorrt_llm(self.engine_kind)
+        why = trtllm_mismatch(self.engine_kind, self.manifest["model"].get("model_type"))
+        if why:
+            raise TensorRTLLMUnavailable(f"{build_dir}: {why}")
         if self.kind == "encoder-decoder":
             engines = artifacts.get("engines")
             if not engines or not (self.build_dir / engines).is_dir():
@@ -113,9 +193,13 @@ class TrtllmBackend:
             from tensorrt_llm import LLM
             from tensorrt_llm.llmapi import KvCacheConfig
 
+            kv_config, reuse = kv_cache_config(KvCacheConfig, self.manifest["model"].get("model_type"),
+                                               kv_cache_free_gpu_memory_fraction)
+            if not reuse:
+                log.warning("fastjudge: this TensorRT-LLM cannot snapshot Qwen3.5's recurrent state; "
+                            "KV-cache block reuse is off (every prompt is computed in full)")
             self._llm = LLM(model=str(self.checkpoint_dir), tokenizer=str(self.checkpoint_dir),
-                            kv_cache_config=KvCacheConfig(enable_block_reuse=True,
-                                                          free_gpu_memory_fraction=kv_cache_free_gpu_memory_fraction),
+                            kv_cache_config=kv_config,
                             guided_decoding_backend="xgrammar", max_batch_size=self.max_batch_size,
                             max_seq_len=int(limits["max_seq_len"]))
         log.info("fastjudge: loaded TensorRT-LLM %s judge %s", self.engine_kind, build_dir)

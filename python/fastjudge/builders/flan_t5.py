@@ -239,7 +239,7 @@ def build_engines(out: Path, ckpt: Path, lim: dict, opts: BuildOptions) -> tuple
     script.write_text("#!/usr/bin/env bash\n# FP8 Flan-T5 judge engines (written by fastjudge build)\n"
                       "set -euo pipefail\n" + "".join(shlex.join(c) + "\n" for c in cmds))
     script.chmod(0o755)
-    why = "--skip-engines given" if opts.skip_engines else cuda_and_trtllm(needs_trtllm_build=True)
+    why = "--skip-engines given" if opts.skip_engines else cuda_and_trtllm(needs_trtllm_build=True, kind=MODEL_KIND)
     if why:
         print(f"fastjudge build: TensorRT-LLM engine build skipped: {why}. The TensorRT-LLM checkpoint is in "
               f"{ckpt}; build the engines on a CUDA machine with TensorRT-LLM: bash {script}")

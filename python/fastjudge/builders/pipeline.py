@@ -173,17 +173,25 @@ def rel(path: Path | None, root: Path) -> str | None:
     return None if path is None else os.path.relpath(path, root)
 
 
-def cuda_and_trtllm(needs_trtllm_build: bool = False) -> str | None:
+def cuda_and_trtllm(needs_trtllm_build: bool = False, kind: str | None = None,
+                    model_type: str | None = None) -> str | None:
     """None when TensorRT-LLM stages can run here, else why not. Only the TensorRT-backend
     engines (Flan-T5) are built with the ``trtllm-build`` command; the Qwen3.5 path goes through
-    the LLM API, which needs the importable package alone."""
+    the LLM API, which needs the importable package alone. With ``kind``, the installed release
+    must also serve that judge (``backends.trtllm.trtllm_mismatch``, which names the extra)."""
     import importlib.util
     import shutil
+
+    from ..backends.trtllm import _install_hint, trtllm_mismatch
 
     if not torch.cuda.is_available():
         return "no CUDA device"
     if importlib.util.find_spec("tensorrt_llm") is None:
-        return "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm]')"
+        return f"TensorRT-LLM is not installed ({_install_hint(kind)})"
+    if kind is not None:
+        why = trtllm_mismatch(kind, model_type)
+        if why:
+            return why
     if needs_trtllm_build and shutil.which("trtllm-build") is None:
         return "trtllm-build is not on PATH"
     return None

@@ -129,7 +129,7 @@ def build(opts: BuildOptions) -> dict:
         onnx_path = out / "vision.onnx"
         onnx_info = export_vision_onnx(opts.model, onnx_path, opset=opts.onnx_opset)
         stages["vision_onnx"] = "done"
-    why = cuda_and_trtllm()
+    why = cuda_and_trtllm(kind=MODEL_KIND, model_type=model_type)
     stages["trtllm"] = ({"status": "not run at build time",
                          "reason": "the LLM API loads OUT/checkpoint directly and compiles at load time"}
                         if why is None else {"status": "skipped", "reason": why})
