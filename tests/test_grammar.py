@@ -271,6 +271,24 @@ def test_equal_schemas_share_one_compiled_grammar(tok, vocab):
     assert list(json.loads(canonical_schema(c))["properties"]) == ["y", "x"]
 
 
+def test_compiled_grammars_are_bounded(tok, vocab, monkeypatch):
+    """Schemas from clients (the chat route) cannot grow the cache without bound: the least
+    recently used grammar goes first."""
+    import fastjudge.runtime.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "MAX_COMPILED_GRAMMARS", 2)
+    cache = GrammarCache(tok, vocab, [tok.eos_token_id], max_threads=1)
+    schemas = [{"type": "integer", "minimum": 0, "maximum": n} for n in (1, 2, 3)]
+    cache.compiled(schemas[0]), cache.compiled(schemas[1])
+    cache.compiled(schemas[0])  # now the most recent: schemas[1] goes when a third arrives
+    cache.compiled(schemas[2])
+    assert len(cache) == 2 and cache.misses == 3
+    cache.compiled(schemas[0])
+    assert cache.hits == 2
+    cache.compiled(schemas[1])
+    assert cache.misses == 4
+
+
 def test_rejected_tokens_raise(tok, cache, vocab):
     matcher = cache.matcher(Json.from_schema(explanation_schema(5)))
     with pytest.raises(GrammarError):

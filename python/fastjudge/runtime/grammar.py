@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
@@ -188,6 +189,10 @@ def _utf8_guard(decoded_vocab: Sequence[bytes], vocab_size: int):
     return _pack_bits(keep), follow, ends_in_lead
 
 
+MAX_COMPILED_GRAMMARS = 256  # distinct schemas kept compiled (a judge uses a handful)
+GRAMMAR_CACHE_BYTES = 256 << 20  # xgrammar's own compiled-grammar cache
+
+
 class GrammarCache:
     """Compiles each schema once for one tokenizer; hands out a fresh matcher per row.
 
@@ -214,9 +219,12 @@ class GrammarCache:
         self.stop_token_ids = tuple(stop_ids)
         self.apply_backend = apply_backend
         self.tokenizer_info = _tokenizer_info(tokenizer, self.vocab_size, stop_ids)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        # schemas may come from clients (the chat route), so both caches are bounded: ours
+        # (least recently used out) and xgrammar's own, which is unlimited by default
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._utf8 = _utf8_guard(self.tokenizer_info.decoded_vocab, self.vocab_size)
-        self._compiled: dict[str, object] = {}
+        self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -228,11 +236,14 @@ class GrammarCache:
             grammar = self._compiled.get(key)
             if grammar is not None:
                 self.hits += 1
+                self._compiled.move_to_end(key)
                 return grammar
             self.misses += 1
             grammar = self._compiler.compile_json_schema(
                 key, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
             self._compiled[key] = grammar
+            while len(self._compiled) > MAX_COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
             return grammar
 
     def __len__(self) -> int:
