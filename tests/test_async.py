@@ -233,11 +233,11 @@ def test_verl_compute_score_matches_judge_scores(lave_judge, monkeypatch):
     expected = [r.score for r in lave_judge.score(items)]
     rl.configure(lave_judge)
     try:
-        got = [rl.compute_score("vqav2", e.prediction, list(e.references),
-                                {"question": e.question}) for e in items]
+        got = [rl.compute_score_float("vqav2", e.prediction, list(e.references),
+                                      {"question": e.question}) for e in items]
         assert got == expected and all(isinstance(x, float) for x in got)
         assert rl.compute_score("vqav2", items[0].prediction, json.dumps(items[0].references),
-                                {"question": items[0].question}) == expected[0]
+                                {"question": items[0].question})["score"] == expected[0]
         with pytest.raises(ValueError, match="question"):
             rl.compute_score("vqav2", "a", ["a"], None)
         rl.configure(None)

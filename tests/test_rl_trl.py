@@ -1,25 +1,81 @@
-"""TRL and verl call-shape checks for fastjudge.rl (real tiny judge, no trainer installed).
+"""TRL's calls into fastjudge.rl's reward functions, transcribed from TRL's source (TRL is not
+installed), on tiny random-weight judges.
 
-Contracts transcribed from upstream source:
-- TRL ``trl/trainer/grpo_trainer.py`` ``GRPOTrainer._calculate_rewards``: completions of a
-  conversational dataset are message lists; a tool-call assistant turn carries
-  ``content: None``.
-- TRL ``GRPOTrainer._calculate_rewards`` turns each ``None`` reward into ``torch.nan`` and
-  builds ``torch.tensor(..., dtype=torch.float32)``; NaN rewards are left out of the advantage.
-- verl ``verl/workers/reward_manager/naive.py`` ``NaiveRewardManager.__call__``: calls
-  ``compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
-  **reward_kwargs)`` with extra keyword arguments.
+Upstream contracts (``trl/trainer/grpo_trainer.py``):
+- ``GRPOTrainer._calculate_rewards``: a custom reward function is called as
+  ``reward_func(prompts=, completions=, completion_ids=, **reward_kwargs)``, where
+  ``reward_kwargs`` holds every dataset column but ``prompt`` / ``completion`` /
+  ``completion_ids`` as a list over the batch, plus ``trainer_state``, ``log_extra`` and
+  ``log_metric``; each ``None`` reward becomes ``torch.nan`` in
+  ``torch.tensor(..., dtype=torch.float32)``. Completions of a conversational dataset are
+  message lists; a tool-call assistant turn carries ``content: None``.
+- ``GRPOTrainer._log_completion_extra(column, values)`` extends a pending column (one value per
+  sample) and ``GRPOTrainer._log_metric(name, value)`` appends a scalar; at the end of the step
+  ``_generate_and_score_completions`` flushes both in sorted-name order, each metric as
+  ``torch.tensor(sum(values) / len(values))`` gathered across processes.
+- ``GRPOTrainer._generate_and_score_completions``: VLM rows carry ``images`` (a list per row)
+  or ``image`` (one per row), ``images`` taking precedence; the prompts get the images as
+  ``{"type": "image", "image": ...}`` content parts (``trl/data_utils.py``,
+  ``prepare_multimodal_messages``).
 """
 
 from __future__ import annotations
 
+import io
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
 
 
+class TrlLogs:
+    """``GRPOTrainer._log_completion_extra`` / ``_log_metric`` and their flush."""
+
+    def __init__(self):
+        self.extra: dict[str, list] = defaultdict(list)
+        self.metrics: dict[str, list] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(value)
+
+    def flushed_metrics(self) -> dict[str, float]:
+        return {name: torch.tensor(sum(v) / len(v)).item() for name, v in sorted(self.metrics.items())}
+
+
+def trl_calculate_rewards(reward_func, inputs: list[dict], completions: list, logs: TrlLogs | None):
+    """``GRPOTrainer._calculate_rewards`` for one synchronous custom reward function."""
+    prompts = [x["prompt"] for x in inputs]
+    keys = [key for key in inputs[0] if key not in ["prompt", "completion", "completion_ids"]]
+    reward_kwargs = {key: [example[key] for example in inputs] for key in keys}
+    reward_kwargs["trainer_state"] = object()
+    if logs is not None:
+        reward_kwargs["log_extra"] = logs.log_extra
+        reward_kwargs["log_metric"] = logs.log_metric
+    output = reward_func(prompts=prompts, completions=completions,
+                         completion_ids=[[0]] * len(completions), **reward_kwargs)
+    output = [reward if reward is not None else torch.nan for reward in output]
+    return torch.tensor(output, dtype=torch.float32)
+
+
+def assert_rewards(tensor: torch.Tensor, expected: list) -> None:
+    assert len(tensor) == len(expected)
+    for got, want in zip(tensor.tolist(), expected):
+        assert math.isnan(got) if want is None else got == pytest.approx(want, rel=1e-6)
+
+
+def said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+# -- LAVE --------------------------------------------------------------------------------------
 def test_tool_call_turn_is_an_empty_answer(lave_judge):
-    from fastjudge.rl import lave_reward_fn
     from fastjudge.judges.lave import VQAExample
-
-    from fastjudge.rl import _text
+    from fastjudge.rl import _text, lave_reward_fn
 
     # the answer text the judge sees: empty, not the string "None"
     assert _text([{"role": "assistant", "content": None}]) == ""
@@ -31,31 +87,118 @@ def test_tool_call_turn_is_an_empty_answer(lave_judge):
     assert got == [float(expected)]
 
 
-def test_verl_compute_score_takes_reward_kwargs(lave_judge):
-    from fastjudge import rl
-
-    rl.configure(lave_judge)
-    try:
-        score = rl.compute_score("vqav2", "skiing", ["skiing"], {"question": "What sport?"},
-                                 reward_router_address=None, reward_model_tokenizer=None)
-        assert isinstance(score, float)
-    finally:
-        rl.configure(None)
-
-
-def test_rejected_item_is_none_for_trl(lave_judge):
-    import math
-
-    import torch
-
+def test_rejected_item_is_nan_for_trl_and_lave_logs(lave_judge):
+    from fastjudge.judges.lave import VQAExample
     from fastjudge.rl import lave_reward_fn
 
     reward = lave_reward_fn(lave_judge)
-    got = reward(prompts=["What sport?", "What sport?"], completions=["skiing", "skiing"],
-                 references=[["skiing"], []])  # no references: the judge rejects the item
-    assert got[0] is not None and got[1] is None
-    # what GRPOTrainer._calculate_rewards does with the list
-    tensor = torch.tensor([r if r is not None else torch.nan for r in got], dtype=torch.float32)
-    assert tensor[0] == got[0] and math.isnan(tensor[1])
+    inputs = [{"prompt": [{"role": "user", "content": "What sport?"}], "references": refs}
+              for refs in (["skiing"], [])]  # no references: the judge rejects the item
+    logs = TrlLogs()
+    rewards = trl_calculate_rewards(reward, inputs, [said("skiing")] * 2, logs)
+    expected = lave_judge.score([VQAExample("What sport?", ["skiing"], "skiing")])[0]
+    assert_rewards(rewards, [expected.score, None])
+    assert dict(logs.extra) == {"lave_rating": [expected.rating, None],
+                                "lave_error": ["", logs.extra["lave_error"][1]]}
+    assert "references" in logs.extra["lave_error"][1]
+    assert logs.flushed_metrics() == {"lave/error_rate": 0.5}
     assert lave_reward_fn(lave_judge, error_value=0.0)(
         prompts=["What sport?"], completions=["skiing"], references=[[]]) == [0.0]
+
+
+# -- image-text judges -------------------------------------------------------------------------
+def pixels(seed: int, h: int = 64, w: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def png(array: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
+
+
+def vlm_prompt(image) -> list[dict]:
+    """A conversational prompt after ``prepare_multimodal_messages``."""
+    return [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": "Describe the image."}]}]
+
+
+class Recording:
+    """A judge whose ``score`` calls are kept, to check what the reward function sent and what
+    it made of the results."""
+
+    def __init__(self, judge):
+        self.judge, self.sent, self.results = judge, [], []
+
+    def score(self, examples):
+        self.sent = list(examples)
+        self.results = self.judge.score(self.sent)
+        return self.results
+
+
+@pytest.fixture(scope="module")
+def visex(vl_dir):
+    from fastjudge import VisExJudge
+
+    # the "Hol." control: one short constrained answer per item, where random weights make the
+    # pipeline's decomposition write to its limits for seconds; the reward function calls
+    # VisExJudge.score either way (the pipeline's results are tests/test_visexmem.py's)
+    return VisExJudge(vl_dir, device="cpu", dtype="float32", mode="holistic-score")
+
+
+def test_visexmem_reward_fn_takes_the_image_column(visex):
+    from PIL import Image
+
+    from fastjudge.rl import visexmem_reward_fn
+
+    first, second = Image.fromarray(pixels(0)), pixels(1, 48, 80)
+    images = [first, None, {"bytes": png(second), "path": None}]  # PIL, missing, datasets dict
+    inputs = [{"prompt": vlm_prompt(im), "image": im} for im in images]
+    judge = Recording(visex)
+    logs = TrlLogs()
+    rewards = trl_calculate_rewards(visexmem_reward_fn(judge), inputs,
+                                    [said("A red bus."), said("A cat."), said("Two dogs.")], logs)
+    # the row without an image never reaches the judge; the others keep their order
+    assert [e.text for e in judge.sent] == ["A red bus.", "Two dogs."]
+    assert judge.sent[0].image is first and judge.sent[1].image == png(second)
+    ok = judge.results
+    assert all(r.error is None for r in ok)
+    assert_rewards(rewards, [ok[0].score, None, ok[1].score])
+    assert sorted(logs.extra) == ["visexmem_claims", "visexmem_error", "visexmem_explanation"]
+    assert logs.extra["visexmem_claims"] == [len(ok[0].claims), 0, len(ok[1].claims)]
+    assert logs.extra["visexmem_error"][0] == "" and "no image" in logs.extra["visexmem_error"][1]
+    assert all(len(v) == 3 for v in logs.extra.values())
+    assert logs.flushed_metrics() == pytest.approx({
+        "visexmem/claims": (len(ok[0].claims) + len(ok[1].claims)) / 2,
+        "visexmem/error_rate": 1 / 3})
+
+
+def test_holistic_reward_fn_takes_the_images_column(visex):
+    from fastjudge import HolisticJudge, ImageTextExample
+    from fastjudge.rl import holistic_reward_fn
+
+    holistic = HolisticJudge(visex.backend)
+    a, b = pixels(2), pixels(3, 56, 72)
+    rows = [{"prompt": vlm_prompt(None), "images": [a], "image": b},  # images wins, as in TRL
+            {"prompt": vlm_prompt(None), "images": [a, b], "image": b},  # two images
+            {"prompt": vlm_prompt(None), "images": [b], "image": a}]
+    completions = [said("A red bus."), said("Two dogs."), said("")]  # an empty caption: rejected
+    expected = holistic.score([ImageTextExample(a, "A red bus.")])[0]
+    reward = holistic_reward_fn(holistic)
+    logs = TrlLogs()
+    assert_rewards(trl_calculate_rewards(reward, rows, completions, logs),
+                   [expected.score, None, None])
+    assert logs.extra["holistic_decision"] == [expected.decision, "", ""]
+    assert "2 images" in logs.extra["holistic_error"][1] and logs.extra["holistic_error"][2]
+    assert logs.flushed_metrics() == pytest.approx({
+        "holistic/error_rate": 2 / 3, "holistic/yes_rate": float(expected.decision == "yes")})
+    # a batch without errors logs the same names (TRL gathers them name by name)
+    again = TrlLogs()
+    assert_rewards(trl_calculate_rewards(reward, rows[:1], completions[:1], again), [expected.score])
+    assert sorted(again.extra) == sorted(logs.extra) and list(again.metrics) == list(logs.metrics)
+    # without the logging callables (older TRL), the rewards alone
+    assert_rewards(trl_calculate_rewards(reward, rows[:1], completions[:1], None), [expected.score])
+    with pytest.raises(ValueError, match="image"):
+        reward(prompts=["p"], completions=["A bus."], caption=["x"])
