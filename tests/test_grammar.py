@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 import pytest
 import torch
@@ -27,7 +28,6 @@ from fastjudge.runtime.grammar import (  # noqa: E402
     Json,
     JsonMatcher,
     canonical_schema,
-    decode_json,
 )
 from fastjudge.runtime.json_bounds import _pattern_max_chars, json_token_bound  # noqa: E402
 
@@ -138,6 +138,23 @@ def schemas():
         "explanation": explanation_schema(),
         "boxes": boxes_schema(),
     }
+
+
+def decode_json(step_fn: Callable[[int | None], torch.Tensor], matcher: JsonMatcher,
+                max_new_tokens: int) -> tuple[list[int], bool]:
+    """Greedy constrained decoding of one row: ``step_fn(last_token)`` returns the next
+    full-vocabulary logits (``last_token`` is None on the first call). Returns the tokens without
+    the stop token, and whether a stop token ended the text (False: the budget ran out)."""
+    tokens: list[int] = []
+    last = None
+    while len(tokens) < max_new_tokens:
+        token = int(matcher.mask(step_fn(last)).argmax())
+        matcher.accept(token)
+        if matcher.finished:
+            return tokens, True
+        tokens.append(token)
+        last = token
+    return tokens, False
 
 
 def random_decode(tok, cache, schema, seed, bias=None, scale=1.0):

@@ -55,7 +55,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -219,8 +219,7 @@ class GrammarCache:
         self.stop_token_ids = tuple(stop_ids)
         self.apply_backend = apply_backend
         self.tokenizer_info = _tokenizer_info(tokenizer, self.vocab_size, stop_ids)
-        # schemas may come from clients (the chat route), so both caches are bounded: ours
-        # (least recently used out) and xgrammar's own, which is unlimited by default
+        # client schemas (the chat route): both caches bounded, xgrammar's is unlimited by default
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
                                              cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._utf8 = _utf8_guard(self.tokenizer_info.decoded_vocab, self.vocab_size)
@@ -242,8 +241,8 @@ class GrammarCache:
             grammar = self._compiler.compile_json_schema(
                 key, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
             self._compiled[key] = grammar
-            while len(self._compiled) > MAX_COMPILED_GRAMMARS:
-                self._compiled.popitem(last=False)
+            if len(self._compiled) > MAX_COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)  # the least recently used
             return grammar
 
     def __len__(self) -> int:
@@ -372,27 +371,7 @@ class JsonMatcher:
         self._pending_lead = None
 
 
-def decode_json(step_fn: Callable[[int | None], torch.Tensor], matcher: JsonMatcher,
-                max_new_tokens: int) -> tuple[list[int], bool]:
-    """Greedy constrained decoding of one row: ``step_fn(last_token)`` returns the next
-    full-vocabulary logits (``last_token`` is None on the first call). Returns the tokens without
-    the stop token, and whether a stop token ended the text (False: the budget ran out)."""
-    tokens: list[int] = []
-    last = None
-    while len(tokens) < max_new_tokens:
-        token = int(matcher.mask(step_fn(last)).argmax())
-        matcher.accept(token)
-        if matcher.finished:
-            return tokens, True
-        tokens.append(token)
-        last = token
-    return tokens, False
-
-
-# --------------------------------------------------------------------------------------------
-# Schema building blocks (metric schemas live with their judges)
-
-
+# -- schema building blocks (metric schemas live with their judges) ----------------------------
 def text_schema(max_chars: int, min_chars: int = 1) -> dict:
     """A free-text string of ``min_chars..max_chars`` characters without quotes, backslashes or
     control characters (see the module notes on why a pattern and not maxLength)."""
