@@ -31,7 +31,7 @@ EXTENSION_MODULES = {"fastjudge._engine"}
 
 LOWER_LAYERS = ("fastjudge.backends", "fastjudge.runtime")
 ABOVE_LOWER_LAYERS = ("fastjudge.judges", "fastjudge.cli", "fastjudge.serve", "fastjudge.rescore",
-                      "fastjudge.rl", "fastjudge.demo", "fastjudge.builders")
+                      "fastjudge.rl", "fastjudge.demo", "fastjudge.builders", "fastjudge.bench")
 MODEL_FREE = ("fastjudge.metrics",)
 MODEL_PACKAGES = {"torch", "transformers"}
 TEST_TWINS = ("fastjudge.testing",)

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .builders.cli import add_build_parser
 
     add_build_parser(sub)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -146,6 +150,10 @@ def main(argv=None) -> int:
             from .rescore import run_rescore
 
             return run_rescore(args)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args)
         from .builders.cli import run_build
 
         return run_build(args)
