@@ -85,7 +85,9 @@ def test_vqascore_prompt_is_the_metric_user_turn(judge):
     count = int(np.prod(im.grid_thw)) // 4  # merged 2 x 2 patches
     at = ids.index(pad)
     assert list(request.prompt_ids) == ids[:at] + [pad] * count + ids[at + 1:]
-    assert request.prefix_len == 0 and request.spec == Choice(judge.yes_no_ids, full_vocab=True)
+    # shared by an image's captions: everything up to and including the image's vision end
+    assert request.prefix_len == at + count + 1 and request.prefix_images == 1
+    assert request.spec == Choice(judge.yes_no_ids, full_vocab=True)
     assert judge.yes_no_ids == tuple(tok.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
 
 

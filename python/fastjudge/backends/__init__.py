@@ -20,9 +20,10 @@ from .protocol import Backend, check_backend
 
 
 def load_backend(model: str | os.PathLike, backend: str = "torch", device: str = "auto", dtype=None,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None):
+                 allow_pickle: bool = False, max_input_tokens: int | None = None, jump_forward: bool = True):
     """Open a judge checkpoint with the backend that fits its architecture. ``backend="trtllm"``:
-    ``model`` is a ``fastjudge build`` output directory (see ``backends/trtllm.py``)."""
+    ``model`` is a ``fastjudge build`` output directory (see ``backends/trtllm.py``).
+    ``jump_forward``: the Qwen backend's jump-forward JSON decoding (``qwen_decode``)."""
     if backend == "trtllm":
         from .trtllm import TrtllmBackend
 
@@ -38,7 +39,7 @@ def load_backend(model: str | os.PathLike, backend: str = "torch", device: str =
     if model_type in T5_MODEL_TYPES:
         return _open_checkpoint(TorchT5Backend, model, options)
     if model_type in QWEN_MODEL_TYPES:
-        return _open_checkpoint(TorchQwenBackend, model, options)
+        return _open_checkpoint(TorchQwenBackend, model, {**options, "jump_forward": jump_forward})
     supported = ", ".join(T5_MODEL_TYPES + QWEN_MODEL_TYPES)
     raise CheckpointError(f"{model}: model_type {model_type!r} is not supported by the torch backend "
                           f"(supported: {supported})")

@@ -1,6 +1,7 @@
 """Qwen3.5 (hybrid Gated DeltaNet + gated attention) and Qwen3 (dense) language models in plain
 PyTorch: the model math only (weights, one forward pass over batched rows that continues from a
-prefix state, logits, one batched decoding step); the shape is ``qwen_shape``.
+prefix state, logits, batched decoding steps of one or several tokens per row); the shape is
+``qwen_shape``.
 
 Every operation is causal (attention with a causal mask, causal depthwise conv, the chunked delta
 rule), so what follows a row's last token never reaches that token's output.
@@ -21,6 +22,7 @@ from .loading import CheckpointError, check_shapes
 from .qwen_shape import QwenShape
 
 SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
+RECURRENT_EXTEND_STEPS = 64  # multi-token decoding steps up to this long use the recurrent rule
 
 
 def _delta_rule():
@@ -197,7 +199,11 @@ class QwenModel:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=hide, enable_gqa=gqa)
         return self._attention_out(o, gate, layer), ((k, v) if save else None)
 
-    def _delta_net(self, x, layer, prev, save):
+    def _delta_net(self, x, layer, prev, save, counts=None):
+        """Gated DeltaNet over ``x`` [B, S, d] from ``prev``. ``counts`` [B] (multi-token decoding
+        steps): each row's real tokens, the rest right padding. Pad steps get beta = 0 and g = 0,
+        which makes the delta rule's update the identity, so they never enter the recurrent
+        state, and the conv state is each row's last ``kernel - 1`` real inputs."""
         s = self.s
         B, S, _ = x.shape
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
@@ -220,13 +226,24 @@ class QwenModel:
         g = layer["neg_A"] * F.softplus(a.float() + layer["dt_bias"])
         initial = prev[1].expand(B, -1, -1, -1) if prev is not None else None
         rule = self.step_rule if (S == 1 and prev is not None) else self.chunk_rule
+        if counts is not None:
+            real = (torch.arange(S, device=x.device)[None, :] < counts[:, None])[..., None]
+            beta, g = beta * real, g * real
+            # the recurrent rule runs token by token with a decoding step's arithmetic, so a
+            # k-token step equals k one-token steps; very long runs take the chunked rule
+            rule = self.step_rule if S <= RECURRENT_EXTEND_STEPS else self.chunk_rule
         core, final = rule(q, k, v, g=g, beta=beta, initial_state=initial,
                            output_final_state=save, use_qk_l2norm_in_kernel=True)
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
         normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * layer["gated_norm"]
         gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(x.dtype)
         out = linear(gated.reshape(B, S, val_dim), layer["out"])
-        return out, ((window[:, :, -(K - 1):], final) if save else None)
+        if counts is None:
+            conv_state = window[:, :, -(K - 1):]
+        else:  # window position n_b + j is row b's j-th input of its last kernel - 1
+            last = (counts[:, None] + torch.arange(K - 1, device=x.device))[:, None, :]
+            conv_state = window.gather(2, last.expand(B, conv_dim, K - 1))
+        return out, ((conv_state, final) if save else None)
 
     def forward(self, ids: torch.Tensor, prev: PrefixState | None, save: bool = False,
                 image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
@@ -312,3 +329,42 @@ class QwenModel:
         cache.lengths += 1
         cache.positions += 1
         return x[:, 0]
+
+    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, cache) -> torch.Tensor:
+        """A multi-token decoding step: row ``b`` of ``tokens`` [B, k] holds ``counts[b]`` new
+        tokens, right-padded; returns hidden states [B, k, d] (pad positions meaningless) and
+        advances ``cache`` by each row's own count, in place. Each row's tokens continue at its
+        own length and position and attend causally among themselves; pad tokens never reach a
+        row's state: their K/V lie past the row's new length (hidden, and overwritten by its
+        next tokens) and their DeltaNet steps are masked to the identity. Equals ``counts[b]``
+        calls of :meth:`decode_step` (to float rounding)."""
+        s = self.s
+        B, k = tokens.shape
+        steps = torch.arange(k, device=tokens.device)
+        x = F.embedding(tokens, self.w.embed)
+        where = cache.lengths[:, None] + steps  # [B, k] each token's K/V slot
+        positions = (cache.positions[:, None] + steps).expand(3, B, k)
+        cache.reserve(k)
+        hide = None
+        if cache.capacity:
+            visible = torch.arange(cache.capacity, device=tokens.device)[None, None, :] <= where[:, :, None]
+            hide = torch.zeros(B, 1, k, cache.capacity, dtype=x.dtype, device=tokens.device)
+            hide.masked_fill_(~visible[:, None], float("-inf"))
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, k)
+        for i, layer in enumerate(self.w.layers):
+            h = rms(x, layer["in_norm"], s.eps)
+            if layer["kind"] == "full_attention":
+                q, kk, v, gate = self._qkv(h, layer, positions)
+                kb, vb = cache.layers[i]
+                kb[rows, :, where] = kk.transpose(1, 2)
+                vb[rows, :, where] = v.transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=hide,
+                                                   enable_gqa=s.kv_heads != s.heads)
+                h = self._attention_out(o, gate, layer)
+            else:
+                h, cache.layers[i] = self._delta_net(h, layer, cache.layers[i], True, counts=counts)
+            x = x + h
+            x = x + self._mlp(x, layer)
+        cache.lengths += counts
+        cache.positions += counts
+        return x

@@ -5,7 +5,9 @@ Requests that share a prompt prefix (LAVE: task description + demonstrations) ru
 once. Its state is kept in a byte-budgeted cache indexed by a C++ radix tree: the K/V of every
 full-attention layer and, for every Gated DeltaNet layer, the convolution state (last
 ``kernel - 1`` inputs) and the recurrent state at the prefix end. Suffixes then continue from it
-in batches.
+in batches. A score-only batch may also hold rows whose prefixes are the same tokens over
+different images of one grid (several images, each with its captions): each image's prefix
+runs once, and every row continues from its own image's state.
 
 Exactness with batching: suffixes are right-padded and each row is read at its own last token.
 Every operation is causal (attention with a causal mask, causal depthwise conv, the chunked
@@ -49,10 +51,14 @@ class TorchQwenBackend:
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, fp8_gemm: bool | None = None):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, fp8_gemm: bool | None = None,
+                 jump_forward: bool = True, max_decode_rows: int | None = None):
         """``fp8_gemm``: run an FP8 checkpoint's quantized projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
-        with FP8 tensor cores (compute capability 8.9+)."""
+        with FP8 tensor cores (compute capability 8.9+). ``jump_forward``: accept the tokens a
+        grammar forces without a model step each (exact; see ``qwen_decode``); off, every
+        token takes its own step. ``max_decode_rows``: the most rows of a batch decoding at
+        once, the others joining as rows finish (default: all rows of the batch)."""
         from ..runtime.prefix_cache import PrefixCache
 
         cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, QWEN_MODEL_TYPES, "a Qwen3/3.5 model",
@@ -70,6 +76,11 @@ class TorchQwenBackend:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._grammars = None  # runtime.grammar.GrammarCache, built on the first Json request
         self.tokens_computed = 0  # real (non-padding) tokens run through the model
+        self.jump_forward = bool(jump_forward)
+        if max_decode_rows is not None and max_decode_rows < 1:
+            raise ValueError(f"max_decode_rows must be positive, got {max_decode_rows}")
+        self.max_decode_rows = max_decode_rows
+        self.reset_decode_stats()
         log.info("fastjudge: loaded %s judge %s on %s (%s)", self.shape.arch, model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
 
@@ -81,14 +92,25 @@ class TorchQwenBackend:
         self.image_token_id = cfg["image_token_id"]
         self._image_embeds = ImageEmbeddingCache(DEFAULT_IMAGE_CACHE_BYTES)
 
+    def reset_decode_stats(self) -> None:
+        """Zero :attr:`decode_stats`: cumulative ``tokens_computed`` (tokens chosen from logits),
+        ``tokens_forced`` (tokens jump-forward accepted without their own model step) and
+        ``decode_steps`` (model calls while decoding); stop tokens count as tokens."""
+        self.decode_stats = {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0}
+
     # -- planning hooks ---------------------------------------------------------------------------
     def cost(self, request: Request) -> int:
         return request.num_tokens - request.prefix_len
 
     def group_key(self, request: Request):
         """Requests that can share one prefix state (the planner never mixes groups): the same
-        prefix tokens and, image tokens being the same ids for every image, the same images."""
+        prefix tokens and, image tokens being the same ids for every image, the same images.
+        Choice rows need no single shared state: prefixes of the same tokens and image grids
+        but different images go together, each row with its own image's state
+        (``_row_prefix_states``)."""
         ids, images = self._prefix_of(request)
+        if isinstance(request.spec, Choice):
+            return ids.tobytes() + np.asarray([im.grid_thw for im in images], dtype=np.int64).tobytes()
         return ids.tobytes() + b"".join(im.key for im in images)
 
     # -- images -----------------------------------------------------------------------------------
@@ -145,18 +167,63 @@ class TorchQwenBackend:
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Request]) -> list[Output]:
-        prefix, images = self._prefix_of(batch[0])
         key = self.group_key(batch[0])
         if any(self.group_key(r) != key for r in batch):
             raise ValueError("a batch must share one prefix")
-        slot, state = self._prefix_state(prefix, images)
+        choice = isinstance(batch[0].spec, Choice)
+        slots, state = self._row_prefix_states(batch) if choice else self._prefix_state(*self._prefix_of(batch[0]))
         try:
-            if isinstance(batch[0].spec, Choice):
+            if choice:
                 return self._run_choice(batch, state)
             return self._generate(batch, state)
         finally:
-            if slot is not None:
-                self.prefix_cache.release(slot)
+            for slot in slots if choice else [slots]:
+                if slot is not None:
+                    self.prefix_cache.release(slot)
+
+    def _row_prefix_states(self, batch: Sequence[Request]) -> tuple[list, PrefixState | None]:
+        """The prefix state of a Choice batch whose rows share prefix tokens and image grids but
+        maybe not images (one image, several captions: the image's prompt runs once): the
+        cache slots to release, and a state of one row (all rows share one prefix) or of one
+        row per request, each its own images' state. States not cached are computed together,
+        rows of equal length (no padding: each row's saved state is exact)."""
+        prefix = self._prefix_of(batch[0])[0]
+        if len(prefix) == 0:
+            return [], None
+        names, wanted = [], {}
+        for r in batch:
+            images = self._prefix_of(r)[1]
+            key = prefix_cache_key(prefix, images)
+            names.append(key.tobytes())
+            wanted.setdefault(names[-1], (key, images))
+        slots, states, missing = [], {}, []
+        for name, (key, _) in wanted.items():
+            slot, state = self.prefix_cache.lookup(key)
+            if state is None:
+                missing.append(name)
+            else:
+                slots.append(slot)
+                states[name] = state
+        if missing:
+            images = [wanted[name][1] for name in missing]
+            flat = [im for ims in images for im in ims]
+            ids = torch.from_numpy(prefix).to(self.device)[None].expand(len(missing), -1)
+            _, joint = self.model.forward(ids, None, save=True, image_embeds=self._embed(flat),
+                                          image_mask=ids == self.image_token_id if flat else None,
+                                          positions=self._positions([prefix] * len(missing), images, 0, len(prefix)))
+            self.tokens_computed += len(prefix) * len(missing)
+            for b, name in enumerate(missing):
+                state = joint if len(missing) == 1 else PrefixState(
+                    [tuple(t[b:b + 1].clone() for t in pair) for pair in joint.layers], joint.length,
+                    joint.next_position)
+                slots.append(self.prefix_cache.insert(wanted[name][0], state))
+                states[name] = state
+        if len(wanted) == 1:
+            return slots, states[names[0]]
+        rows = [states[name] for name in names]
+        layers = [tuple(torch.cat(parts) for parts in zip(*(st.layers[i] for st in rows)))
+                  for i in range(len(rows[0].layers))]
+        return slots, PrefixState(layers, rows[0].length, rows[0].next_position)
 
     def _suffix(self, request: Request) -> tuple[np.ndarray, tuple[Image, ...]]:
         """Tokens to run after the prefix state (prompt rest + forced response start) and the
@@ -222,12 +289,12 @@ class TorchQwenBackend:
 
     def _generate(self, batch: Sequence[Request], state: PrefixState | None) -> list[Output]:
         """Greedy decoding of a batch that shares one prefix state (and one Text/Json spec):
-        each row's suffix runs alone from the prefix state (exact: no padding), then all rows
-        decode together, one token per row per step; Json rows under their grammar."""
+        each row's suffix runs alone from the prefix state (exact: no padding), then the rows
+        decode together (``qwen_decode``); Json rows under their grammar."""
         matchers = [self._matcher(r.spec) for r in batch]
-        hidden, cache = self._prefill_suffixes(batch, state)
-        outputs, decoded = decode_greedy(self.model, hidden, cache, batch, matchers, self.codec.eos_token_ids,
-                                         self.codec.pad_token_id)
+        outputs, decoded = decode_greedy(self.model, batch, matchers, lambda rows: self._prefill_suffixes(rows, state),
+                                         self.codec.eos_token_ids, jump_forward=self.jump_forward,
+                                         max_rows=self.max_decode_rows, stats=self.decode_stats)
         self.tokens_computed += decoded
         return outputs
 

@@ -8,15 +8,18 @@ from typing import Iterable
 
 
 def open_backend(model, backend: str = "torch", device: str = "auto", dtype=None,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None, image: str | None = None):
+                 allow_pickle: bool = False, max_input_tokens: int | None = None, image: str | None = None,
+                 jump_forward: bool = True):
     """A judge's backend: ``model`` is a checkpoint directory (opened with the backend that fits
     its architecture) or a backend object already open. ``image``: the judge's name, when it
-    needs a multimodal checkpoint."""
+    needs a multimodal checkpoint. ``jump_forward``: for a checkpoint directory, the Qwen
+    backend's jump-forward JSON decoding (a backend object keeps its own setting)."""
     from ..backends import check_backend, load_backend
 
     if isinstance(model, (str, os.PathLike)):
         model = load_backend(model, backend=backend, device=device, dtype=dtype,
-                             allow_pickle=allow_pickle, max_input_tokens=max_input_tokens)
+                             allow_pickle=allow_pickle, max_input_tokens=max_input_tokens,
+                             jump_forward=jump_forward)
     check_backend(model)
     if image and model.codec.image_config is None:
         raise ValueError(f"{image} needs a Qwen3.5 vision-language checkpoint with a vision tower "

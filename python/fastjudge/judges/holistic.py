@@ -14,6 +14,10 @@ Two prompt templates:
 ``normalize``: ``"vocab"`` (the full-vocabulary probability, VQAScore's definition; read through
 the fused choice head's log-sum-exp, never ``[batch, vocab]`` logits) or ``"yes-no"`` (P(yes)
 renormalised over the two answer tokens).
+
+Both prompts end their shared prefix with the image: an image with several captions is
+preprocessed once and its prompt state computed once, each caption's question continuing from
+it (exact: the backend's prefix reuse).
 """
 
 from __future__ import annotations
@@ -40,17 +44,18 @@ INTRO = "You are an image-text evaluator. Look at the image and answer the quest
 VQASCORE_QUESTION = 'Does this figure show "{}"? Please answer Yes or No.'
 
 
-def holistic_prompt(image: Image, caption: str) -> tuple[str, tuple]:
-    """fastjudge's own prompt, as (shared prefix, rest): the instruction, then the image and the
-    question."""
+def holistic_prompt(image: Image, caption: str) -> tuple[tuple, str]:
+    """fastjudge's own prompt, as (shared prefix, rest): the instruction and the image, then the
+    question. The prefix ends with the image, so an image's captions share its prompt state."""
     question = f'Does this image show "{" ".join(caption.split())}"? Answer yes or no.'
-    return INTRO + "\n\n", (image, "\n" + question)
+    return (INTRO + "\n\n", image), "\n" + question
 
 
-def vqascore_prompt(image: Image, text: str) -> tuple[str, tuple]:
-    """VQAScore's user turn, as (shared prefix, rest): no shared text, the image, then the
-    question with the text as given."""
-    return "", (image, VQASCORE_QUESTION.format(text))
+def vqascore_prompt(image: Image, text: str) -> tuple[tuple, str]:
+    """VQAScore's user turn, as (shared prefix, rest): the image, then the question with the
+    text as given. The prefix (the turn's opening and the image) is the same for every
+    caption of one image."""
+    return (image,), VQASCORE_QUESTION.format(text)
 
 
 @dataclass
@@ -102,13 +107,19 @@ class HolisticJudge(Judge):
             raise ValueError(f'"Yes" and "No" start with the same token ({yes}) for this tokenizer')
         return yes, no
 
-    def _request(self, index: int, example) -> Request:
+    def _request(self, index: int, example, encoded_images: dict | None = None) -> Request:
+        """``encoded_images``: vision inputs by image content key, so an image with several
+        captions is preprocessed once."""
         text = example.text
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text (the caption) must be a non-empty string")
         self.codec.check_text_length(text, self.backend.max_input_tokens)
         loaded = load_image(example.image, self.image_root, self.max_image_pixels)
-        image = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.codec.image_config)
+        memo = {} if encoded_images is None else encoded_images
+        image = memo.get(loaded.key)
+        if image is None:
+            image = memo[loaded.key] = encode_region(loaded, (0, 0, loaded.width, loaded.height),
+                                                     self.codec.image_config)
         encoded = self.codec.encode(*self._prompt(image, text))
         if len(encoded.ids) > self.backend.max_input_tokens:
             raise ValueError(f"prompt is {len(encoded.ids)} tokens, above the model limit of "
@@ -121,11 +132,11 @@ class HolisticJudge(Judge):
         return [float(p) for p in out.probs]
 
     def stream(self, examples: Iterable) -> Iterator[HolisticResult]:
-        requests, results = [], {}
+        requests, results, encoded_images = [], {}, {}
         for i, example in enumerate(examples):
             result = HolisticResult(index=i, id=getattr(example, "id", None))
             try:
-                request = self._request(i, example)
+                request = self._request(i, example, encoded_images)
             except (ImageError, ValueError, TypeError, AttributeError) as bad:
                 result.error = f"invalid example: {bad}"
                 yield result

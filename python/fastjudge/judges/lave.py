@@ -166,7 +166,7 @@ class LaveJudge(Judge):
     """Rates VQA answers with LAVE. See the module docstring for the two modes.
 
     ``model`` is a local Hugging Face checkpoint directory (or an already opened backend, to
-    share one model between judges).
+    share one model between judges). ``jump_forward``: Qwen jump-forward decoding (exact).
 
     ``official_repo``: a checkout of the LAVE authors' repository, whose ``lave.py`` is run
     (as a plugin is) to build every prompt, with their demonstration files unless ``demos`` /
@@ -187,7 +187,7 @@ class LaveJudge(Judge):
                  max_batch_tokens: int | None = None, max_new_tokens: int = 100,
                  on_unparsable: str = "constrain", max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
-                 official_repo: str | os.PathLike | None = None):
+                 official_repo: str | os.PathLike | None = None, jump_forward: bool = True):
         if on_unparsable not in ON_UNPARSABLE:
             raise ValueError(f"on_unparsable must be one of {ON_UNPARSABLE}, got {on_unparsable!r}")
         if num_shots < 0:
@@ -196,7 +196,8 @@ class LaveJudge(Judge):
             raise ValueError("filter_p must be in [0, 1)")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens)
+        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens,
+                                    jump_forward=jump_forward)
         self.codec = self.backend.codec
         # off by default; on by default with the authors' code, as in their code
         self.rationale = (official_repo is not None) if rationale is None else bool(rationale)

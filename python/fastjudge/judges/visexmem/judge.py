@@ -93,7 +93,9 @@ class VisExJudge(ControlModes, Judge):
     control: ``"single-response"``, ``"holistic-score"``; see ``controls.py``); ``image_root``
     (for relative image paths); ``crop_max_pixels`` (resize evidence crops to at most this many pixels, fewer image
     tokens per claim; default: the checkpoint's processor limit); ``max_image_pixels`` (the pixel
-    budget of an image, see :mod:`fastjudge.io.images`; a larger one is that item's error)."""
+    budget of an image, see :mod:`fastjudge.io.images`; a larger one is that item's error);
+    ``jump_forward`` (the Qwen backend's jump-forward JSON decoding when ``model`` is a
+    directory; exact, so it only changes speed)."""
 
     def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
                  aggregate: str = "mean", explain: bool = True, propose_boxes: bool = False,
@@ -102,7 +104,7 @@ class VisExJudge(ControlModes, Judge):
                  crop_max_pixels: int | None = None, max_batch_tokens: int | None = None,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
                  max_input_tokens: int | None = None, max_image_pixels: int | None = None,
-                 mode: str = "pipeline"):
+                 mode: str = "pipeline", jump_forward: bool = True):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
         if evidence_layout not in EVIDENCE_LAYOUTS:
@@ -110,7 +112,8 @@ class VisExJudge(ControlModes, Judge):
         if min(max_claims, max_claim_chars, max_explanation_chars) < 1:
             raise ValueError("max_claims, max_claim_chars and max_explanation_chars must be >= 1")
         check_mode(mode, propose_boxes, evidence_layout)
-        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="VisExMEM")
+        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="VisExMEM",
+                                    jump_forward=jump_forward)
         self.aggregate = aggregate
         self.explain = explain
         self.propose_boxes = propose_boxes

@@ -1,0 +1,336 @@
+"""Jump-forward JSON decoding, early exit and refill in the Qwen decode loop: on random weights
+with adversarially biased logits, every VisExMEM schema decodes to the same tokens with
+jump-forward on and off, in one batch or a few rows at a time, and (where transformers can be
+run the same way) as transformers' greedy decoding under the same grammar mask; a multi-token
+``extend`` equals as many one-token decoding steps."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from fastjudge import LaveJudge  # noqa: E402
+from fastjudge.backends import load_backend  # noqa: E402
+from fastjudge.backends.qwen_decode import DecodeCache  # noqa: E402
+from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.checkpoints import build_random_qwen  # noqa: E402
+from fastjudge.demo import tokenizer_corpus  # noqa: E402
+from fastjudge.judges.visexmem.schemas import (  # noqa: E402
+    boxes_schema,
+    evidence_schema,
+    explanation_schema,
+    given_claims_response_schema,
+    parts_schema,
+    single_response_schema,
+)
+from fastjudge.runtime.grammar import Json  # noqa: E402
+from fastjudge.runtime.requests import Request, Text  # noqa: E402
+from conftest import TEST_DEVICE  # noqa: E402
+
+ARCHS = ("qwen3_5", "qwen3")  # hybrid Gated DeltaNet + attention; dense attention
+
+
+MAX_NEW = 40  # a token budget below most schemas' bound: short tests, and budget exits too
+
+
+def visexmem_schemas() -> dict:
+    """Every schema the VisExMEM judge decodes under (pipeline and the "Dec." control), with
+    small bounds so runaway outputs stay short."""
+    parts = parts_schema(max_parts=2, max_text_chars=6)
+    parts["properties"]["parts"]["minItems"] = 1  # as VisExJudge._decompose asks
+    return {
+        "parts": parts,
+        "boxes": boxes_schema(2),
+        "evidence": evidence_schema(["E1", "E2", "E3"]),
+        "no-evidence": evidence_schema([]),
+        "explanation": explanation_schema(12),
+        "single-response": single_response_schema(["E1", "E2"], max_parts=1, max_text_chars=6,
+                                                  max_explanation_chars=6),
+        "single-response-no-explain": single_response_schema(["E1"], max_parts=2, max_text_chars=6,
+                                                             explain=False),
+        "given-claims": given_claims_response_schema(["c1", "c2"], ["E1", "E2"], max_explanation_chars=6),
+    }
+
+
+def json_spec(name: str) -> Json:
+    return Json.from_schema(visexmem_schemas()[name], MAX_NEW)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def qwen_dir(request, tmp_path_factory):
+    return build_random_qwen(tmp_path_factory.mktemp(f"jf-{request.param}"), tokenizer_corpus(),
+                             arch=request.param, seed=7)
+
+
+@pytest.fixture(scope="module")
+def backend(qwen_dir):
+    return TorchQwenBackend(qwen_dir, device=TEST_DEVICE, dtype="float32")
+
+
+def adversarial_biases(backend) -> dict[str, torch.Tensor]:
+    """Logit biases (as tests/test_grammar.py uses) on the scale of the random model's own
+    logits (std ~0.2), so both decide: random noise; and quotes, digits, separators and id
+    prefixes pushed while closers of arrays and objects are penalised (long outputs)."""
+    tok = backend.codec.tokenizer
+    vocab = backend.shape.vocab_size
+    text = [tok.decode([i]) for i in range(len(tok))]
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randn(vocab, generator=gen) * 0.2
+    adversarial = noise.clone()
+    adversarial[[i for i, t in enumerate(text) if t[:1] in {'"', ",", " ", "0", "9", "P", "E"}]] += 0.6
+    adversarial[[i for i, t in enumerate(text) if any(c in t for c in "]}")]] -= 0.6
+    return {"noise": noise, "adversarial": adversarial}
+
+
+@contextlib.contextmanager
+def biased(backend, bias: torch.Tensor):
+    """The model's full-vocabulary logits (what greedy decoding reads) plus ``bias``."""
+    model = backend.model
+    original = model.logits
+    bias = bias.to(backend.device)
+    model.logits = lambda hidden, rows=None: original(hidden, rows) + (bias if rows is None else 0)
+    try:
+        yield
+    finally:
+        model.logits = original
+
+
+def requests_for(spec, n: int = 3, seed: int = 0) -> list[Request]:
+    """``n`` rows sharing a prefix, with suffixes of different lengths."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(5, 900, size=12)
+    return [Request(i, np.concatenate([prefix, rng.integers(5, 900, size=2 + 5 * i)]), spec, prefix_len=12)
+            for i in range(n)]
+
+
+def decode(backend, reqs, jump_forward: bool, max_rows: int | None = None):
+    backend.jump_forward, backend.max_decode_rows = jump_forward, max_rows
+    backend.reset_decode_stats()
+    try:
+        return backend.run(reqs), dict(backend.decode_stats)
+    finally:
+        backend.jump_forward, backend.max_decode_rows = True, None
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert x.finished == y.finished
+        if x.tracked_logits is not None or y.tracked_logits is not None:
+            np.testing.assert_allclose(x.tracked_logits, y.tracked_logits, atol=1e-5, rtol=0)
+
+
+def emitted(outputs) -> int:
+    """Tokens chosen or forced, the stop token included."""
+    return sum(len(o.token_ids) + o.finished for o in outputs)
+
+
+# ------------------------------------------------------------------------------------------
+# The grammar's forced token
+
+
+def test_forced_token_is_the_only_allowed_token(backend):
+    """Along random constrained decodes of every schema: ``forced_token`` is the allowed set's
+    one member exactly when it has one member, else None; None once terminated."""
+    from fastjudge.runtime.grammar import GrammarCache
+
+    grammars = GrammarCache(backend.codec.tokenizer, backend.shape.vocab_size, backend.codec.eos_token_ids,
+                            max_threads=1)
+    gen = torch.Generator().manual_seed(0)
+    forced_seen = 0
+    for name in sorted(visexmem_schemas()):
+        matcher = grammars.matcher(json_spec(name))
+        while not matcher.finished:
+            allowed = matcher.allowed().nonzero().flatten().tolist()
+            forced = matcher.forced_token()
+            assert forced == (allowed[0] if len(allowed) == 1 else None)
+            forced_seen += forced is not None
+            matcher.accept(int(matcher.mask(torch.randn(backend.shape.vocab_size, generator=gen)).argmax()))
+        assert matcher.forced_token() is None
+    assert forced_seen > 0
+
+
+# ------------------------------------------------------------------------------------------
+# The multi-token step
+
+
+def test_extend_equals_decode_steps(backend):
+    """Rows of 3, 1 and 5 new tokens (right-padded in one ``extend``, one row continuing at an
+    M-RoPE position past its length) against each row alone through ``decode_step``: hidden
+    states, K/V, DeltaNet conv and recurrent states, lengths and positions."""
+    model, shape = backend.model, backend.shape
+    rng = np.random.default_rng(1)
+    states = []
+    for n in (7, 12, 4):
+        ids = torch.from_numpy(rng.integers(5, 900, size=n))[None].to(backend.device)
+        _, st = model.forward(ids, None, save=True)
+        states.append(st)
+    states[1].next_position += 9  # text after an image continues past the length
+    counts = [3, 1, 5]
+    new = [rng.integers(5, 900, size=k).tolist() for k in counts]
+    padded = torch.tensor([t + [0] * (5 - len(t)) for t in new], device=backend.device)
+    together = DecodeCache(states, shape, 2, backend.device)  # small room: extend must grow it
+    out = model.extend(padded, torch.tensor(counts, device=backend.device), together)
+    for b, (st, tokens) in enumerate(zip(states, new)):
+        alone = DecodeCache([st], shape, 2, backend.device)
+        for j, t in enumerate(tokens):
+            h = model.decode_step(torch.tensor([t], device=backend.device), alone)
+            torch.testing.assert_close(out[b, j], h[0], atol=1e-5, rtol=1e-5)
+        assert int(together.lengths[b]) == int(alone.lengths[0]) == st.length + len(tokens)
+        assert int(together.positions[b]) == int(alone.positions[0]) == st.next_position + len(tokens)
+        n = int(alone.lengths[0])
+        for kind, mine, ref in zip(shape.layer_types, together.layers, alone.layers):
+            if kind == "full_attention":
+                for x, y in zip(mine, ref):
+                    torch.testing.assert_close(x[b, :, :n], y[0, :, :n], atol=1e-5, rtol=1e-5)
+            else:
+                for x, y in zip(mine, ref):  # conv state, recurrent state
+                    torch.testing.assert_close(x[b], y[0], atol=1e-5, rtol=1e-5)
+    assert ("linear_attention" in shape.layer_types) == (backend.shape.arch != "qwen3")
+
+
+# ------------------------------------------------------------------------------------------
+# Jump-forward against token-by-token greedy decoding
+
+
+@pytest.mark.parametrize("name", sorted(visexmem_schemas()))
+def test_jump_forward_equals_token_by_token(backend, name):
+    spec = json_spec(name)
+    reqs = requests_for(spec, n=2)
+    for bias in adversarial_biases(backend).values():
+        with biased(backend, bias):
+            off, off_stats = decode(backend, reqs, jump_forward=False)
+            on, on_stats = decode(backend, reqs, jump_forward=True)
+        assert_same(off, on)
+        assert off_stats["tokens_forced"] == 0 and on_stats["tokens_forced"] > 0
+        for stats in (off_stats, on_stats):
+            assert stats["tokens_computed"] + stats["tokens_forced"] == emitted(on)
+        assert on_stats["decode_steps"] < off_stats["decode_steps"]
+
+
+@dataclass(frozen=True)
+class TrackedJson(Json):
+    """A Json spec that also tracks candidate logits at every step (as Text can): the extend
+    must then give the logits at forced positions too."""
+
+    track_ids: tuple[int, ...] = ()
+
+
+def test_tracked_logits_at_forced_positions(backend):
+    base = json_spec("single-response")
+    spec = TrackedJson(base.schema, base.max_new_tokens, track_ids=(3, 10, 11, 400))
+    reqs = requests_for(spec, n=2)
+    with biased(backend, adversarial_biases(backend)["adversarial"]):
+        off, _ = decode(backend, reqs, jump_forward=False)
+        on, stats = decode(backend, reqs, jump_forward=True)
+    assert stats["tokens_forced"] > 0
+    assert_same(off, on)
+    assert all(o.tracked_logits.shape == (len(o.token_ids), 4) for o in on)
+
+
+# ------------------------------------------------------------------------------------------
+# Early exit and refill
+
+
+@contextlib.contextmanager
+def step_sizes(backend):
+    """The number of rows of every decoding step."""
+    model, sizes = backend.model, []
+    step, extend = model.decode_step, model.extend
+    model.decode_step = lambda tokens, cache: (sizes.append(tokens.shape[0]), step(tokens, cache))[1]
+    model.extend = lambda tokens, counts, cache: (sizes.append(tokens.shape[0]), extend(tokens, counts, cache))[1]
+    try:
+        yield sizes
+    finally:
+        model.decode_step, model.extend = step, extend
+
+
+def test_early_exit_and_refill_equal_one_batch(backend):
+    """Json rows that finish at different lengths (jump-forward on), and Text rows with tracked
+    logits (LAVE's rationale spec) some of which meet EOS early: finished rows leave the batch
+    at once, and under a row limit waiting rows join as others leave; the outputs equal one big
+    batch's."""
+    eos = sorted(backend.codec.eos_token_ids)
+    biases = adversarial_biases(backend)
+    text_bias = biases["noise"].clone()
+    text_bias[eos] += 0.9
+    cases = [(json_spec("boxes"), biases["noise"]), (Text(12, track_ids=(3, 10, 11)), text_bias)]
+    shrank = False
+    for spec, bias in cases:
+        reqs = requests_for(spec, n=4, seed=2)
+        with biased(backend, bias):
+            with step_sizes(backend) as whole_sizes:
+                whole, _ = decode(backend, reqs, True)
+            with step_sizes(backend) as sizes:
+                part, _ = decode(backend, reqs, True, max_rows=2)
+        assert_same(whole, part)
+        assert max(sizes) <= 2
+        # no row is carried along after it finished: each takes exactly the steps it needs,
+        # in one batch or joining late
+        assert sum(sizes) == sum(whole_sizes)
+        assert all(a >= b for a, b in zip(whole_sizes, whole_sizes[1:]))
+        shrank |= whole_sizes[-1] < whole_sizes[0] <= 4
+    assert shrank
+
+
+# ------------------------------------------------------------------------------------------
+# Against transformers
+
+
+class GrammarLogits:
+    """transformers ``generation/logits_process.py``, ``LogitsProcessor.__call__(input_ids,
+    scores)``: called by ``generate`` with the sequence so far and the next-token scores; here
+    the grammar accepts the last generated token, then the biased scores are masked."""
+
+    def __init__(self, matcher, bias: torch.Tensor, prompt_len: int):
+        self.matcher, self.bias, self.prompt_len = matcher, bias, prompt_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.prompt_len:
+            self.matcher.accept(int(input_ids[0, -1]))
+        return self.matcher.mask(scores[0] + self.bias)[None]
+
+
+@pytest.mark.parametrize("name", ["parts", "boxes"])
+def test_jump_forward_matches_transformers_masked_greedy(qwen_dir, backend, name):
+    """transformers ``generation/utils.py``, ``GenerationMixin.generate`` (greedy,
+    ``logits_processor``) with the same grammar mask and bias, one prompt at a time."""
+    from transformers import LogitsProcessorList
+    from test_qwen_faithfulness import hf_model
+
+    hf = hf_model(qwen_dir)
+    spec = json_spec(name)
+    bias = adversarial_biases(backend)["adversarial"]
+    reqs = requests_for(spec, n=1)
+    with biased(backend, bias):
+        ours, stats = decode(backend, reqs, jump_forward=True)
+    assert stats["tokens_forced"] > 0
+    grammar = backend._grammars
+    for req, out in zip(reqs, ours):
+        ids = torch.tensor([req.prompt_ids.tolist()])
+        processor = GrammarLogits(grammar.matcher(spec), bias, ids.shape[1])
+        gen = hf.generate(ids, max_new_tokens=spec.max_new_tokens, do_sample=False, num_beams=1,
+                          logits_processor=LogitsProcessorList([processor]),
+                          eos_token_id=sorted(backend.codec.eos_token_ids))[0, ids.shape[1]:].tolist()
+        stop = next((i for i, t in enumerate(gen) if t in backend.codec.eos_token_ids), len(gen))
+        assert out.token_ids == gen[:stop]
+        assert out.finished == (stop < len(gen))
+
+
+# ------------------------------------------------------------------------------------------
+# The option through the loaders
+
+
+def test_jump_forward_option_reaches_the_backend(qwen_dir):
+    assert load_backend(qwen_dir, device=TEST_DEVICE, dtype="float32").jump_forward
+    assert not load_backend(qwen_dir, device=TEST_DEVICE, dtype="float32", jump_forward=False).jump_forward
+    judge = LaveJudge(qwen_dir, device=TEST_DEVICE, dtype="float32", jump_forward=False)
+    assert judge.backend.jump_forward is False
+    with pytest.raises(ValueError):
+        TorchQwenBackend(qwen_dir, device=TEST_DEVICE, dtype="float32", max_decode_rows=0)
