@@ -195,6 +195,8 @@ VISEXMEM_OPTIONS = IMAGE_TEXT_OPTIONS + (
     Option("max_claims", int, 12, "most claims per caption (%(default)s)"),
     Option("max_claim_chars", int, 120, "longest claim text (%(default)s)"),
     Option("max_explanation_chars", int, 300, "longest explanation (%(default)s)"),
+    Option("jump_forward", bool, True, "run grammar-forced tokens one decode step each instead "
+           "of in one multi-token step (same outputs, slower; for comparisons)"),
 )
 
 
