@@ -7,8 +7,10 @@ with the prompts of the authors' own builder (``lave.py`` of the checkout given 
 * authors' path (``LaveFT5.batch_compute`` in their ``lave_ft5.py``): transformers
   ``T5ForConditionalGeneration.generate`` on one pad-longest batch of all items,
   ``max_new_tokens=100``; the rating is the token before each row's first EOS, decoded alone;
-* fastjudge: ``LaveJudge(model, official_repo=...)``: length-planned batches, packed encoder,
-  KV-cached greedy decoding whose rows leave the batch at their EOS.
+* fastjudge: ``LaveJudge(model, official_repo=...)``: packed encoder; greedy decoding whose
+  first steps run without cross-attention K/V (rows ending there never get any), then with
+  cached K/V, rows leaving the decode batch at their EOS or budget and waiting rows joining as
+  they leave (``--max-decode-rows`` caps the decode batch).
 
 The checkpoint's EOS and rating rows of the LM head are scaled up
 (``fastjudge.checkpoints.scale_output_rows``) so that outputs end at varied lengths, as a real
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from fastjudge import LaveJudge, VQAExample
+from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
 from fastjudge.demo import tokenizer_corpus
 
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rating-scale", type=float, default=2.5)
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="fastjudge's batch budget (default: the backend's)")
+    ap.add_argument("--max-decode-rows", type=int, default=None,
+                    help="rows fastjudge decodes at once (default: its K/V memory budget)")
     args = ap.parse_args(argv)
 
     dtype = getattr(torch, args.dtype)
@@ -100,7 +105,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = varied_length_checkpoint(Path(tmp) / args.shape, args.shape, args.eos_scale,
                                              args.rating_scale)
-        judge = LaveJudge(model_dir, device="cpu", dtype=dtype, official_repo=args.official_repo,
+        backend = TorchT5Backend(model_dir, device="cpu", dtype=dtype,
+                                 max_decode_rows=args.max_decode_rows)
+        judge = LaveJudge(backend, official_repo=args.official_repo,
                           max_batch_tokens=args.max_batch_tokens)
         prompts = [judge.build_prompt(e) for e in examples]
         authors = AuthorsPath(model_dir, dtype)

@@ -1,5 +1,6 @@
 """T5 v1.1 / Flan-T5 in plain PyTorch: the model math only (weights in the engine's fused layout,
-the packed encoder, the score-only decoder step, greedy decoding; the shape is ``t5_shape``).
+the packed encoder, the score-only decoder step; the shape is ``t5_shape``, greedy decoding
+``t5_decode``).
 
 Same math as transformers' T5ForConditionalGeneration, with the engine owning the parts that
 decide speed:
@@ -10,12 +11,11 @@ decide speed:
   masks, no ``[batch, heads, L, L]`` score tensor in eager code).
 * **Fused projections.** q/k/v and the two gated-FF input projections are concatenated at
   load time: fewer, larger GEMMs.
-* **Score-only decoder step without cross-attention K/V.** For a handful of decoder queries,
+* **Reassociated decoder pass without cross-attention K/V.** For a handful of decoder queries,
   ``q . (W_k h)`` is computed as ``(W_k^T q) . h`` and ``sum p W_v h`` as ``W_v (sum p h)``:
   exact reassociation that skips projecting every encoder token to K and V in every decoder
-  layer. Only the K candidate rows of the LM head are computed.
-* **Rationale decoding** caches self-attention K/V, computes cross-attention K/V once and
-  drops finished rows from the step batch.
+  layer. Only the K candidate rows of the LM head are computed (or, for the first greedy
+  steps, the full vocabulary).
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ from fastjudge.kernels.choice_head import choice_logits
 from .fp8 import Fp8Weight, fuse, linear, projection_weight
 from .loading import CheckpointError, check_shapes
 from .t5_shape import T5Shape
-
-# Greedy decoding drops finished rows from the step batch once at most this fraction of its
-# rows still run (each drop copies the rows' caches, so not at every EOS).
-COMPACT_WHEN = 0.75
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
@@ -75,6 +71,22 @@ def activation(name: str):
     if name in ("silu", "swish"):
         return F.silu
     raise CheckpointError(f"unsupported T5 activation {name!r}")
+
+
+def pad_rows(packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed rows [T, d] as a right-padded batch [B, L, d] (padding zero) and the float32 key
+    bias [B, 1, L] that masks the padding (None when no row is padded)."""
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        return packed.view(len(lengths), longest, packed.shape[-1]), None
+    out = packed.new_zeros(len(lengths), longest, packed.shape[-1])
+    bias = torch.full((len(lengths), 1, longest), float("-inf"), device=packed.device)
+    start = 0
+    for i, n in enumerate(lengths):
+        out[i, :n] = packed[start:start + n]
+        bias[i, :, :n] = 0
+        start += n
+    return out, bias
 
 
 class T5Weights:
@@ -208,8 +220,9 @@ class T5Model:
         return F.linear(x, self.w.lm_head).float()
 
     def decode_choice(self, enc: torch.Tensor, lengths: Sequence[int],
-                      decoder_ids: list[list[int]], candidates: torch.Tensor) -> torch.Tensor:
-        """Candidate logits [B, K] at the last decoder position of each row.
+                      decoder_ids: list[list[int]], candidates: torch.Tensor | None) -> torch.Tensor:
+        """Candidate logits [B, K] at the last decoder position of each row (``candidates``
+        None: full-vocabulary logits [B, V]).
 
         ``decoder_ids`` start with the decoder start token; rows may differ in length (right
         padding; causal attention keeps padding out of real positions).
@@ -218,109 +231,28 @@ class T5Model:
         h, dk, d = s.num_heads, s.d_kv, s.d_model
         B = len(decoder_ids)
         P = max(len(r) for r in decoder_ids)
-        ids = torch.zeros(B, P, dtype=torch.long, device=enc.device)
-        for i, r in enumerate(decoder_ids):
-            ids[i, : len(r)] = torch.tensor(r, device=enc.device)
+        ids = torch.tensor([[*r, *[0] * (P - len(r))] for r in decoder_ids], device=enc.device)
         last = torch.tensor([len(r) - 1 for r in decoder_ids], device=enc.device)
         x = F.embedding(ids, self.w.embed)  # [B, P, d]
         self_bias = self.decoder_bias(P).unsqueeze(0)
         causal = torch.ones(P, P, dtype=torch.bool, device=enc.device).tril()
         self_mask = self_bias.masked_fill(~causal, float("-inf"))
-        starts = np.concatenate([[0], np.cumsum(lengths)])
+        mem, key_bias = pad_rows(enc, lengths)  # [B, L, d], [B, 1, L]
         for layer in self.w.decoder:
             # causal self-attention over the (short) decoder prefix
             qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
             q, k, v = qkv.view(B, P, 3, h, dk).permute(2, 0, 3, 1, 4)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=1.0)
             x = x + F.linear(o.transpose(1, 2).reshape(B, P, h * dk), layer["o"])
-            # cross-attention, reassociated: never materialises encoder K/V
+            # cross-attention, reassociated: never materialises encoder K/V; one batched GEMM
+            # for all rows and heads (padded keys masked)
             xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(B, P, h, dk)
             q_in_model_space = torch.einsum("bphk,hkd->bhpd", xq, layer["x_k_heads"])  # [B,H,P,d]
-            ctx = torch.empty(B, h, P, d, dtype=x.dtype, device=x.device)
-            for i in range(B):
-                mem = enc[int(starts[i]):int(starts[i + 1])]  # [n, d]
-                scores = q_in_model_space[i].reshape(h * P, d) @ mem.T  # one GEMM, all heads
-                probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-                ctx[i] = (probs @ mem).view(h, P, d)
+            scores = torch.matmul(q_in_model_space.reshape(B, h * P, d), mem.transpose(1, 2))
+            scores = scores.float() if key_bias is None else scores.float() + key_bias
+            ctx = torch.matmul(torch.softmax(scores, dim=-1).to(x.dtype), mem).view(B, h, P, d)
             attn = torch.einsum("bhpd,hkd->bphk", ctx, layer["x_v_heads"]).reshape(B, P, h * dk)
             x = x + F.linear(attn, layer["x_o"])
             x = self.feed_forward(x, layer)
         final = x[torch.arange(B, device=x.device), last]  # [B, d]
         return self._logits_rows(final, candidates)
-
-    @torch.inference_mode()
-    def generate(self, enc: torch.Tensor, lengths: Sequence[int], max_new_tokens: int,
-                 track: torch.Tensor | None) -> tuple[list[list[int]], list[bool], list[torch.Tensor]]:
-        """Greedy decoding with cached self-attention K/V and cross-attention K/V computed once.
-
-        A row stops at its EOS, and finished rows leave the step batch as soon as at most
-        ``COMPACT_WHEN`` of its rows still run (each drop copies the caches, so not at every
-        EOS): a batch whose outputs end at different lengths costs about the tokens it
-        generates, not rows x longest output. Rows never interact, so dropping rows changes no
-        row's tokens."""
-        s = self.s
-        h, dk = s.num_heads, s.d_kv
-        B, dev, dt = len(lengths), enc.device, enc.dtype
-        Lmax = max(lengths)
-        starts = np.concatenate([[0], np.cumsum(lengths)])
-        enc_pad = torch.zeros(B, Lmax, s.d_model, dtype=dt, device=dev)
-        key_mask = torch.full((B, 1, 1, Lmax), float("-inf"), dtype=dt, device=dev)
-        for i, n in enumerate(lengths):
-            enc_pad[i, :n] = enc[int(starts[i]):int(starts[i + 1])]
-            key_mask[i, ..., :n] = 0
-        cross_kv = []
-        for layer in self.w.decoder:
-            k = F.linear(enc_pad, layer["x_k"]).view(B, Lmax, h, dk).transpose(1, 2)
-            v = F.linear(enc_pad, layer["x_v"]).view(B, Lmax, h, dk).transpose(1, 2)
-            cross_kv.append((k, v))
-        del enc_pad
-        total = max_new_tokens
-        cache_k = [torch.zeros(B, h, total, dk, dtype=dt, device=dev) for _ in self.w.decoder]
-        cache_v = [torch.zeros(B, h, total, dk, dtype=dt, device=dev) for _ in self.w.decoder]
-        bias = self.decoder_bias(total)  # [H, total, total]
-        token = torch.full((B,), s.decoder_start_token_id, dtype=torch.long, device=dev)
-        out_tokens: list[list[int]] = [[] for _ in range(B)]
-        finished = [False] * B
-        tracked: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        rows = list(range(B))  # the request row of each step-batch row
-        for t in range(max_new_tokens):
-            b = len(rows)
-            x = F.embedding(token, self.w.embed)[:, None, :]  # [b,1,d]
-            for li, layer in enumerate(self.w.decoder):
-                qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
-                q, k, v = qkv.view(b, 1, 3, h, dk).permute(2, 0, 3, 1, 4)
-                cache_k[li][:, :, t] = k[:, :, 0]
-                cache_v[li][:, :, t] = v[:, :, 0]
-                o = F.scaled_dot_product_attention(
-                    q, cache_k[li][:, :, : t + 1], cache_v[li][:, :, : t + 1],
-                    attn_mask=bias[None, :, t : t + 1, : t + 1], scale=1.0)
-                x = x + F.linear(o.transpose(1, 2).reshape(b, 1, h * dk), layer["o"])
-                xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"])
-                xq = xq.view(b, 1, h, dk).transpose(1, 2)
-                ck, cv = cross_kv[li]
-                o = F.scaled_dot_product_attention(xq, ck, cv, attn_mask=key_mask, scale=1.0)
-                x = x + F.linear(o.transpose(1, 2).reshape(b, 1, h * dk), layer["x_o"])
-                x = self.feed_forward(x, layer)
-            logits = self._logits_rows(x[:, 0], None)  # [b, V]
-            token = logits.argmax(-1)
-            running = []  # step-batch rows that go on
-            for j, (i, tok) in enumerate(zip(rows, token.tolist())):
-                if finished[i]:
-                    continue  # finished earlier, kept until the next compaction
-                if tok == s.eos_token_id:
-                    finished[i] = True
-                    continue
-                out_tokens[i].append(tok)
-                if track is not None:
-                    tracked[i].append(logits[j, track])
-                running.append(j)
-            if not running:
-                break
-            if len(running) <= COMPACT_WHEN * b:
-                keep = torch.tensor(running, device=dev)
-                rows = [rows[j] for j in running]
-                token, key_mask = token[keep], key_mask[keep]
-                cache_k = [c[keep] for c in cache_k]
-                cache_v = [c[keep] for c in cache_v]
-                cross_kv = [(k[keep], v[keep]) for k, v in cross_kv]
-        return out_tokens, finished, [torch.stack(r) if r else torch.empty(0) for r in tracked]

@@ -1,9 +1,10 @@
 """T5 v1.1 / Flan-T5 judge backend in plain PyTorch.
 
-The model math (packed encoder, fused projections, the reassociated score-only decoder step,
-greedy decoding) is ``t5_model``; this module ties it to requests: loading, planning hooks,
-packing a batch, grouping rows by candidate set, outputs. A bidirectional encoder allows no
-exact prefix reuse, so no prefix state is kept.
+The model math (packed encoder, fused projections, the reassociated score-only decoder step) is
+``t5_model`` and greedy decoding with early exit and refill ``t5_decode``; this module ties them
+to requests: loading, planning hooks, packing a batch into encoder packs, grouping rows by
+candidate set, outputs. A bidirectional encoder allows no exact prefix reuse, so no prefix
+state is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, choice_probs
 from .loading import load_state_dict, place_checkpoint
+from .t5_decode import decode_greedy
 from .t5_model import T5Model, T5Shape, T5Weights
 
 log = logging.getLogger("fastjudge")
@@ -32,10 +34,14 @@ class TorchT5Backend:
 
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
-                 fp8_gemm: bool | None = None):
+                 fp8_gemm: bool | None = None, decode_cache_bytes: int | None = None,
+                 max_decode_rows: int | None = None):
         """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
-        with FP8 tensor cores (compute capability 8.9+)."""
+        with FP8 tensor cores (compute capability 8.9+). ``decode_cache_bytes``: the
+        cross-attention K/V that greedy decoding may hold at once (default 1 GiB on CPU, 16 GiB
+        on CUDA), which sets how many rows decode together; ``max_decode_rows`` caps those rows
+        (more rows of a batch join as others finish)."""
         cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, T5_MODEL_TYPES, "a T5 model",
                                                                   device, dtype, fp8_gemm)
         self.shape = T5Shape.from_config(cfg)
@@ -48,7 +54,16 @@ class TorchT5Backend:
         self.max_input_tokens = max_input_tokens or 4096
         # Planner budget (rows x longest prompt): large enough for full GEMMs, small enough
         # that activations of a batch stay in cache-friendly sizes on CPU.
-        self.default_batch_tokens = 65536 if self.device.type == "cuda" else 8192
+        # Planner budget (rows x longest prompt) of one call. The backend bounds its own memory
+        # below it: the encoder runs in packs of ``encode_tokens`` (large enough for full GEMMs,
+        # small enough that activations stay cache-friendly on CPU) and decoding holds the
+        # cross-attention K/V of a bounded number of rows, refilled as rows finish; so a call
+        # may hold many rows, and one call's rows decode in one batch.
+        cuda = self.device.type == "cuda"
+        self.default_batch_tokens = 65536
+        self.encode_tokens = 65536 if cuda else 8192
+        self.decode_cache_bytes = decode_cache_bytes or (2**34 if cuda else 2**30)
+        self.max_decode_rows = max_decode_rows
         log.info("fastjudge: loaded T5 judge %s on %s (%s)", model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
 
@@ -66,12 +81,34 @@ class TorchT5Backend:
         specs = {type(r.spec) for r in batch}
         if len(specs) != 1:
             raise ValueError("a batch must hold one kind of output spec")
-        lengths = [len(r.prompt_ids) for r in batch]
-        packed = torch.from_numpy(np.concatenate([r.prompt_ids for r in batch])).to(self.device)
-        enc = self.model.encode(packed, lengths)
-        if isinstance(batch[0].spec, Choice):
-            return self._run_choice(batch, enc, lengths)
-        return self._run_text(batch, enc, lengths)
+        if not isinstance(batch[0].spec, Choice):
+            return self._run_text(batch)
+        outputs = []
+        for pack in self._encoder_packs(batch):
+            lengths = [len(r.prompt_ids) for r in pack]
+            packed = torch.from_numpy(np.concatenate([r.prompt_ids for r in pack])).to(self.device)
+            outputs += self._run_choice(pack, self.model.encode(packed, lengths), lengths)
+        return outputs
+
+    def _encoder_packs(self, batch: Sequence[Request]) -> list[list[Request]]:
+        """Consecutive runs of ``batch`` of at most ``encode_tokens`` prompt tokens (a longer
+        prompt alone)."""
+        packs, total = [[]], 0
+        for r in batch:
+            if packs[-1] and total + len(r.prompt_ids) > self.encode_tokens:
+                packs.append([])
+                total = 0
+            packs[-1].append(r)
+            total += len(r.prompt_ids)
+        return packs
+
+    def decode_rows(self, longest_prompt: int) -> int:
+        """Rows that decode together: the cross-attention K/V budget over one row's K/V."""
+        s = self.shape
+        per_row = (longest_prompt * s.num_heads * s.d_kv * 2 * s.num_decoder_layers
+                   * self.model.w.embed.element_size())
+        rows = max(1, self.decode_cache_bytes // per_row)
+        return min(rows, self.max_decode_rows) if self.max_decode_rows else rows
 
     def _run_choice(self, batch, enc, lengths) -> list[Output]:
         if any(r.spec.full_vocab for r in batch):
@@ -97,16 +134,17 @@ class TorchT5Backend:
                                       probs=choice_probs(z))
         return [results[i] for i in range(len(batch))]
 
-    def _run_text(self, batch, enc, lengths) -> list[Output]:
+    def _run_text(self, batch) -> list[Output]:
         spec = batch[0].spec
         if any(r.spec != spec for r in batch):
             raise ValueError("a generation batch must share one Text spec")
         if any(r.response_prefix for r in batch):
             raise ValueError("forced response prefixes are supported for Choice requests only")
-        track = torch.tensor(spec.track_ids, device=enc.device) if spec.track_ids else None
-        tokens, finished, tracked = self.model.generate(enc, lengths, spec.max_new_tokens, track)
-        return [
-            Output(index=r.index, token_ids=tok, finished=fin,
-                   tracked_logits=tr.cpu().numpy().astype(np.float64) if track is not None else None)
-            for r, tok, fin, tr in zip(batch, tokens, finished, tracked)
-        ]
+        track = torch.tensor(spec.track_ids, device=self.device) if spec.track_ids else None
+        prompts = [r.prompt_ids for r in batch]
+        tokens, finished, tracked = decode_greedy(
+            self.model, prompts, spec.max_new_tokens, track,
+            max_rows=self.decode_rows(max(len(p) for p in prompts)), encode_tokens=self.encode_tokens)
+        return [Output(index=r.index, token_ids=tok, finished=fin,
+                       tracked_logits=tr if track is not None else None)
+                for r, tok, fin, tr in zip(batch, tokens, finished, tracked)]
