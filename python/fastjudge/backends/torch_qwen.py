@@ -107,11 +107,13 @@ class TorchQwenBackend:
         prefix tokens and, image tokens being the same ids for every image, the same images.
         Choice rows need no single shared state: prefixes of the same tokens and image grids
         but different images go together, each row with its own image's state
-        (``_row_prefix_states``)."""
+        (``_row_prefix_states``). Generation rows need none either: each row's suffix runs
+        alone from its own prefix state and the decode cache holds a state per row, so rows of
+        any prefixes decode together (the scheduler still keeps one spec per batch)."""
+        if not isinstance(request.spec, Choice):
+            return b""
         ids, images = self._prefix_of(request)
-        if isinstance(request.spec, Choice):
-            return ids.tobytes() + np.asarray([im.grid_thw for im in images], dtype=np.int64).tobytes()
-        return ids.tobytes() + b"".join(im.key for im in images)
+        return ids.tobytes() + np.asarray([im.grid_thw for im in images], dtype=np.int64).tobytes()
 
     # -- images -----------------------------------------------------------------------------------
     @staticmethod
@@ -171,15 +173,29 @@ class TorchQwenBackend:
         if any(self.group_key(r) != key for r in batch):
             raise ValueError("a batch must share one prefix")
         choice = isinstance(batch[0].spec, Choice)
-        slots, state = self._row_prefix_states(batch) if choice else self._prefix_state(*self._prefix_of(batch[0]))
+        slots, state = self._row_prefix_states(batch) if choice else self._generation_prefix_states(batch)
         try:
             if choice:
                 return self._run_choice(batch, state)
             return self._generate(batch, state)
         finally:
-            for slot in slots if choice else [slots]:
+            for slot in slots:
                 if slot is not None:
                     self.prefix_cache.release(slot)
+
+    def _generation_prefix_states(self, batch: Sequence[Request]) -> tuple[list, dict]:
+        """Each distinct prefix of a generation batch run (or found cached) once: the cache
+        slots to release, and each request's prefix state by ``id(request)`` (None without a
+        prefix)."""
+        slots, by_prefix, states = [], {}, {}
+        for r in batch:
+            ids, images = self._prefix_of(r)
+            name = prefix_cache_key(ids, images).tobytes() if len(ids) else b""
+            if name not in by_prefix:
+                slot, by_prefix[name] = self._prefix_state(ids, images)
+                slots.append(slot)
+            states[id(r)] = by_prefix[name]
+        return slots, states
 
     def _row_prefix_states(self, batch: Sequence[Request]) -> tuple[list, PrefixState | None]:
         """The prefix state of a Choice batch whose rows share prefix tokens and image grids but
@@ -287,28 +303,28 @@ class TorchQwenBackend:
             self._grammars = GrammarCache(self.codec.tokenizer, self.shape.vocab_size, self.codec.eos_token_ids)
         return self._grammars.matcher(spec)
 
-    def _generate(self, batch: Sequence[Request], state: PrefixState | None) -> list[Output]:
-        """Greedy decoding of a batch that shares one prefix state (and one Text/Json spec):
-        each row's suffix runs alone from the prefix state (exact: no padding), then the rows
-        decode together (``qwen_decode``); Json rows under their grammar."""
+    def _generate(self, batch: Sequence[Request], states: dict) -> list[Output]:
+        """Greedy decoding of a batch of one Text/Json spec, ``states`` the prefix state of
+        each request: each row's suffix runs alone from its prefix state (exact: no padding),
+        then the rows decode together (``qwen_decode``); Json rows under their grammar."""
         matchers = [self._matcher(r.spec) for r in batch]
-        outputs, decoded = decode_greedy(self.model, batch, matchers, lambda rows: self._prefill_suffixes(rows, state),
+        outputs, decoded = decode_greedy(self.model, batch, matchers, lambda rows: self._prefill_suffixes(rows, states),
                                          self.codec.eos_token_ids, jump_forward=self.jump_forward,
                                          max_rows=self.max_decode_rows, stats=self.decode_stats)
         self.tokens_computed += decoded
         return outputs
 
-    def _prefill_suffixes(self, batch: Sequence[Request], state: PrefixState | None
-                          ) -> tuple[torch.Tensor, DecodeCache]:
-        """Each row's suffix run alone from the prefix state: the final hidden states [B, d] and
+    def _prefill_suffixes(self, batch: Sequence[Request], states: dict) -> tuple[torch.Tensor, DecodeCache]:
+        """Each row's suffix run alone from its prefix state (``states[id(request)]``): the final
+        hidden states [B, d] and
         the rows' states gathered into one decode cache. Returning only the gathered cache lets
         the per-row states (and the per-row hidden states the last ones view) go before
         decoding starts."""
-        last, states = [], []
+        last, rows = [], []
         for r in batch:
             ids, images = self._suffix(r)
-            hidden, st = self._forward_rows([ids], [images], state, save=True)
+            hidden, st = self._forward_rows([ids], [images], states[id(r)], save=True)
             last.append(hidden[:, -1])
-            states.append(st)
+            rows.append(st)
         room = min(batch[0].spec.max_new_tokens, DECODE_ROOM)
-        return torch.cat(last), DecodeCache(states, self.shape, room, self.device)
+        return torch.cat(last), DecodeCache(rows, self.shape, room, self.device)
