@@ -22,7 +22,13 @@ from .loading import CheckpointError, check_shapes
 from .qwen_shape import QwenShape
 
 SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
-RECURRENT_EXTEND_STEPS = 64  # multi-token decoding steps up to this long use the recurrent rule
+# The chunked delta rule pads every chunk to full length: an input of up to ONE_CHUNK_STEPS
+# tokens is one chunk of its own length (padding a 30-token suffix to 64 doubles its work);
+# longer inputs take DELTA_CHUNK-token chunks (on CPU, 32 beats transformers' 64 for every
+# shape measured: the intra-chunk products grow with the square of the chunk).
+ONE_CHUNK_STEPS = 64
+DELTA_CHUNK = 32
+RECURRENT_EXTEND_STEPS = 3  # multi-token decoding steps up to this long use the recurrent rule
 
 
 def _delta_rule():
@@ -154,9 +160,10 @@ class QwenModel:
         gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, layer["down"])
 
-    def _qkv(self, x, layer, positions):
-        """Queries [B, H, S, hd], keys and values [B, Hkv, S, hd] (normed, rotated) and the
-        output gate (Qwen3.5) of ``x`` [B, S, d]."""
+    def _qkv(self, x, layer, rope):
+        """Queries [B, H, S, hd], keys and values [B, Hkv, S, hd] (normed, rotated by ``rope``,
+        the (cos, sin) of ``_rope``, computed once per call for all layers) and the output gate
+        (Qwen3.5) of ``x`` [B, S, d]."""
         s = self.s
         B, S, _ = x.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
@@ -170,7 +177,7 @@ class QwenModel:
         k, v = linear(x, layer["kv"]).view(B, S, 2, Hkv, hd).unbind(2)
         q = rms(q, layer["q_norm"], s.eps).transpose(1, 2)
         k = rms(k, layer["k_norm"], s.eps).transpose(1, 2)
-        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = rope
         return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v.transpose(1, 2), gate
 
     def _attention_out(self, o, gate, layer):
@@ -180,9 +187,9 @@ class QwenModel:
             o = o * torch.sigmoid(gate)
         return linear(o, layer["o"])
 
-    def _attention(self, x, layer, prev, positions, save):
+    def _attention(self, x, layer, prev, rope, save):
         B, S, _ = x.shape
-        q, k, v, gate = self._qkv(x, layer, positions)
+        q, k, v, gate = self._qkv(x, layer, rope)
         P = 0
         if prev is not None:
             pk, pv = prev
@@ -225,15 +232,21 @@ class QwenModel:
         beta = b.sigmoid()
         g = layer["neg_A"] * F.softplus(a.float() + layer["dt_bias"])
         initial = prev[1].expand(B, -1, -1, -1) if prev is not None else None
-        rule = self.step_rule if (S == 1 and prev is not None) else self.chunk_rule
+        recurrent = S == 1 and prev is not None
         if counts is not None:
             real = (torch.arange(S, device=x.device)[None, :] < counts[:, None])[..., None]
             beta, g = beta * real, g * real
-            # the recurrent rule runs token by token with a decoding step's arithmetic, so a
-            # k-token step equals k one-token steps; very long runs take the chunked rule
-            rule = self.step_rule if S <= RECURRENT_EXTEND_STEPS else self.chunk_rule
-        core, final = rule(q, k, v, g=g, beta=beta, initial_state=initial,
-                           output_final_state=save, use_qk_l2norm_in_kernel=True)
+            # the recurrent rule is one loop iteration per token: cheapest for a few tokens;
+            # past that the chunked rule's few batched products win
+            recurrent = S <= RECURRENT_EXTEND_STEPS
+        if recurrent:
+            core, final = self.step_rule(q, k, v, g=g, beta=beta, initial_state=initial,
+                                         output_final_state=save, use_qk_l2norm_in_kernel=True)
+        else:
+            chunk = S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK  # same result, less padding
+            core, final = self.chunk_rule(q, k, v, g=g, beta=beta, chunk_size=chunk,
+                                          initial_state=initial, output_final_state=save,
+                                          use_qk_l2norm_in_kernel=True)
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
         normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * layer["gated_norm"]
         gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(x.dtype)
@@ -275,12 +288,13 @@ class QwenModel:
             if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
                 raise ValueError("image_embeds need an image_mask with one true entry per embedding")
             x = x.masked_scatter(image_mask.to(x.device)[..., None], image_embeds.to(x.device, x.dtype))
+        rope = self._rope(positions, x.dtype)
         states = []
         for i, layer in enumerate(self.w.layers):
             h = rms(x, layer["in_norm"], s.eps)
             p = prev.layers[i] if prev is not None else None
             if layer["kind"] == "full_attention":
-                h, st = self._attention(h, layer, p, positions, save)
+                h, st = self._attention(h, layer, p, rope, save)
             else:
                 h, st = self._delta_net(h, layer, p, save)
             x = x + h
@@ -303,6 +317,7 @@ class QwenModel:
         B = tokens.shape[0]
         x = F.embedding(tokens[:, None], self.w.embed)
         positions = cache.positions[None, :, None].expand(3, B, 1)
+        rope = self._rope(positions, x.dtype)
         cache.reserve(1)
         rows = torch.arange(B, device=tokens.device)
         # additive mask: each row sees its own keys only (a float mask keeps SDPA on its fused
@@ -315,7 +330,7 @@ class QwenModel:
         for i, layer in enumerate(self.w.layers):
             h = rms(x, layer["in_norm"], s.eps)
             if layer["kind"] == "full_attention":
-                q, k, v, gate = self._qkv(h, layer, positions)
+                q, k, v, gate = self._qkv(h, layer, rope)
                 kb, vb = cache.layers[i]
                 kb[rows, :, cache.lengths] = k[:, :, 0]
                 vb[rows, :, cache.lengths] = v[:, :, 0]
@@ -344,6 +359,7 @@ class QwenModel:
         x = F.embedding(tokens, self.w.embed)
         where = cache.lengths[:, None] + steps  # [B, k] each token's K/V slot
         positions = (cache.positions[:, None] + steps).expand(3, B, k)
+        rope = self._rope(positions, x.dtype)
         cache.reserve(k)
         hide = None
         if cache.capacity:
@@ -354,7 +370,7 @@ class QwenModel:
         for i, layer in enumerate(self.w.layers):
             h = rms(x, layer["in_norm"], s.eps)
             if layer["kind"] == "full_attention":
-                q, kk, v, gate = self._qkv(h, layer, positions)
+                q, kk, v, gate = self._qkv(h, layer, rope)
                 kb, vb = cache.layers[i]
                 kb[rows, :, where] = kk.transpose(1, 2)
                 vb[rows, :, where] = v.transpose(1, 2)
