@@ -146,6 +146,48 @@ def test_full_vocab_choice_beside_plain_choice(judge):
     assert full.shape == (2,) and np.all(full < np.log(together[0].probs))
 
 
+def test_image_content_key_and_pixels(tmp_path):
+    """The content key follows the pixels (and the shape), not how the image is given; the
+    pixel tensor is a copy the caller's array cannot change afterwards."""
+    from PIL import Image as PILImage
+
+    from fastjudge.io.images import image_tensor, load_image, read_image
+
+    a = image(3, 20, 30)
+    PILImage.fromarray(a).save(tmp_path / "a.png")
+    keys = {read_image(src)[1] for src in (a, np.asfortranarray(a), PILImage.fromarray(a),
+                                            (tmp_path / "a.png").read_bytes(), tmp_path / "a.png")}
+    assert len(keys) == 1
+    changed = a.copy()
+    changed[7, 11, 2] ^= 1
+    assert read_image(changed)[1] not in keys
+    assert read_image(a.reshape(30, 20, 3))[1] not in keys  # same bytes, another shape
+    loaded = load_image(a)
+    assert loaded.key in keys and torch.equal(loaded.pixels, torch.from_numpy(a).permute(2, 0, 1))
+    pixels = image_tensor(a)
+    assert pixels.is_contiguous() and pixels.shape == (3, 20, 30)
+    a[0, 0] = a[0, 0] + 1
+    assert not torch.equal(pixels, torch.from_numpy(a).permute(2, 0, 1))  # a copy, taken then
+
+
+def test_image_pixels_built_once_per_content(judge, monkeypatch):
+    """An image's captions share one encoding; its pixel tensor is built once. The same array
+    changed between examples is another image (the key is the content)."""
+    from fastjudge.judges import holistic
+
+    real, built = holistic.image_tensor, []
+    monkeypatch.setattr(holistic, "image_tensor", lambda array: built.append(1) or real(array))
+    a = image(4, 56, 84)
+    memo = {}
+    first = [judge._request(i, ImageTextExample(a, text), memo) for i, text in enumerate(CAPTIONS)]
+    assert len(built) == 1 and len({id(r.images[0]) for r in first}) == 1
+    a[0, 0, 0] ^= 255
+    again = judge._request(3, ImageTextExample(a, CAPTIONS[0]), memo)
+    assert len(built) == 2 and again.images[0].key != first[0].images[0].key
+    before, after = (torch.as_tensor(r.images[0].pixel_values) for r in (first[0], again))
+    assert not torch.equal(before, after)
+
+
 def test_t5_backend_refuses_full_vocab(t5_backend):
     from fastjudge.runtime.requests import Request
 

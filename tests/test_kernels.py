@@ -269,6 +269,60 @@ def test_crop_encode_reference_edge_boxes(gen):
     torch.testing.assert_close(one, ((px - mean) / std)[None, :, None, None].expand_as(one))
 
 
+def _every_pass(img, box, cfg):
+    """A box's pixel values with every resampling pass run, unchanged axes included: the
+    reference's path before it skipped them (F.interpolate, antialiased; uint8 "pil": a width
+    pass then a height pass, each rounded and clipped; uint8 "float": one pass, rounded once;
+    float32: one pass)."""
+    x0, y0, x1, y1 = box
+    crop = img[:, y0:y1, x0:x1].float()[None]
+    oh, ow = ce.smart_resize(y1 - y0, x1 - x0, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    kw = dict(mode=cfg.resample, align_corners=False, antialias=True)
+    if img.dtype == torch.uint8 and cfg.uint8_mode == "pil":
+        r = F.interpolate(crop, size=(y1 - y0, ow), **kw).clamp(0, 255).add(0.5).floor()
+        r = F.interpolate(r, size=(oh, ow), **kw).clamp(0, 255).add(0.5).floor()
+    else:
+        r = F.interpolate(crop, size=(oh, ow), **kw)
+        if img.dtype == torch.uint8:
+            r = r.clamp(0, 255).round()
+    mean, std = cfg.fused_mean_std()
+    return ce._patchify((r[0] - mean[:, None, None]) / std[:, None, None], cfg), (oh, ow)
+
+
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("kind", ["uint8-pil", "uint8-float", "float32"])
+def test_reference_skips_unchanged_axes_exactly(gen, monkeypatch, resample, kind):
+    """An axis whose size the box keeps is not resampled (the antialiased filter at scale 1 is
+    the identity); the pixel values stay bit-identical to running every pass."""
+    cfg = _cfg(resample=resample, uint8_mode="float" if kind == "uint8-float" else "pil",
+               min_pixels=8 * 8 * 2, max_pixels=8 * 8 * 40)
+    img = torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=gen)
+    if kind == "float32":
+        img = img.float() + torch.rand(img.shape, generator=gen)
+    before = img.clone()
+    boxes = {  # (x0, y0, x1, y1): (output size, interpolate calls: "pil" uint8, others)
+        (0, 0, 48, 40): ((40, 48), (0, 0)),  # unchanged: no pass at all
+        (8, 8, 40, 24): ((16, 32), (0, 0)),
+        (0, 0, 13, 16): ((16, 16), (1, 1)),  # width resized only
+        (0, 0, 64, 13): ((16, 64), (1, 1)),  # height resized only
+        (5, 5, 12, 30): ((24, 8), (2, 1)),  # both
+    }
+    real, calls = F.interpolate, []
+    monkeypatch.setattr(F, "interpolate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for box, (size, passes) in boxes.items():
+        want, out_size = _every_pass(img, box, cfg)
+        assert out_size == size
+        calls.clear()
+        got, grid = ce.crop_encode_reference(img, [box], cfg)
+        assert len(calls) == passes[0 if kind == "uint8-pil" else 1], box
+        assert torch.equal(got, want), box
+        assert grid.tolist() == [[1, size[0] // 4, size[1] // 4]]
+    assert torch.equal(img, before)  # normalized in place on the encoder's own copy only
+    # several boxes in one call: the same rows, in box order
+    got, _ = ce.crop_encode_reference(img, [[0, *b] for b in boxes], cfg)
+    assert torch.equal(got, torch.cat([_every_pass(img, b, cfg)[0] for b in boxes]))
+
+
 def _assert_close_or_one_step(got, want, cfg):
     """Equal within 1e-5, except at most 0.1 % of elements one uint8 step apart: a resampled value
     on a rounding tie may land on either side under a different float summation order."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastjudge.backends.qwen_vision import QwenVision, image_block, mrope_positions
+from fastjudge.backends.qwen_vision import PatchEmbedLinear, QwenVision, image_block, mrope_positions
 from fastjudge.backends.torch_qwen import TorchQwenBackend
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
@@ -78,6 +78,51 @@ def test_vision_encode_matches_transformers(setup):
         ref = torch.cat(s["hf"].model.get_image_features(s["pv"], s["grid"]).pooler_output)
     assert ours.shape == (12, s["cfg"].text_config.hidden_size)
     assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
+
+
+def test_patch_embedding_runs_as_a_matmul(setup, monkeypatch):
+    """transformers' Qwen3_5VisionPatchEmbed (models/qwen3_5/modeling_qwen3_5.py,
+    Qwen3_5VisionPatchEmbed.forward) is a Conv3d with kernel == stride over patch rows viewed as
+    [N, C, T, p, p]; ours runs it as a linear over the flattened rows (no conv3d call) and gives
+    transformers' own, unpatched vision model's embeddings."""
+    s = setup
+    visual, hf_visual = s["vision"].model, s["hf"].model.visual
+    assert isinstance(visual.patch_embed.proj, PatchEmbedLinear)
+    assert isinstance(hf_visual.patch_embed.proj, torch.nn.Conv3d)
+    ours_sd, ref_sd = visual.state_dict(), hf_visual.state_dict()
+    assert set(ours_sd) == set(ref_sd) and all(torch.equal(ours_sd[k], ref_sd[k]) for k in ref_sd)
+    real, calls = torch.nn.functional.conv3d, []
+    monkeypatch.setattr(torch.nn.functional, "conv3d", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pv = s["pv"] + torch.randn(s["pv"].shape, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours, ours_rows = s["vision"].encode(pv, s["grid"]), visual.patch_embed(pv)
+        assert not calls
+        ref, ref_rows = hf_visual(pv, grid_thw=s["grid"]).pooler_output, hf_visual.patch_embed(pv)
+    assert calls  # the counter sees transformers' convolution
+    for a, b in ((ours_rows, ref_rows), (ours, ref)):
+        assert a.shape == b.shape
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_patch_embedding_keeps_other_convolutions(setup, monkeypatch):
+    """Only a convolution that is exactly a matmul over whole patches is replaced."""
+    conv = torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4))
+    assert PatchEmbedLinear.applies_to(conv)
+    x = torch.randn(5, 3, 2, 4, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(PatchEmbedLinear(conv)(x), conv(x), rtol=1e-5, atol=1e-6)
+    for other in (torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(1, 4, 4)),
+                  torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), padding=1),
+                  torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), dilation=(1, 2, 2)),
+                  torch.nn.Conv3d(4, 8, (2, 4, 4), stride=(2, 4, 4), groups=2)):
+        assert not PatchEmbedLinear.applies_to(other)
+    # a vision model whose convolution does not qualify keeps it, with the same embeddings
+    s = setup
+    monkeypatch.setattr(PatchEmbedLinear, "applies_to", staticmethod(lambda conv: False))
+    kept = QwenVision.from_pretrained(s["dir"], device="cpu", dtype="float32")
+    assert isinstance(kept.model.patch_embed.proj, torch.nn.Conv3d)
+    torch.testing.assert_close(kept.encode(s["pv"], s["grid"]), s["vision"].encode(s["pv"], s["grid"]),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_mrope_positions_match_get_rope_index(setup):

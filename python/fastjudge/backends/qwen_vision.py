@@ -2,11 +2,13 @@
 
 - ``QwenVision``: transformers' ``Qwen3_5VisionModel`` (patch embedding, learned position grid,
   vision blocks, 2x2 patch merger) built from the checkpoint's ``vision_config`` and loaded with
-  its ``model.visual.*`` tensors. ``encode`` returns the merged embeddings that replace the
-  ``<|image_pad|>`` tokens, one row per pad token -- the ``pooler_output`` of transformers'
-  ``get_image_features``. Qwen3.5 has no DeepStack features (Qwen3-VL injects intermediate
-  vision features into early decoder layers; Qwen3.5 does not): a vision config that asks for
-  them is refused.
+  its ``model.visual.*`` tensors. Its patch embedding is a ``Conv3d`` whose kernel equals its
+  stride: each patch row meets the kernel exactly once, so it runs as the matmul it is
+  (:class:`PatchEmbedLinear`, same weights; about 4x faster than the convolution on CPU).
+  ``encode`` returns the merged embeddings that replace the ``<|image_pad|>`` tokens, one row
+  per pad token -- the ``pooler_output`` of transformers' ``get_image_features``. Qwen3.5 has
+  no DeepStack features (Qwen3-VL injects intermediate vision features into early decoder
+  layers; Qwen3.5 does not): a vision config that asks for them is refused.
 - ``mrope_positions``: the ``[3, S]`` t/h/w positions of one prompt, as transformers'
   ``Qwen3_5Model.get_rope_index``.
 
@@ -20,6 +22,7 @@ import os
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
@@ -77,6 +80,34 @@ def mrope_positions(input_ids: Sequence[int] | torch.Tensor, grid_thw: torch.Ten
     return torch.cat(out, dim=1).long()
 
 
+class PatchEmbedLinear(torch.nn.Module):
+    """A ``Conv3d`` with kernel == stride, no padding, dilation or groups, applied to inputs the
+    size of one kernel (``[N, C, T, p, p]``, as transformers' patch embedding views its patch
+    rows): ``y[n] = W.reshape(out, -1) @ x[n].reshape(-1) + b`` -- a linear over the flattened
+    patch. Holds the convolution's own parameters under the same names, so state dict keys and
+    ``weight.dtype`` (read by transformers' forward) are unchanged."""
+
+    def __init__(self, conv: torch.nn.Conv3d):
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+        self.out_channels, self.kernel_size = conv.out_channels, tuple(conv.kernel_size)
+
+    @staticmethod
+    def applies_to(conv: torch.nn.Module) -> bool:
+        """Whether ``conv`` is exactly a matmul over whole patches."""
+        return (isinstance(conv, torch.nn.Conv3d) and tuple(conv.kernel_size) == tuple(conv.stride)
+                and conv.padding in ((0, 0, 0), "valid") and tuple(conv.dilation) == (1, 1, 1)
+                and conv.groups == 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[2:]) != self.kernel_size:
+            raise ValueError(f"patch embedding expects [N, C, {', '.join(map(str, self.kernel_size))}] "
+                             f"inputs, got {tuple(x.shape)}")
+        n = x.shape[0]
+        y = F.linear(x.reshape(n, -1), self.weight.reshape(self.out_channels, -1), self.bias)
+        return y.view(n, self.out_channels, 1, 1, 1)
+
+
 class QwenVision:
     """The checkpoint's vision tower (transformers' module, our weight loading)."""
 
@@ -107,6 +138,8 @@ class QwenVision:
         model = model.to(device=self.device)
         for p in model.parameters():  # buffers (rotary inverse frequencies) stay float32
             p.data = p.data.to(dtype)
+        if PatchEmbedLinear.applies_to(model.patch_embed.proj):  # any other conv stays a conv
+            model.patch_embed.proj = PatchEmbedLinear(model.patch_embed.proj)
         self.model = model.eval()
         self.spatial_merge_size = self.config.spatial_merge_size
 

@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ..io.images import MAX_IMAGE_PIXELS, ImageError, encode_region, load_image
+from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
 from ..runtime.requests import Choice, Image, Request
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
 from .base import Judge, open_backend
@@ -114,12 +114,13 @@ class HolisticJudge(Judge):
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text (the caption) must be a non-empty string")
         self.codec.check_text_length(text, self.backend.max_input_tokens)
-        loaded = load_image(example.image, self.image_root, self.max_image_pixels)
+        array, key = read_image(example.image, self.image_root, self.max_image_pixels)
         memo = {} if encoded_images is None else encoded_images
-        image = memo.get(loaded.key)
-        if image is None:
-            image = memo[loaded.key] = encode_region(loaded, (0, 0, loaded.width, loaded.height),
-                                                     self.codec.image_config)
+        image = memo.get(key)
+        if image is None:  # the pixel tensor only for an image not encoded yet
+            loaded = LoadedImage(image_tensor(array), key)
+            image = memo[key] = encode_region(loaded, (0, 0, loaded.width, loaded.height),
+                                              self.codec.image_config)
         encoded = self.codec.encode(*self._prompt(image, text))
         if len(encoded.ids) > self.backend.max_input_tokens:
             raise ValueError(f"prompt is {len(encoded.ids)} tokens, above the model limit of "

@@ -23,7 +23,12 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5) produces for that crop as an image:
      processors by up to 25 uint8 steps, because the bicubic overshoot of the first pass is not
      clipped; hence not the default.
 
-   float32 images (0..255 scale) are resampled in float32 with no rounding;
+   float32 images (0..255 scale) are resampled in float32 with no rounding. An axis whose size
+   does not change is not resampled by the torch reference: at scale 1 the filter is the
+   identity (weight 1 at distance 0, 0 at every other integer distance), so skipping the pass
+   changes no bit (tested against running every pass), and a crop already of its output size
+   (e.g. a whole image whose sides are multiples of ``patch_size * merge_size``, its area within
+   the pixel bounds) is only normalized and patchified;
 3. ``(v - mean / rescale_factor) / (std / rescale_factor)`` -- the fast processor's fused
    rescale + normalize (float32);
 4. patches of ``C * temporal_patch_size * patch_size * patch_size`` values, rows in the
@@ -281,30 +286,44 @@ def _patchify(img: torch.Tensor, config: CropEncodeConfig) -> torch.Tensor:
     return x.unsqueeze(5).expand(-1, -1, -1, -1, -1, T, -1, -1).reshape(gh * gw, C * T * p * p)
 
 
+def _resample(crop: torch.Tensor, out_h: int, out_w: int, config: CropEncodeConfig, quantize: int) -> torch.Tensor:
+    """One crop ``[C, h, w]`` resampled to ``[C, out_h, out_w]`` float32 (a new tensor, never a
+    view of the image).
+
+    An axis whose size does not change is not resampled: at scale 1 every output pixel's taps
+    sit at integer distances from its centre, where the filter (cubic or triangle) weighs 1 at
+    distance 0 and 0 elsewhere, so the pass would return its input; a uint8 crop stays the
+    same integers through the pass's rounding and clipping."""
+    h, w = crop.shape[1:]
+    if (h, w) == (out_h, out_w):
+        return crop.to(torch.float32, copy=True)
+    x = crop.float()[None]
+    kw = dict(mode=config.resample, align_corners=False, antialias=True)
+    if quantize == _Q_PASSES:
+        # the width pass, rounded half up and clipped to uint8, then the height pass
+        if w != out_w:
+            x = F.interpolate(x, size=(h, out_w), **kw).clamp_(0, 255).add_(0.5).floor_()
+        if h != out_h:
+            x = F.interpolate(x, size=(out_h, out_w), **kw).clamp_(0, 255).add_(0.5).floor_()
+        return x[0]
+    x = F.interpolate(x, size=(out_h, out_w), **kw)[0]
+    return x.clamp_(0, 255).round_() if quantize == _Q_FINAL else x
+
+
 def crop_encode_reference(images, boxes, config: CropEncodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The same pipeline as the kernel, box by box, with F.interpolate(antialias=True)."""
     imgs = _image_list(images)
     _check_images(imgs, config)
     bxs = _boxes(boxes, len(imgs), [tuple(i.shape[1:]) for i in imgs], config)
     mean, std = config.fused_mean_std(imgs[0].device)
+    mean, std = mean[:, None, None], std[:, None, None]
     quantize = _quantize_mode(imgs[0].dtype, config)
     out, grids = [], []
     for b in bxs:
-        crop = imgs[b.image][:, b.y0:b.y1, b.x0:b.x1].float()[None]
-        kw = dict(mode=config.resample, align_corners=False, antialias=True)
-        if quantize == _Q_PASSES:
-            # the width pass, rounded half up and clipped to uint8, then the height pass (an
-            # unchanged axis is an exact identity: weights 1 and 0)
-            r = F.interpolate(crop, size=(crop.shape[2], b.out_w), **kw).clamp(0, 255).add(0.5).floor()
-            r = F.interpolate(r, size=(b.out_h, b.out_w), **kw)[0].clamp(0, 255).add(0.5).floor()
-        else:
-            r = F.interpolate(crop, size=(b.out_h, b.out_w), **kw)[0]
-            if quantize == _Q_FINAL:
-                r = r.clamp(0, 255).round()
-        r = (r - mean[:, None, None]) / std[:, None, None]
-        out.append(_patchify(r, config))
+        r = _resample(imgs[b.image][:, b.y0:b.y1, b.x0:b.x1], b.out_h, b.out_w, config, quantize)
+        out.append(_patchify(r.sub_(mean).div_(std), config))  # in place: r is ours
         grids.append((1, b.out_h // config.patch_size, b.out_w // config.patch_size))
-    return torch.cat(out), torch.tensor(grids, dtype=torch.long)
+    return (out[0] if len(out) == 1 else torch.cat(out)), torch.tensor(grids, dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------------------------
