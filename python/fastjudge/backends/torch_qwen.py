@@ -315,16 +315,31 @@ class TorchQwenBackend:
         return outputs
 
     def _prefill_suffixes(self, batch: Sequence[Request], states: dict) -> tuple[torch.Tensor, DecodeCache]:
-        """Each row's suffix run alone from its prefix state (``states[id(request)]``): the final
-        hidden states [B, d] and
-        the rows' states gathered into one decode cache. Returning only the gathered cache lets
-        the per-row states (and the per-row hidden states the last ones view) go before
+        """Each row's suffix run from its prefix state (``states[id(request)]``): the final
+        hidden states [B, d] and the rows' states gathered into one decode cache.
+
+        Text-only suffixes after a prefix run together as one multi-token decoding step
+        (``QwenModel.extend``) on a decode cache of the prefix states: each row continues at its
+        own length and position, and its padding never reaches its state, so this equals each
+        row alone. A suffix with images (M-RoPE positions of its own) or a row without a prefix
+        runs alone; returning only the gathered cache lets those per-row states go before
         decoding starts."""
+        suffixes = [self._suffix(r) for r in batch]
+        room = min(batch[0].spec.max_new_tokens, DECODE_ROOM)
+        prefixes = [states[id(r)] for r in batch]
+        if all(st is not None for st in prefixes) and all(len(ids) and not images for ids, images in suffixes):
+            counts = [len(ids) for ids, _ in suffixes]
+            cache = DecodeCache(prefixes, self.shape, max(counts) + room, self.device)
+            ids = torch.full((len(batch), max(counts)), self.codec.pad_token_id, dtype=torch.long)
+            for i, (row, _) in enumerate(suffixes):
+                ids[i, : len(row)] = torch.from_numpy(row)
+            n = torch.tensor(counts, device=self.device)
+            hidden = self.model.extend(ids.to(self.device), n, cache)
+            self.tokens_computed += sum(counts)
+            return hidden[torch.arange(len(batch), device=self.device), n - 1], cache
         last, rows = [], []
-        for r in batch:
-            ids, images = self._suffix(r)
+        for r, (ids, images) in zip(batch, suffixes):
             hidden, st = self._forward_rows([ids], [images], states[id(r)], save=True)
             last.append(hidden[:, -1])
             rows.append(st)
-        room = min(batch[0].spec.max_new_tokens, DECODE_ROOM)
         return torch.cat(last), DecodeCache(rows, self.shape, room, self.device)
