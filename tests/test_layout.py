@@ -308,3 +308,19 @@ def test_long_modules_state_why():
               if LENGTH_REASON not in (ast.get_docstring(trees[n]) or "")]
     _report(f"modules over {MAX_LINES} lines whose docstring does not say why "
             f"(a sentence starting {LENGTH_REASON!r}):", silent)
+
+
+def test_repository_root_shadows_no_installed_package():
+    """`python -m pytest` puts the repository root first on ``sys.path``, so a directory or
+    module there named like an installed distribution's top-level package replaces it for every
+    import. transformers >= 5.25 imports the Hugging Face ``kernels`` package
+    (``transformers/integrations/hub_kernels.py``), which a top-level ``kernels`` link once
+    shadowed, breaking every Qwen3.5 model load."""
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    root = PACKAGE_DIR.parent.parent
+    importable = {p.stem if p.suffix == ".py" else p.name for p in root.iterdir()
+                  if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
+    shadowing = {name: installed[name] for name in importable if name in installed}
+    assert not shadowing, f"repository-root entries shadow installed packages: {shadowing}"
