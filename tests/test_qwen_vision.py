@@ -80,6 +80,37 @@ def test_vision_encode_matches_transformers(setup):
     assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
 
 
+
+def test_several_images_of_mixed_sizes_match_transformers(setup, monkeypatch):
+    """``QwenVision.encode_images`` (our ``GroupedTower``: frames of one grid size attend as one
+    batched call, pixels never concatenated) against transformers'
+    ``Qwen3_5Model.get_image_features`` on the concatenated pixels with ``cu_seqlens`` per frame;
+    sizes interleaved (so grouping reorders them) and one two-frame image. Also the fallback
+    through transformers' own forward where the index helpers are missing."""
+    s = setup
+    cfg = CropEncodeConfig.from_preprocessor_config(s["dir"])
+    rng = np.random.default_rng(3)
+    images = []
+    for h, w in ((80, 120), (60, 60), (80, 120), (120, 90), (60, 60)):
+        img = torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8))
+        images.append(crop_encode(img, torch.tensor([[0, 0, w, h]]), cfg, impl="torch"))
+    pv, grid = images[2]
+    images.append((torch.cat([pv, pv + 0.25]), grid * torch.tensor([[2, 1, 1]])))  # t = 2
+    items = [(p, g[0].tolist()) for p, g in images]
+    ours = s["vision"].encode_images(items)
+    with torch.inference_mode():
+        ref = s["hf"].model.get_image_features(torch.cat([p for p, _ in images]),
+                                               torch.cat([g for _, g in images])).pooler_output
+    assert s["vision"]._tower is not None
+    assert len(ours) == len(ref) == 6 and len({tuple(g[1:]) for _, g in items}) == 3
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    monkeypatch.setattr(s["vision"], "_tower", None)
+    for a, b in zip(s["vision"].encode_images(items), ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="expected"):
+        s["vision"].encode_images([(pv[1:], grid[0].tolist())])
+
 def test_patch_embedding_runs_as_a_matmul(setup, monkeypatch):
     """transformers' Qwen3_5VisionPatchEmbed (models/qwen3_5/modeling_qwen3_5.py,
     Qwen3_5VisionPatchEmbed.forward) is a Conv3d with kernel == stride over patch rows viewed as

@@ -35,7 +35,7 @@ from .caches import ImageEmbeddingCache, prefix_cache_key
 from .loading import load_state_dict, place_checkpoint
 from .qwen_decode import DECODE_ROOM, DecodeCache, decode_greedy
 from .qwen_model import PrefixState, QwenModel, QwenShape, QwenWeights
-from .qwen_vision import image_token_count, mrope_positions
+from .qwen_vision import mrope_positions
 
 log = logging.getLogger("fastjudge")
 
@@ -123,16 +123,13 @@ class TorchQwenBackend:
 
     def _embed(self, images: Sequence[Image]) -> torch.Tensor | None:
         """Vision embeddings of ``images`` concatenated in order; images not cached are encoded
-        together in one vision-tower call."""
+        together in one vision-tower call (each image's pixels as they are: no concatenation)."""
         if not images:
             return None
         missing = list({im.key: im for im in images if im.key not in self._image_embeds}.values())
         if missing:
-            pixels = torch.cat([torch.as_tensor(im.pixel_values) for im in missing])
-            grids = torch.tensor([im.grid_thw for im in missing], dtype=torch.long)
-            embeds = self.vision.encode(pixels, grids)
-            counts = [image_token_count(im.grid_thw, self.vision.spatial_merge_size) for im in missing]
-            for im, e in zip(missing, embeds.split(counts)):
+            embeds = self.vision.encode_images([(im.pixel_values, im.grid_thw) for im in missing])
+            for im, e in zip(missing, embeds):
                 self._image_embeds.put(im.key, e)
         return torch.cat([self._image_embeds.get(im.key) for im in images])
 
