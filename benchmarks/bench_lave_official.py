@@ -7,10 +7,10 @@ with the prompts of the authors' own builder (``lave.py`` of the checkout given 
 * authors' path (``LaveFT5.batch_compute`` in their ``lave_ft5.py``): transformers
   ``T5ForConditionalGeneration.generate`` on one pad-longest batch of all items,
   ``max_new_tokens=100``; the rating is the token before each row's first EOS, decoded alone;
-* fastjudge: ``LaveJudge(model, official_repo=...)``: packed encoder; greedy decoding whose
-  first steps run without cross-attention K/V (rows ending there never get any), then with
-  cached K/V, rows leaving the decode batch at their EOS or budget and waiting rows joining as
-  they leave (``--max-decode-rows`` caps the decode batch).
+* fastjudge: ``LaveJudge(model, official_repo=...)``: packed encoder; greedy decoding with
+  reassociated cross-attention (no cross-attention K/V), rows leaving the decode batch at their
+  EOS or budget and waiting rows joining as they leave (``--max-decode-rows`` caps the decode
+  batch).
 
 The checkpoint's EOS and rating rows of the LM head are scaled up
 (``fastjudge.checkpoints.scale_output_rows``) so that outputs end at varied lengths, as a real

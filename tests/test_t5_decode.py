@@ -3,7 +3,9 @@ padded batch through transformers' ``generate`` (transformers
 ``generation/utils.py``, ``GenerationMixin.generate`` greedy search: ``do_sample=False``,
 ``num_beams=1``, all rows padded along until the longest stops): the same tokens, the same
 end (EOS or budget) and the same logits at the tracked ids, whatever the decode batch limit, on
-a checkpoint whose outputs end at varied lengths."""
+a checkpoint whose outputs end at varied lengths; the reassociated cross-attention against
+attention over projected K/V (transformers ``models/t5/modeling_t5.py``, ``T5Attention.forward``
+with ``key_value_states``)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import torch
 
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends import t5_decode
+from fastjudge.backends.t5_model import pad_rows
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.checkpoints import scale_output_rows
 from fastjudge.demo import sample_rows
 from fastjudge.runtime.requests import Request, Text
 
 MAX_NEW = 40
+SHORT = 3  # the fixture has rows that end before this many tokens
 
 
 def rating_ids(codec) -> list[int]:
@@ -78,8 +82,7 @@ def run_text(backend, prompts, max_new=MAX_NEW, track=()):
 
 def test_fixture_ends_at_varied_lengths(padded):
     lengths = [len(ids) for ids, _, _ in padded]
-    # some end within the reassociated first steps
-    assert any(eos and len(ids) < t5_decode.FAST_STEPS for ids, eos, _ in padded), lengths
+    assert any(eos and len(ids) < SHORT for ids, eos, _ in padded), lengths  # some end at once
     assert MAX_NEW in lengths  # at the budget
     assert len(set(lengths)) >= 4, lengths
 
@@ -123,27 +126,76 @@ def test_rows_join_as_others_leave(varied, prompts, monkeypatch):
     assert sorted(r for k, r, _ in events if k == "add") == sorted(r for k, r, _ in events if k == "remove")
 
 
-def test_short_rows_settle_without_cross_attention_kv(varied, prompts, padded, monkeypatch):
-    """Rows ending within the first steps never get cross-attention K/V; within a budget of
-    those steps no row does."""
-    entered = []
-    add = t5_decode.Slots.add
+def test_decode_state_budget_sets_the_rows(varied, prompts, monkeypatch):
+    """``decode_cache_bytes`` of two rows' encoder states and self-attention K/V: two rows
+    decode at once, and the tokens stay those of one padded batch."""
+    live = []
+    step = t5_decode.step
 
-    def logged_add(self, model, rows, states, start):
-        entered.extend(rows)
-        add(self, model, rows, states, start)
+    def logged_step(model, slots, mask):
+        live.append(slots.live)
+        return step(model, slots, mask)
 
-    monkeypatch.setattr(t5_decode.Slots, "add", logged_add)
+    monkeypatch.setattr(t5_decode, "step", logged_step)
+    probe = TorchT5Backend(varied, device="cpu", dtype="float32")
+    longest = max(len(probe.codec.encode_prompt(p)) for p in prompts)
+    per_row = t5_decode.row_bytes(probe.model, longest, MAX_NEW)
+    backend = TorchT5Backend(varied, device="cpu", dtype="float32", decode_cache_bytes=2 * per_row + per_row // 2)
+    assert backend.decode_rows(longest, MAX_NEW) == 2
+    outs = run_text(backend, prompts)
+    assert max(live) == 2
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run_text(probe, prompts)]
+
+
+def test_budget_shorter_than_outputs(varied, prompts, padded):
     backend = TorchT5Backend(varied, device="cpu", dtype="float32")
-    run_text(backend, prompts)
-    short = {i for i, (ids, eos, _) in enumerate(padded) if eos and len(ids) < t5_decode.FAST_STEPS}
-    assert short and not short & set(entered) and len(entered) == len(padded) - len(short)
-    entered.clear()
-    outs = run_text(backend, prompts, max_new=t5_decode.FAST_STEPS)
-    assert entered == []
-    for out, (ids, eos, _) in zip(outs, padded):
-        assert out.token_ids == ids[: t5_decode.FAST_STEPS]
-        assert out.finished == (eos and len(ids) < t5_decode.FAST_STEPS)
+    for out, (ids, eos, _) in zip(run_text(backend, prompts, max_new=SHORT), padded):
+        assert out.token_ids == ids[:SHORT]
+        assert out.finished == (eos and len(ids) < SHORT)
+
+
+def test_repeated_requests_run_once(varied, prompts, padded, monkeypatch):
+    """Identical requests of a batch are encoded and decoded once; each gets the output (its
+    own index) that it gets alone."""
+    encoded = []
+    backend = TorchT5Backend(varied, device="cpu", dtype="float32")
+    real_encode = backend.model.encode
+
+    def logged_encode(ids, lengths):
+        encoded.extend(lengths)
+        return real_encode(ids, lengths)
+
+    monkeypatch.setattr(backend.model, "encode", logged_encode)
+    order = [3, 0, 3, 5, 0, 3]
+    outs = run_text(backend, [prompts[i] for i in order])
+    assert sorted(encoded) == sorted(len(backend.codec.encode_prompt(prompts[i])) for i in {0, 3, 5})
+    for k, (out, i) in enumerate(zip(outs, order)):
+        assert out.index == k and out.token_ids == padded[i][0] and out.finished == padded[i][1]
+
+
+@pytest.mark.parametrize("positions", [1, 4])
+def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions):
+    """``T5Model.cross_attention`` (no K/V: queries mapped to model space over the encoder
+    states) against softmax(q K^T) V over K = m W_k^T, V = m W_v^T per head, on rows of
+    different lengths (padded keys masked)."""
+    model = t5_backend.model
+    s, layer = model.s, model.w.decoder[0]
+    h, dk, d = s.num_heads, s.d_kv, s.d_model
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 5]
+    enc = torch.randn(sum(lengths), d, generator=g)
+    xq = torch.randn(len(lengths), positions, h, dk, generator=g)
+    mem, bias = pad_rows(enc, lengths)
+    got = model.cross_attention(xq, layer, mem, bias)
+    start = 0
+    for b, n in enumerate(lengths):
+        m = enc[start:start + n]
+        start += n
+        k = (m @ layer["x_k"].T).view(n, h, dk).transpose(0, 1)  # [h, n, dk]
+        v = (m @ layer["x_v"].T).view(n, h, dk).transpose(0, 1)
+        q = xq[b].transpose(0, 1)  # [h, P, dk]
+        want = (torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v).transpose(0, 1).reshape(positions, h * dk)
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
 
 
 def test_no_tracking(varied, prompts, padded):

@@ -2,19 +2,19 @@
 
 Rows are independent, so which rows share a step batch changes no row's tokens. That allows:
 
-* **Settling short rows without cross-attention K/V.** Every row first takes up to
-  ``FAST_STEPS`` steps through the reassociated decoder pass (``T5Model.decode_choice`` with
-  full-vocabulary logits), which reads the encoder states directly instead of projecting every
-  encoder token to K and V in every decoder layer. A row that meets EOS (or its budget) there is
-  done: a score-only LAVE row whose greedy output is a rating followed by EOS costs those
-  steps and no K/V. The other rows start over in the cached loop below (the same greedy steps).
-* **Early exit.** The cached loop keeps its rows in the leading slots of fixed buffers (decoder
-  self-attention K/V, cross-attention K/V, both contiguous). A row that meets EOS or its budget
-  leaves at once: the last live row is copied into its slot, so no finished row is carried
-  along and no other row's cache is copied.
+* **No cross-attention K/V.** Each step's cross-attention is the reassociated form
+  (``T5Model.cross_attention``), which reads a row's encoder states directly: a row costs no
+  K/V projection of its prompt when it joins, and a step reads fewer bytes per encoder token
+  than cached K/V would (``d_model`` against ``2 * heads * d_kv``).
+* **Early exit.** Live rows sit in the leading slots of fixed buffers (encoder states and
+  decoder self-attention K/V). A row that meets EOS or its budget leaves at once: the last live
+  row is copied into its slot, so no finished row is carried along.
 * **Refill.** With more rows than slots, waiting rows are encoded when slots free up and join
   the batch at their first step (rows of one step batch sit at different positions; each attends
   to its own length through its own mask row).
+* **Only live extents.** A step attends over the longest live row's encoder states and the
+  furthest live decoder position, not the buffers' full widths (masked keys have weight
+  exactly 0, so leaving them out changes nothing).
 
 Argmax runs on the device and each step moves one small tensor to the host.
 """
@@ -28,63 +28,56 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .t5_model import T5Model, rms_norm
+from .t5_model import T5Model, key_bias, rms_norm
 
-# Steps taken through the reassociated pass before a row gets cross-attention K/V: enough for a
-# rating followed by EOS, also where the rating is written as two pieces ("▁" and a digit).
-# Each such step re-runs the decoder prefix, but with a handful of positions that costs far
-# less than projecting the encoder states to K/V in every layer.
-FAST_STEPS = 3
+
+def row_bytes(model: T5Model, enc_len: int, max_new_tokens: int) -> int:
+    """Bytes one decoding row holds: its encoder states and its self-attention K/V."""
+    s = model.s
+    per_token = s.d_model * enc_len + len(model.w.decoder) * 2 * s.num_heads * s.d_kv * max_new_tokens
+    return per_token * model.w.embed.element_size()
 
 
 class Slots:
     """Decoding state of up to ``capacity`` rows; live rows fill slots ``0 .. live - 1``.
 
-    One buffer per kind holds every layer's K and V, ``[slot, layer, k/v, head, position,
-    d_kv]``, so moving a row is one copy per kind. Both start zeroed and only ever receive
-    finite values: a masked position's weight is exactly 0, so stale values of a slot's earlier
-    row never reach a result and slots are not cleared between rows."""
+    ``mem`` [slot, enc_len, d] holds each row's encoder states, ``self_kv`` [slot, layer, k/v,
+    head, position, d_kv] its decoder self-attention K/V. Both start zeroed and only ever
+    receive finite values: a masked position's weight is exactly 0, so stale values of a slot's
+    earlier row never reach a result and slots are not cleared between rows."""
 
     def __init__(self, model: T5Model, capacity: int, enc_len: int, max_new_tokens: int, device):
         s, w = model.s, model.w
         dt = w.embed.dtype
-        n = len(w.decoder)
-        self.self_kv = torch.zeros(capacity, n, 2, s.num_heads, max_new_tokens, s.d_kv, dtype=dt, device=device)
-        self.cross_kv = torch.zeros(capacity, n, 2, s.num_heads, enc_len, s.d_kv, dtype=dt, device=device)
-        self.enc_len = enc_len
+        self.mem = torch.zeros(capacity, enc_len, s.d_model, dtype=dt, device=device)
+        self.self_kv = torch.zeros(capacity, len(w.decoder), 2, s.num_heads, max_new_tokens, s.d_kv,
+                                   dtype=dt, device=device)
         self.capacity = capacity
         self.live = 0
         self.rows: list[int] = []  # the request row in each live slot
         self.pos: list[int] = []  # each live row's next decoder position
         self.token: list[int] = []  # each live row's next input token
         self.lengths: list[int] = []  # each live row's prompt length
-        self._key_mask: torch.Tensor | None = None  # [live, 1, 1, enc_len], rebuilt on change
+        self._key_mask: torch.Tensor | None = None  # [live, 1, 1, longest live], rebuilt on change
 
     def add(self, model: T5Model, rows: Sequence[int], states: Sequence[torch.Tensor], start_token: int) -> None:
-        """Move rows in at their first step: cross-attention K/V of their encoder states
-        (``[n, d]`` each), computed once for the whole decode, one GEMM per layer and kind."""
-        g, j = len(rows), self.live
-        h, dk = model.s.num_heads, model.s.d_kv
-        mem = states[0].new_zeros(g, self.enc_len, states[0].shape[-1])
+        """Move rows in at their first step with their encoder states (``[n, d]`` each)."""
         for i, st in enumerate(states):
-            mem[i, : st.shape[0]] = st
-        for li, layer in enumerate(model.w.decoder):
-            for kind, name in enumerate(("x_k", "x_v")):
-                self.cross_kv[j: j + g, li, kind] = \
-                    F.linear(mem, layer[name]).view(g, self.enc_len, h, dk).transpose(1, 2)
+            self.mem[self.live + i, : st.shape[0]] = st
         self.rows += rows
-        self.pos += [0] * g
-        self.token += [start_token] * g
+        self.pos += [0] * len(rows)
+        self.token += [start_token] * len(rows)
         self.lengths += [st.shape[0] for st in states]
-        self.live += g
+        self.live += len(rows)
         self._key_mask = None
 
     def remove(self, j: int) -> None:
-        """Drop the row in slot ``j``: the last live row moves into it (one row's copy)."""
+        """Drop the row in slot ``j``: the last live row moves into it (the written part of its
+        state only: what lies beyond is masked)."""
         last = self.live - 1
         if j != last:
-            self.self_kv[j] = self.self_kv[last]
-            self.cross_kv[j] = self.cross_kv[last]
+            self.mem[j, : self.lengths[last]] = self.mem[last, : self.lengths[last]]
+            self.self_kv[j, ..., : self.pos[last], :] = self.self_kv[last, ..., : self.pos[last], :]
             for lst in (self.rows, self.pos, self.token, self.lengths):
                 lst[j] = lst[last]
         for lst in (self.rows, self.pos, self.token, self.lengths):
@@ -93,13 +86,9 @@ class Slots:
         self._key_mask = None
 
     def key_mask(self) -> torch.Tensor:
-        """0 over each live row's prompt, -inf over its padding."""
+        """0 over each live row's prompt, -inf after it, up to the longest live prompt."""
         if self._key_mask is None:
-            dev = self.cross_kv.device
-            keys = torch.arange(self.enc_len, device=dev)
-            n = torch.tensor(self.lengths, device=dev)[:, None]
-            self._key_mask = torch.zeros(self.live, self.enc_len, dtype=self.cross_kv.dtype, device=dev) \
-                .masked_fill(keys >= n, float("-inf")).view(self.live, 1, 1, self.enc_len)
+            self._key_mask = key_bias(self.lengths, max(self.lengths), self.mem.dtype, self.mem.device)
         return self._key_mask
 
 
@@ -107,14 +96,16 @@ def step(model: T5Model, slots: Slots, self_mask: torch.Tensor) -> torch.Tensor:
     """One greedy step of the live rows: full-vocabulary logits [live, V]."""
     s, b = model.s, slots.live
     h, dk = s.num_heads, s.d_kv
-    dev = slots.cross_kv.device
+    dev = slots.mem.device
     token = torch.tensor(slots.token, device=dev)
     pos = torch.tensor(slots.pos, device=dev)
     rows = torch.arange(b, device=dev)
+    width = max(slots.pos) + 1  # decoder positions any live row reads
     # each row's query position: its bias row, -inf past itself
-    mask = self_mask[:, pos].transpose(0, 1).unsqueeze(2)  # [b, H, 1, budget]
+    mask = self_mask[:, pos, :width].transpose(0, 1).unsqueeze(2)  # [b, H, 1, width]
     key_mask = slots.key_mask()
-    self_kv, cross_kv = slots.self_kv[:b], slots.cross_kv[:b]
+    mem = slots.mem[:b, : key_mask.shape[-1]]
+    self_kv = slots.self_kv[:b, :, :, :, :width]
     x = F.embedding(token, model.w.embed)[:, None, :]  # [b, 1, d]
     for li, layer in enumerate(model.w.decoder):
         qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"]).view(b, 3, h, dk)
@@ -122,10 +113,8 @@ def step(model: T5Model, slots: Slots, self_mask: torch.Tensor) -> torch.Tensor:
         o = F.scaled_dot_product_attention(qkv[:, 0, :, None], self_kv[:, li, 0], self_kv[:, li, 1],
                                            attn_mask=mask, scale=1.0)
         x = x + F.linear(o.reshape(b, 1, h * dk), layer["o"])
-        xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(b, h, 1, dk)
-        o = F.scaled_dot_product_attention(xq, cross_kv[:, li, 0], cross_kv[:, li, 1],
-                                           attn_mask=key_mask, scale=1.0)
-        x = x + F.linear(o.reshape(b, 1, h * dk), layer["x_o"])
+        xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(b, 1, h, dk)
+        x = x + F.linear(model.cross_attention(xq, layer, mem, key_mask), layer["x_o"])
         x = model.feed_forward(x, layer)
     return model._logits_rows(x[:, 0], None)
 
@@ -141,10 +130,10 @@ def decode_greedy(model: T5Model, prompts: Sequence[np.ndarray], max_new_tokens:
                   track: torch.Tensor | None, max_rows: int, encode_tokens: int):
     """Greedy decoding of ``prompts`` (token ids per row) until EOS or ``max_new_tokens``.
 
-    At most ``max_rows`` rows hold cross-attention K/V at a time; rows are encoded in packs of
-    about ``encode_tokens`` tokens as room frees up. Returns per row: generated ids (EOS
-    excluded), whether EOS ended it, and the tracked logits [steps, K] of every kept step
-    (None without ``track``)."""
+    At most ``max_rows`` rows decode at a time; rows are encoded in packs of about
+    ``encode_tokens`` tokens as room frees up. Returns per row: generated ids (EOS excluded),
+    whether EOS ended it, and the tracked logits [steps, K] of every kept step (None without
+    ``track``)."""
     s = model.s
     dev = model.w.embed.device
     eos, start = s.eos_token_id, s.decoder_start_token_id
@@ -164,10 +153,10 @@ def decode_greedy(model: T5Model, prompts: Sequence[np.ndarray], max_new_tokens:
         return len(tokens[row]) >= max_new_tokens
 
     todo = deque(range(n_rows))
-    ready: deque[tuple[int, torch.Tensor]] = deque()  # encoded rows not settled by the fast path
+    ready: deque[tuple[int, torch.Tensor]] = deque()  # encoded rows waiting for a slot
 
     def encode_more() -> None:
-        """Encode the next pack of waiting rows and take their first steps reassociated."""
+        """Encode the next pack of waiting rows."""
         pack, total = [], 0
         while todo and (not pack or total + len(prompts[todo[0]]) <= encode_tokens):
             pack.append(todo.popleft())
@@ -176,44 +165,18 @@ def decode_greedy(model: T5Model, prompts: Sequence[np.ndarray], max_new_tokens:
         packed = torch.from_numpy(np.concatenate([prompts[i] for i in pack])).to(dev)
         enc = model.encode(packed, lengths)
         starts = np.concatenate([[0], np.cumsum(lengths)])
-        states = {i: enc[int(starts[k]):int(starts[k + 1])] for k, i in enumerate(pack)}
-        prefixes = {i: [start] for i in pack}
-        for _ in range(min(FAST_STEPS, max_new_tokens)):
-            rows = list(prefixes)
-            if not rows:
-                break
-            logits = model.decode_choice(torch.cat([states[i] for i in rows]),
-                                         [len(prompts[i]) for i in rows],
-                                         [prefixes[i] for i in rows], None)
-            for i, picked in zip(rows, _pick(logits, track)):
-                if take(i, picked):
-                    del prefixes[i]
-                else:
-                    prefixes[i].append(int(picked[0]))
-        for i in pack:
-            if i in prefixes:  # still running: restarts in the cached loop
-                tokens[i].clear()
-                tracked[i].clear()
-                ready.append((i, states[i]))
+        ready.extend((i, enc[int(starts[k]):int(starts[k + 1])]) for k, i in enumerate(pack))
 
-    enc_len = max(len(p) for p in prompts)
-    slots = None
-    self_mask = None
-    while todo or ready or (slots is not None and slots.live):
-        while todo and len(ready) < max_rows - (slots.live if slots else 0):
+    slots = Slots(model, max(1, min(max_rows, n_rows)), max(len(p) for p in prompts), max_new_tokens, dev)
+    bias = model.decoder_bias(max_new_tokens)
+    causal = torch.ones(max_new_tokens, max_new_tokens, dtype=torch.bool, device=dev).tril()
+    self_mask = bias.masked_fill(~causal, float("-inf"))  # [H, budget, budget]
+    while todo or ready or slots.live:
+        while todo and len(ready) < slots.capacity - slots.live:
             encode_more()
-        if slots is None:
-            if not ready:
-                continue  # every row so far settled by the fast path
-            slots = Slots(model, max(1, min(max_rows, n_rows)), enc_len, max_new_tokens, dev)
-            bias = model.decoder_bias(max_new_tokens)
-            causal = torch.ones(max_new_tokens, max_new_tokens, dtype=torch.bool, device=dev).tril()
-            self_mask = bias.masked_fill(~causal, float("-inf"))  # [H, budget, budget]
         joining = [ready.popleft() for _ in range(min(len(ready), slots.capacity - slots.live))]
         if joining:
             slots.add(model, [i for i, _ in joining], [st for _, st in joining], start)
-        if not slots.live:
-            continue
         done = []
         for j, picked in enumerate(_pick(step(model, slots, self_mask), track)):
             row = slots.rows[j]

@@ -11,11 +11,15 @@ decide speed:
   masks, no ``[batch, heads, L, L]`` score tensor in eager code).
 * **Fused projections.** q/k/v and the two gated-FF input projections are concatenated at
   load time: fewer, larger GEMMs.
-* **Reassociated decoder pass without cross-attention K/V.** For a handful of decoder queries,
-  ``q . (W_k h)`` is computed as ``(W_k^T q) . h`` and ``sum p W_v h`` as ``W_v (sum p h)``:
-  exact reassociation that skips projecting every encoder token to K and V in every decoder
-  layer. Only the K candidate rows of the LM head are computed (or, for the first greedy
-  steps, the full vocabulary).
+* **Cross-attention without K/V.** ``q . (W_k m)`` is computed as ``(W_k^T q) . m`` and
+  ``sum p W_v m`` as ``W_v (sum p m)``: exact reassociation that never projects an encoder
+  token to K or V. Mapped to model space, every head's query attends over the same keys and
+  values (the encoder states themselves), so all heads and positions of a row are the queries
+  of one ``scaled_dot_product_attention`` head: one pass over a row's encoder states per layer,
+  fewer bytes than its K/V (``d_model`` against ``2 * heads * d_kv`` per token). For the few
+  queries of a decoder step this is cheaper than K/V, which would cost ``2 * heads * d_kv *
+  d_model`` per encoder token and layer up front (``d_kv`` steps' worth of the reassociated
+  scores). Only the K candidate rows of the LM head are computed for a score-only step.
 """
 
 from __future__ import annotations
@@ -74,19 +78,25 @@ def activation(name: str):
 
 
 def pad_rows(packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Packed rows [T, d] as a right-padded batch [B, L, d] (padding zero) and the float32 key
-    bias [B, 1, L] that masks the padding (None when no row is padded)."""
+    """Packed rows [T, d] as a right-padded batch [B, L, d] (padding zero) and the key bias
+    [B, 1, 1, L] in their dtype that masks the padding (None when no row is padded)."""
     longest = max(lengths)
     if all(n == longest for n in lengths):
         return packed.view(len(lengths), longest, packed.shape[-1]), None
     out = packed.new_zeros(len(lengths), longest, packed.shape[-1])
-    bias = torch.full((len(lengths), 1, longest), float("-inf"), device=packed.device)
     start = 0
     for i, n in enumerate(lengths):
         out[i, :n] = packed[start:start + n]
-        bias[i, :, :n] = 0
         start += n
-    return out, bias
+    return out, key_bias(lengths, longest, packed.dtype, packed.device)
+
+
+def key_bias(lengths: Sequence[int], width: int, dtype, device) -> torch.Tensor:
+    """[B, 1, 1, width]: 0 over each row's first ``lengths[b]`` keys, -inf after them."""
+    keys = torch.arange(width, device=device)
+    n = torch.tensor(list(lengths), device=device)[:, None]
+    return torch.zeros(len(lengths), width, dtype=dtype, device=device) \
+        .masked_fill(keys >= n, float("-inf")).view(len(lengths), 1, 1, width)
 
 
 class T5Weights:
@@ -141,7 +151,7 @@ class T5Weights:
                          **cross_attn(f"decoder.block.{i}.layer.1"),
                          **ff(f"decoder.block.{i}.layer.2", take)}
                         for i in range(shape.num_decoder_layers)]
-        # Per-head views of cross-attention projections for the reassociated score-only step.
+        # Per-head views of cross-attention projections for the reassociated cross-attention.
         h, dk, d = shape.num_heads, shape.d_kv, shape.d_model
         for layer in self.decoder:
             layer["x_k_heads"] = layer["x_k"].view(h, dk, d)
@@ -182,7 +192,7 @@ class T5Model:
         h = linear(rms_norm(x, layer["ff_norm"], self.s.eps), layer["wi"])
         if self.s.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
+            h = self.act(gate).mul_(up)  # in place: one pass and no extra [T, d_ff] buffer
         else:
             h = self.act(h)
         return x + linear(h, layer["wo"])
@@ -204,7 +214,7 @@ class T5Model:
                 # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0),
                                                    scale=1.0)
-                out[a:b] = o[0].transpose(0, 1).reshape(n, inner)
+                out[a:b].view(n, h, dk).copy_(o[0].transpose(0, 1))
             x = x + linear(out, layer["o"])
             x = self.feed_forward(x, layer)
         return rms_norm(x, self.w.enc_final_norm, s.eps)
@@ -219,6 +229,19 @@ class T5Model:
         x = rms_norm(hidden, self.w.dec_final_norm, self.s.eps) * scale
         return F.linear(x, self.w.lm_head).float()
 
+    def cross_attention(self, xq: torch.Tensor, layer: dict, mem: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """Cross-attention output [B, P, heads * d_kv] (before ``o``) of the projected queries
+        ``xq`` [B, P, heads, d_kv] over encoder states ``mem`` [B, L, d] (``bias`` [B, 1, 1, L]
+        masks padded keys), reassociated: no encoder token is projected to K or V."""
+        B, P, h, dk = xq.shape
+        d = mem.shape[-1]
+        q = torch.einsum("bphk,hkd->bhpd", xq, layer["x_k_heads"]).reshape(B, 1, h * P, d)
+        kv = mem.unsqueeze(1)  # one head whose keys and values are the encoder states
+        # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
+        ctx = F.scaled_dot_product_attention(q, kv, kv, attn_mask=bias, scale=1.0)
+        return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), layer["x_v_heads"]).reshape(B, P, h * dk)
+
     def decode_choice(self, enc: torch.Tensor, lengths: Sequence[int],
                       decoder_ids: list[list[int]], candidates: torch.Tensor | None) -> torch.Tensor:
         """Candidate logits [B, K] at the last decoder position of each row (``candidates``
@@ -228,7 +251,7 @@ class T5Model:
         padding; causal attention keeps padding out of real positions).
         """
         s = self.s
-        h, dk, d = s.num_heads, s.d_kv, s.d_model
+        h, dk = s.num_heads, s.d_kv
         B = len(decoder_ids)
         P = max(len(r) for r in decoder_ids)
         ids = torch.tensor([[*r, *[0] * (P - len(r))] for r in decoder_ids], device=enc.device)
@@ -237,22 +260,15 @@ class T5Model:
         self_bias = self.decoder_bias(P).unsqueeze(0)
         causal = torch.ones(P, P, dtype=torch.bool, device=enc.device).tril()
         self_mask = self_bias.masked_fill(~causal, float("-inf"))
-        mem, key_bias = pad_rows(enc, lengths)  # [B, L, d], [B, 1, L]
+        mem, key_mask = pad_rows(enc, lengths)  # [B, L, d], [B, 1, 1, L]
         for layer in self.w.decoder:
             # causal self-attention over the (short) decoder prefix
             qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
             q, k, v = qkv.view(B, P, 3, h, dk).permute(2, 0, 3, 1, 4)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=1.0)
             x = x + F.linear(o.transpose(1, 2).reshape(B, P, h * dk), layer["o"])
-            # cross-attention, reassociated: never materialises encoder K/V; one batched GEMM
-            # for all rows and heads (padded keys masked)
             xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(B, P, h, dk)
-            q_in_model_space = torch.einsum("bphk,hkd->bhpd", xq, layer["x_k_heads"])  # [B,H,P,d]
-            scores = torch.matmul(q_in_model_space.reshape(B, h * P, d), mem.transpose(1, 2))
-            scores = scores.float() if key_bias is None else scores.float() + key_bias
-            ctx = torch.matmul(torch.softmax(scores, dim=-1).to(x.dtype), mem).view(B, h, P, d)
-            attn = torch.einsum("bhpd,hkd->bphk", ctx, layer["x_v_heads"]).reshape(B, P, h * dk)
-            x = x + F.linear(attn, layer["x_o"])
+            x = x + F.linear(self.cross_attention(xq, layer, mem, key_mask), layer["x_o"])
             x = self.feed_forward(x, layer)
         final = x[torch.arange(B, device=x.device), last]  # [B, d]
         return self._logits_rows(final, candidates)

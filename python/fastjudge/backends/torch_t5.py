@@ -1,6 +1,6 @@
 """T5 v1.1 / Flan-T5 judge backend in plain PyTorch.
 
-The model math (packed encoder, fused projections, the reassociated score-only decoder step) is
+The model math (packed encoder, fused projections, the reassociated cross-attention) is
 ``t5_model`` and greedy decoding with early exit and refill ``t5_decode``; this module ties them
 to requests: loading, planning hooks, packing a batch into encoder packs, grouping rows by
 candidate set, outputs. A bidirectional encoder allows no exact prefix reuse, so no prefix
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, choice_probs
 from .loading import load_state_dict, place_checkpoint
-from .t5_decode import decode_greedy
+from .t5_decode import decode_greedy, row_bytes
 from .t5_model import T5Model, T5Shape, T5Weights
 
 log = logging.getLogger("fastjudge")
@@ -38,10 +39,10 @@ class TorchT5Backend:
                  max_decode_rows: int | None = None):
         """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
-        with FP8 tensor cores (compute capability 8.9+). ``decode_cache_bytes``: the
-        cross-attention K/V that greedy decoding may hold at once (default 1 GiB on CPU, 16 GiB
-        on CUDA), which sets how many rows decode together; ``max_decode_rows`` caps those rows
-        (more rows of a batch join as others finish)."""
+        with FP8 tensor cores (compute capability 8.9+). ``decode_cache_bytes``: the decoding
+        state (rows' encoder states and self-attention K/V) that greedy decoding may hold at
+        once (default 1 GiB on CPU, 16 GiB on CUDA), which sets how many rows decode together;
+        ``max_decode_rows`` caps those rows (more rows of a batch join as others finish)."""
         cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, T5_MODEL_TYPES, "a T5 model",
                                                                   device, dtype, fp8_gemm)
         self.shape = T5Shape.from_config(cfg)
@@ -52,12 +53,10 @@ class TorchT5Backend:
         # T5 uses relative positions, so no architectural length limit exists; the default cap
         # bounds memory and is far above LAVE prompts (~1k tokens with 8 demonstrations).
         self.max_input_tokens = max_input_tokens or 4096
-        # Planner budget (rows x longest prompt): large enough for full GEMMs, small enough
-        # that activations of a batch stay in cache-friendly sizes on CPU.
         # Planner budget (rows x longest prompt) of one call. The backend bounds its own memory
         # below it: the encoder runs in packs of ``encode_tokens`` (large enough for full GEMMs,
         # small enough that activations stay cache-friendly on CPU) and decoding holds the
-        # cross-attention K/V of a bounded number of rows, refilled as rows finish; so a call
+        # state of a bounded number of rows, refilled as rows finish; so a call
         # may hold many rows, and one call's rows decode in one batch.
         cuda = self.device.type == "cuda"
         self.default_batch_tokens = 65536
@@ -81,6 +80,16 @@ class TorchT5Backend:
         specs = {type(r.spec) for r in batch}
         if len(specs) != 1:
             raise ValueError("a batch must hold one kind of output spec")
+        # Identical requests (prompt, output spec, forced prefix) run once: rows are computed
+        # independently of each other, so a repeat's output is the first one's.
+        first: dict[tuple, int] = {}
+        source = [first.setdefault((r.prompt_ids.dtype.str, r.prompt_ids.tobytes(), r.spec,
+                                    tuple(r.response_prefix)), i) for i, r in enumerate(batch)]
+        outputs = dict(zip(first.values(), self._run_unique([batch[i] for i in first.values()])))
+        return [outputs[i] if source[i] == i else replace(outputs[source[i]], index=r.index)
+                for i, r in enumerate(batch)]
+
+    def _run_unique(self, batch: Sequence[Request]) -> list[Output]:
         if not isinstance(batch[0].spec, Choice):
             return self._run_text(batch)
         outputs = []
@@ -102,12 +111,9 @@ class TorchT5Backend:
             total += len(r.prompt_ids)
         return packs
 
-    def decode_rows(self, longest_prompt: int) -> int:
-        """Rows that decode together: the cross-attention K/V budget over one row's K/V."""
-        s = self.shape
-        per_row = (longest_prompt * s.num_heads * s.d_kv * 2 * s.num_decoder_layers
-                   * self.model.w.embed.element_size())
-        rows = max(1, self.decode_cache_bytes // per_row)
+    def decode_rows(self, longest_prompt: int, max_new_tokens: int) -> int:
+        """Rows that decode together: the decoding budget over one row's state."""
+        rows = max(1, self.decode_cache_bytes // row_bytes(self.model, longest_prompt, max_new_tokens))
         return min(rows, self.max_decode_rows) if self.max_decode_rows else rows
 
     def _run_choice(self, batch, enc, lengths) -> list[Output]:
@@ -144,7 +150,8 @@ class TorchT5Backend:
         prompts = [r.prompt_ids for r in batch]
         tokens, finished, tracked = decode_greedy(
             self.model, prompts, spec.max_new_tokens, track,
-            max_rows=self.decode_rows(max(len(p) for p in prompts)), encode_tokens=self.encode_tokens)
+            max_rows=self.decode_rows(max(len(p) for p in prompts), spec.max_new_tokens),
+            encode_tokens=self.encode_tokens)
         return [Output(index=r.index, token_ids=tok, finished=fin,
                        tracked_logits=tr if track is not None else None)
                 for r, tok, fin, tr in zip(batch, tokens, finished, tracked)]
