@@ -3,11 +3,11 @@
     python benchmarks/gpu_check.py OUT_DIR            # on a CUDA machine (via gpu_check.sh)
     python benchmarks/gpu_check.py OUT_DIR --dry-run  # same code on CPU, torch reference, tiny shapes
 
-1. choice head (kernels/choice_head.py): Triton vs its torch reference and vs the materializing
+1. choice head (fastjudge/kernels/choice_head.py): Triton vs its torch reference and vs the materializing
    full-vocabulary oracle (max |diff|, float32 and bf16); time of the kernel vs torch eager (the
    backends' current ``F.linear(rms(h), W[ids])`` for the K candidates; ``[B, V]`` logits +
    log-softmax for the full vocabulary); peak extra device memory of both full-vocabulary paths.
-2. crop encode (kernels/crop_encode.py): Triton vs the torch reference (on the CPU, the
+2. crop encode (fastjudge/kernels/crop_encode.py): Triton vs the torch reference (on the CPU, the
    PIL-compatible two-pass uint8 math, and on the GPU); vs transformers' fast Qwen2-VL image
    processor on CUDA when torchvision is installed; time of the kernel vs the torch reference
    run eagerly on the GPU and vs the processor.
@@ -42,12 +42,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_kernels():
-    """fastjudge.kernels when fastjudge is installed; else the repository's kernels/ folder."""
+    """fastjudge.kernels when fastjudge is installed; else the package's kernels folder in this
+    checkout (loaded on its own: fastjudge's compiled core is not needed for the kernels)."""
     try:
         from fastjudge.kernels import choice_head, crop_encode
     except ImportError:
-        spec = importlib.util.spec_from_file_location("fastjudge_kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        folder = ROOT / "python" / "fastjudge" / "kernels"
+        spec = importlib.util.spec_from_file_location("fastjudge_kernels", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
         mod = importlib.util.module_from_spec(spec)
         sys.modules["fastjudge_kernels"] = mod
         spec.loader.exec_module(mod)

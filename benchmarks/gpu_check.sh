@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 
 # fastjudge must be importable for the faithfulness tests. Build it in place when it is not
 # installed and the build tools are there (no network: no build isolation, no dependencies);
-# otherwise the kernel checks still run from kernels/ and the test step reports the failure.
+# otherwise the kernel checks still run from python/fastjudge/kernels/ and the test step reports the failure.
 if ! "$PY" -c "import fastjudge._engine, fastjudge.kernels" 2>/dev/null; then
   echo "gpu_check: fastjudge not installed; trying an offline build" >&2
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index . >"$OUT/pip_install.log" 2>&1 \
