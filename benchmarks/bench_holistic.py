@@ -29,6 +29,7 @@ the baseline, then fastjudge), the median of the turns' ratios against the 10x t
 the input ids are identical.
 
     python benchmarks/bench_holistic.py --shapes tiny --pairs 16 --captions 4 1 --repeats 2
+    python benchmarks/bench_holistic.py --device cuda --pairs 64   # both paths on the GPU
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from fastjudge.judges.holistic import VQASCORE_QUESTION
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 from bench_visexmem import (CAPTIONS, COLORS, IMAGE_PAD, OBJECTS, PLACEHOLDER, Baseline,  # noqa: E402
                             build_checkpoint, synthetic_image)
 
@@ -86,8 +88,8 @@ class PerSampleBaseline(Baseline):
     """t2v_metrics' VQAScore path for Qwen3.5, one pair at a time through transformers (the
     model, tokenizer and PIL image processor loaded as ``bench_visexmem.Baseline`` loads them)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype):
-        super().__init__(model_dir, dtype, yes_no_ids=())
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
+        super().__init__(model_dir, dtype, yes_no_ids=(), device=device)
         self.yes = self.tok.encode("Yes", add_special_tokens=False)[0]
 
     def inputs(self, image, text: str):
@@ -99,7 +101,7 @@ class PerSampleBaseline(Baseline):
         count = int(enc["image_grid_thw"][0].prod()) // self.merge ** 2
         prompt = prompt.replace(IMAGE_PAD, IMAGE_PAD * count)
         ids = self.tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        return ids, enc["pixel_values"], enc["image_grid_thw"]
+        return ids.to(self.device), enc["pixel_values"].to(self.device), enc["image_grid_thw"].to(self.device)
 
     @torch.inference_mode()
     def score(self, ids, pixel_values, grid) -> float:
@@ -126,7 +128,7 @@ def checks(judge: HolisticJudge, base: PerSampleBaseline, pairs, ours, theirs) -
         ids, pixels, _ = base.inputs(Image.fromarray(ex.image), ex.text)
         same_ids += list(request.prompt_ids) == ids[0].tolist()
         mine = torch.as_tensor(request.images[0].pixel_values).float()
-        pixel_diff = max(pixel_diff, float((mine - pixels.float()).abs().max()))
+        pixel_diff = max(pixel_diff, float((mine - pixels.float().cpu()).abs().max()))
     rel = [abs(a - b) / b for a, b in zip(ours, theirs)]
     return dict(same_ids=same_ids, pixel_diff=pixel_diff, max_rel=max(rel))
 
@@ -163,25 +165,28 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="448x336", help="image WIDTHxHEIGHT (multiples of 28: no resizing)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    device = bench_device(args.device)
     width, height = (int(v) for v in args.size.lower().split("x"))
     workloads = {k: make_pairs(args.pairs, k, width, height) for k in args.captions}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            judge, base = HolisticJudge(model_dir, device="cpu", dtype=dtype), PerSampleBaseline(model_dir, dtype)
+            judge = HolisticJudge(model_dir, device=args.device, dtype=dtype)
+            base = PerSampleBaseline(model_dir, dtype, device)
             for k, pairs in workloads.items():
                 rows.append(dict(shape=shape, captions=k, **bench_one(judge, base, pairs, args)))
                 print(f"[{shape}, {k} captions/image] baseline {rows[-1]['t_base']:.2f}s "
                       f"fastjudge {rows[-1]['t_fast']:.2f}s", file=sys.stderr)
 
     print(f"\nHolistic VQAScore: {args.pairs} pairs ({width}x{height}), {args.dtype}, median of "
-          f"{args.repeats}, {torch.get_num_threads()} threads")
+          f"{args.repeats}, {device_label(device)}")
     print(f"{'shape':6} {'capt/img':>8} {'base pairs/s':>12} {'fast pairs/s':>12} {'ratio':>7} {'>=10x':>6} "
           f"{'max rel dP':>10} {'same ids':>8} {'max dpixel':>10}")
     n = args.pairs

@@ -18,6 +18,9 @@ judge's rationales do, some running to the 100-token limit. Prints items/s of bo
 whether every score is identical, and the spread of output lengths.
 
     python benchmarks/bench_lave_official.py --official-repo PATH/TO/lave --items 16
+    python benchmarks/bench_lave_official.py --official-repo PATH/TO/lave --device cuda --items 64
+
+``--device cuda`` runs both paths on the GPU (float32 without TF32, ``bench_device``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
@@ -52,21 +57,22 @@ def sample_examples(n: int) -> list[VQAExample]:
 class AuthorsPath:
     """The authors' scoring loop on their prompts: one padded batch through ``generate``."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-        self.model = T5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.model = T5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval().to(device)
+        self.device = device
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
 
     @torch.inference_mode()
     def score(self, prompts: list[str]) -> tuple[list[float], list[int]]:
         """Scores and each row's generated length (EOS excluded)."""
-        enc = self.tok(prompts, padding="longest", return_tensors="pt")
+        enc = self.tok(prompts, padding="longest", return_tensors="pt").to(self.device)
         seqs = self.model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
                                    max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True).sequences
         is_eos = seqs == self.tok.eos_token_id  # column 0 is the decoder start token
         first_eos = is_eos.float().argmax(dim=1)  # 0 when a row has none
-        tokens = seqs[torch.arange(len(seqs)), first_eos - 1].tolist()  # none: the last column
+        tokens = seqs[torch.arange(len(seqs), device=seqs.device), first_eos - 1].tolist()  # none: the last column
         scores = []
         for t in tokens:
             text = self.tok.decode([t], clean_up_tokenization_spaces=True)
@@ -91,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="small", choices=sorted(T5_SHAPES))
     ap.add_argument("--items", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each (median)")
     ap.add_argument("--eos-scale", type=float, default=2.5)
     ap.add_argument("--rating-scale", type=float, default=2.5)
@@ -101,16 +108,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     dtype = getattr(torch, args.dtype)
+    device = bench_device(args.device)
     examples = sample_examples(args.items)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = varied_length_checkpoint(Path(tmp) / args.shape, args.shape, args.eos_scale,
                                              args.rating_scale)
-        backend = TorchT5Backend(model_dir, device="cpu", dtype=dtype,
+        backend = TorchT5Backend(model_dir, device=args.device, dtype=dtype,
                                  max_decode_rows=args.max_decode_rows)
         judge = LaveJudge(backend, official_repo=args.official_repo,
                           max_batch_tokens=args.max_batch_tokens)
         prompts = [judge.build_prompt(e) for e in examples]
-        authors = AuthorsPath(model_dir, dtype)
+        authors = AuthorsPath(model_dir, dtype, device)
         authors.score(prompts[:2])  # warm-up: allocator, kernels, position-bias tables
         judge.score(examples[:2])
         t_authors, t_fast = [], []
@@ -126,7 +134,7 @@ def main(argv=None) -> int:
     same = sum(r.score == s for r, s in zip(results, authors_scores))
     base, fast = statistics.median(t_authors), statistics.median(t_fast)
     print(f"LAVE with the authors' code, rationale mode: {args.items} items, {args.shape}, "
-          f"{args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats}")
+          f"{args.dtype}, {device_label(device)}, median of {args.repeats}")
     print(f"prompt tokens {min(prompt_tokens)}-{max(prompt_tokens)}; generated tokens "
           f"min {min(lengths)} median {statistics.median(lengths):.0f} max {max(lengths)} "
           f"({sum(n >= MAX_NEW_TOKENS for n in lengths)} at the limit)")

@@ -143,10 +143,11 @@ class Baseline:
     """Every claim's full input independently through transformers' image processor, chat
     template and ``Qwen3_5ForConditionalGeneration`` (batch size 1)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, yes_no_ids):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, yes_no_ids, device: str | torch.device = "cpu"):
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3_5ForConditionalGeneration
 
-        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval().to(self.device)
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         pre = json.loads((model_dir / "preprocessor_config.json").read_text())
         pre.pop("image_processor_type", None)
@@ -171,7 +172,7 @@ class Baseline:
         parts = text.split(IMAGE_PAD)
         text = parts[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, parts[1:]))
         ids = self.tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-        return ids, enc["pixel_values"], enc["image_grid_thw"]
+        return ids.to(self.device), enc["pixel_values"].to(self.device), enc["image_grid_thw"].to(self.device)
 
     @torch.inference_mode()
     def support(self, ids, pixel_values, grid) -> float:

@@ -49,6 +49,7 @@ fastjudge computed (chosen from logits) and forced (jump-forward: no model step 
 and its decode steps, against transformers' decode steps and padded row-steps.
 
     python benchmarks/bench_visexmem_e2e.py --shapes tiny --items 4 --repeats 3 --jump-forward both
+    python benchmarks/bench_visexmem_e2e.py --device cuda --items 16   # both sides on the GPU
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from fastjudge.checkpoints import QWEN_SHAPES
 from fastjudge.judges.visexmem.judge import STAGES
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 from bench_visexmem import COLORS, OBJECTS, build_checkpoint, fresh  # noqa: E402
 from visexmem_transformers import TransformersPipeline  # noqa: E402
 
@@ -224,8 +226,9 @@ def bench_shape(shape: str, model_dir: Path, examples, args, dtype) -> dict:
     judges = {}
     for jf in settings:
         opts = {} if jf is None else dict(jump_forward=jf)
-        judges[jf] = VisExJudge(model_dir, device="cpu", dtype=dtype, **opts, **budgets)
-    base = TransformersPipeline(next(iter(judges.values())).backend, model_dir, dtype, args.batch_size, **budgets)
+        judges[jf] = VisExJudge(model_dir, device=args.device, dtype=dtype, **opts, **budgets)
+    base = TransformersPipeline(next(iter(judges.values())).backend, model_dir, dtype, args.batch_size,
+                                device=args.device, **budgets)
     row = dict(shape=shape, fast={}, problems=[])
     row["base_seconds"], theirs, row["base_stats"] = timed_runs(lambda: base.run(examples), lambda: base.stage_seconds,
                                                                 lambda: base.stats, args.repeats)
@@ -247,7 +250,7 @@ def bench_shape(shape: str, model_dir: Path, examples, args, dtype) -> dict:
 
 def report(rows, args, n: int) -> None:
     print(f"\nVisExMEM end to end: {n} image-caption pairs ({args.size}, quadrant candidates), {args.dtype}, "
-          f"median of {args.repeats}, {torch.get_num_threads()} threads; transformers batch size {args.batch_size}; "
+          f"median of {args.repeats}, {device_label(torch.device(args.device))}; transformers batch size {args.batch_size}; "
           f"budgets max_claims={args.max_claims} max_claim_chars={args.max_claim_chars} "
           f"max_explanation_chars={args.max_explanation_chars}")
     for r in rows:
@@ -302,6 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jump-forward", default="both", choices=["on", "off", "both"])
     ap.add_argument("--batch-size", type=int, default=8, help="transformers batch size")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=DEVICES, help="both sides run here")
     ap.add_argument("--max-claims", type=int, default=3)
     ap.add_argument("--max-claim-chars", type=int, default=40)
     ap.add_argument("--max-explanation-chars", type=int, default=60)
@@ -319,6 +323,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     dtype = getattr(torch, args.dtype)
+    bench_device(args.device)
     width, height = (int(v) for v in args.size.lower().split("x"))
     examples = make_examples(args.items, width, height)
     rows = []

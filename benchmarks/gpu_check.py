@@ -14,7 +14,10 @@
 3. the backends' faithfulness tests on CUDA (FASTJUDGE_TEST_DEVICE=cuda).
 4. FP8 GEMM (``fastjudge.backends.fp8.fp8_linear``, ``torch._scaled_mm``; Ada/Hopper): against the
    dequantized float32 reference, and its time against a bf16 GEMM of the same shape.
-5. the trtllm backend (tests/test_builders.py, TensorRT-LLM tests): FP8 Flan-T5 engines and the
+5. the speed targets (``gpu_speed.py``): the end-to-end VisExMEM, holistic VQAScore and (given
+   a checkout of the authors' repository) official-LAVE benchmarks, fastjudge against its
+   baseline on the GPU, with their output checks.
+6. the trtllm backend (tests/test_builders.py, TensorRT-LLM tests): FP8 Flan-T5 engines and the
    FP8 Qwen3.5 checkpoint in the LLM API against transformers with ModelOpt fake quantization.
    Skipped, saying why, where TensorRT-LLM is not installed.
 
@@ -37,6 +40,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_speed import run_speed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -366,6 +372,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="timed runs per figure (default 50, dry run 3)")
     ap.add_argument("--skip-tests", action="store_true", help="skip the backends' faithfulness tests")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check")
+    ap.add_argument("--speed-s", type=float, default=150.0, help="share of the budget for the speed benchmarks")
+    ap.add_argument("--skip-speed", action="store_true", help="skip the speed benchmarks")
+    ap.add_argument("--lave-repo", default=None,
+                    help="checkout of the LAVE authors' repository for the official-LAVE benchmark "
+                         "(default: $FASTJUDGE_LAVE_REPO; skipped without one)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     dry = args.dry_run
@@ -412,6 +423,18 @@ def main(argv=None) -> int:
         report["scaled_mm_error"] = traceback.format_exc()[-3000:]
         rows.append(("scaled_mm", "ERROR", repr(e)[:200]))
     report["seconds"]["scaled_mm"] = time.perf_counter() - t0
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.skip_speed:
+        t0 = time.perf_counter()
+        left = args.budget_s - (t0 - t_start)
+        run_speed(dry, min(args.speed_s, left / 2), out, args.lave_repo, rows, report)
+        for name, r in report["speed"].items():
+            if "timed_out" in r:
+                failures.append(f"speed {name} (timed out)")
+            elif "skipped" not in r and r["returncode"] != 0:
+                failures.append(f"speed {name}")
+        report["seconds"]["speed"] = time.perf_counter() - t0
     if not args.skip_tests:
         trtllm_here = importlib.util.find_spec("tensorrt_llm") is not None and not dry
         left = args.budget_s - (time.perf_counter() - t_start)
@@ -429,8 +452,6 @@ def main(argv=None) -> int:
     report["failures"] = failures
     report["seconds"]["total"] = time.perf_counter() - t_start
     print_table(rows)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"\nwrote {out / 'gpu_check.json'}; {report['seconds']['total']:.0f} s; "
           f"{'FAILURES: ' + ', '.join(failures) if failures else 'all checks passed'}")

@@ -32,12 +32,13 @@ class _Prompt:
 class TransformersPipeline(VisExJudge):
     """The judge's stages with every model call made the transformers way (module docstring)."""
 
-    def __init__(self, backend, model_dir: Path, dtype: torch.dtype, batch_size: int, **options):
+    def __init__(self, backend, model_dir: Path, dtype: torch.dtype, batch_size: int, device="cpu", **options):
         import xgrammar as xgr
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3_5ForConditionalGeneration
 
         super().__init__(backend, **options)  # the backend only lends the judge its codec
-        self.hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval().to(self.device)
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         pre = json.loads((model_dir / "preprocessor_config.json").read_text())
         pre.pop("image_processor_type", None)
@@ -99,7 +100,7 @@ class TransformersPipeline(VisExJudge):
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         if images:
             kw["mm_token_type_ids"] = (ids == self.image_token_id).int()
-        return dict(input_ids=ids, attention_mask=mask, **kw)
+        return {k: v.to(self.device) for k, v in dict(input_ids=ids, attention_mask=mask, **kw).items()}
 
     def _grammar(self, spec):
         if spec.schema not in self.grammars:  # a user compiles each schema once
@@ -129,7 +130,7 @@ class TransformersPipeline(VisExJudge):
     @torch.inference_mode()
     def _choice(self, stage: str, batch: list[_Prompt]) -> list[Output]:
         logits = self.hf(**self._inputs(batch), logits_to_keep=1).logits[:, -1]
-        z = logits[:, list(batch[0].spec.token_ids)].double()
+        z = logits[:, list(batch[0].spec.token_ids)].double().cpu()
         probs = torch.softmax(z, -1).numpy()
         return [Output(index=p.index, probs=probs[i], logits=z[i].numpy()) for i, p in enumerate(batch)]
 

@@ -1,0 +1,89 @@
+"""The speed targets of the side-by-side benchmarks, run on the GPU by ``gpu_check.py``.
+
+Each benchmark runs fastjudge and its baseline in one process on the same device
+(``--device cuda``; float32 without TF32) and checks that both give the same outputs:
+
+* ``bench_visexmem_e2e.py``: all five VisExMEM stages against transformers + xgrammar
+  (targets: >= 5x items/s; >= 2x on decomposition from jump-forward alone);
+* ``bench_holistic.py``: VQAScore against t2v_metrics' per-sample path (target: >= 10x pairs/s);
+* ``bench_lave_official.py``: the authors' LAVE, rationale mode, against their ``generate``
+  path (target: >= 4x), only where a checkout of the authors' repository is given
+  (``--lave-repo`` or ``$FASTJUDGE_LAVE_REPO``): its code and demonstrations are the user's.
+
+Sizes are chosen to finish within the stage's share of the check's budget on one GPU; a dry
+run does the same on the CPU with the smallest sizes. Each benchmark's whole output goes to
+``OUT_DIR/speed_NAME.log``; the table and the JSON report keep its result lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name, script, arguments on the GPU, arguments in a dry run (CPU)
+BENCHMARKS = (
+    ("visexmem_e2e", "bench_visexmem_e2e.py",
+     ["--shapes", "mini", "--items", "8", "--repeats", "2", "--jump-forward", "both"],
+     ["--shapes", "tiny", "--items", "1", "--repeats", "1", "--jump-forward", "both"]),
+    ("holistic", "bench_holistic.py",
+     ["--shapes", "mini", "--pairs", "32", "--captions", "4", "1", "--repeats", "2"],
+     ["--shapes", "tiny", "--pairs", "4", "--captions", "4", "1", "--repeats", "1"]),
+    ("lave_official", "bench_lave_official.py",
+     ["--items", "32", "--repeats", "2"],
+     ["--shape", "tiny", "--items", "2", "--repeats", "1"]),
+)
+# the lines of a benchmark's output that carry its result
+RESULT_LINE = re.compile(r"ratio|PASS|FAIL|IDENTICAL|MISMATCH|identical|jump-forward alone|items/s"
+                         r"|^\s*(tiny|mini|small|decompose|total)\s")
+LEGEND = re.compile(r"^(ratio|max rel dP):")  # the tables' explanations, not results
+
+
+def result_lines(output: str, limit: int = 30) -> list[str]:
+    return [line.rstrip() for line in output.splitlines()
+            if RESULT_LINE.search(line) and not LEGEND.match(line)][:limit]
+
+
+def run_speed(dry: bool, seconds: float, out_dir: Path, lave_repo: str | None, rows: list, report: dict) -> None:
+    """Run the benchmarks in turn within ``seconds`` in all; each gets an equal share of what
+    is left when it starts."""
+    lave_repo = lave_repo or os.environ.get("FASTJUDGE_LAVE_REPO")
+    device = ["--device", "cpu" if dry else "cuda"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    deadline = time.perf_counter() + seconds
+    results = report.setdefault("speed", {})
+    todo = list(BENCHMARKS)
+    while todo:
+        name, script, gpu_args, dry_args = todo.pop(0)
+        args = [*(dry_args if dry else gpu_args), *device]
+        if name == "lave_official":
+            if not lave_repo:
+                results[name] = {"skipped": "no checkout of the LAVE authors' repository "
+                                            "(--lave-repo or $FASTJUDGE_LAVE_REPO)"}
+                rows.append((f"speed {name}", "skipped", results[name]["skipped"]))
+                continue
+            args += ["--official-repo", lave_repo]
+        share = (deadline - time.perf_counter()) / (len(todo) + 1)
+        cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(20.0, share))
+            output, code = p.stdout + p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            output = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
+            code = None
+        (out_dir / f"speed_{name}.log").write_text(output)
+        lines = result_lines(output)
+        r = {"command": " ".join(["python", f"benchmarks/{script}", *args]), "returncode": code,
+             "seconds": time.perf_counter() - t0, "results": lines}
+        if code is None:
+            r["timed_out"] = f"after {max(20.0, share):.0f} s"
+        results[name] = r
+        summary = "timed out" if code is None else ("ok" if code == 0 else f"exit {code}")
+        rows.append((f"speed {name}", f"{summary} ({r['seconds']:.0f} s)", "" if lines else "(no result line)"))
+        rows += [("", "", line.strip()) for line in lines[:12]]
