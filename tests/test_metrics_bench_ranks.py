@@ -16,7 +16,7 @@ against the upstream definitions.
   arithmetic transcribed below (confusion matrix, expected = outer product of the marginals
   over the total, weight matrix from label positions, ``1 - sum(w * O) / sum(w * E)``), its
   known values from ``sklearn/metrics/tests/test_classification.py`` (``test_cohen_kappa``),
-  and scikit-learn itself where it is installed.
+  and scikit-learn itself (a test dependency).
 """
 
 from __future__ import annotations
@@ -181,10 +181,7 @@ def test_kappa_known_values():
 
 @pytest.mark.parametrize("weights", [None, "linear", "quadratic"])
 def test_kappa_equals_scikit_learn(weights):
-    try:
-        from sklearn.metrics import cohen_kappa_score
-    except ImportError:
-        cohen_kappa_score = None
+    from sklearn.metrics import cohen_kappa_score  # the test extra installs scikit-learn
     rng = np.random.default_rng(7)
     for trial in range(40):
         n, k = int(rng.integers(2, 60)), int(rng.integers(2, 6))
@@ -194,7 +191,7 @@ def test_kappa_equals_scikit_learn(weights):
         want = transcribed_kappa(a, b, labels, weights)
         got = cohen_kappa(a, b, weights=weights, labels=labels)
         assert got == pytest.approx(want, abs=1e-12) or (math.isnan(got) and math.isnan(want))
-        if cohen_kappa_score is not None and not math.isnan(want):
+        if not math.isnan(want):
             assert got == pytest.approx(cohen_kappa_score(a, b, labels=labels, weights=weights), abs=1e-12)
     names = ["yes", "no", "no", "yes", "unsure"]
     want = transcribed_kappa(names, names[::-1], None, weights)
