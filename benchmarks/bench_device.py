@@ -4,8 +4,7 @@ On CUDA, float32 stays float32: TF32 is turned off for matrix products and convo
 allows it for convolutions by default, which would round the HF vision tower's patch
 convolution differently from fastjudge's matmul form), so the two paths' greedy tokens can
 agree as they do on the CPU. Each benchmark's clock stops after results reach the host (token
-lists, Python floats), which waits for the device; ``synchronize`` is there for the places
-that read nothing back."""
+lists, Python floats), which waits for the device."""
 
 from __future__ import annotations
 
@@ -31,8 +30,3 @@ def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu, {torch.get_num_threads()} threads"
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
