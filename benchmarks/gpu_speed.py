@@ -49,6 +49,11 @@ def result_lines(output: str, limit: int = 30) -> list[str]:
             if RESULT_LINE.search(line) and not LEGEND.match(line)][:limit]
 
 
+def _text(out) -> str:
+    """A timed-out run's captured output (bytes even under ``text=True`` on some Pythons)."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
 def run_speed(dry: bool, seconds: float, out_dir: Path, lave_repo: str | None, rows: list, report: dict) -> None:
     """Run the benchmarks in turn within ``seconds`` in all; each gets an equal share of what
     is left when it starts."""
@@ -75,9 +80,8 @@ def run_speed(dry: bool, seconds: float, out_dir: Path, lave_repo: str | None, r
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(20.0, share))
             output, code = p.stdout + p.stderr, p.returncode
-        except subprocess.TimeoutExpired as e:
-            output = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
-            code = None
+        except subprocess.TimeoutExpired as e:  # what it printed so far, stderr too
+            output, code = _text(e.stdout) + _text(e.stderr), None
         (out_dir / f"speed_{name}.log").write_text(output)
         lines = result_lines(output)
         r = {"command": " ".join(["python", f"benchmarks/{script}", *args]), "returncode": code,
