@@ -2,7 +2,7 @@
 with adversarially biased logits, every VisExMEM schema decodes to the same tokens with
 jump-forward on and off, in one batch or a few rows at a time, and (where transformers can be
 run the same way) as transformers' greedy decoding under the same grammar mask; a multi-token
-``extend`` equals as many one-token decoding steps."""
+step equals as many one-token decoding steps, on the static slot cache."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("xgrammar")
 
 from fastjudge import LaveJudge  # noqa: E402
 from fastjudge.backends import load_backend  # noqa: E402
-from fastjudge.backends.qwen_decode import DecodeCache  # noqa: E402
+from fastjudge.backends.qwen_slots import SlotCache, pool_bytes  # noqa: E402
 from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
 from fastjudge.checkpoints import build_random_qwen  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
@@ -160,29 +160,34 @@ def test_forced_token_is_the_only_allowed_token(backend):
 # The multi-token step
 
 
-def test_extend_equals_decode_steps(backend):
-    """Rows of 3, 1 and 5 new tokens (right-padded in one ``extend``, one row continuing at an
-    M-RoPE position past its length) against each row alone through ``decode_step``: hidden
-    states, K/V, DeltaNet conv and recurrent states, lengths and positions."""
+def test_multi_token_step_equals_one_token_steps(backend):
+    """Rows of 3, 1, 0 and 5 new tokens (right-padded in one ``step``; one row continuing at an
+    M-RoPE position past its length, one feeding nothing) against each row alone through
+    one-token steps: hidden states, K/V, DeltaNet conv and recurrent states, lengths and
+    positions. The padded step leaves the row that fed nothing as it was."""
     model, shape = backend.model, backend.shape
     rng = np.random.default_rng(1)
     states = []
-    for n in (7, 12, 4):
+    for n in (7, 12, 9, 4):
         ids = torch.from_numpy(rng.integers(5, 900, size=n))[None].to(backend.device)
         _, st = model.forward(ids, None, save=True)
         states.append(st)
     states[1].next_position += 9  # text after an image continues past the length
-    counts = [3, 1, 5]
+    counts = [3, 1, 0, 5]
     new = [rng.integers(5, 900, size=k).tolist() for k in counts]
     padded = torch.tensor([t + [0] * (5 - len(t)) for t in new], device=backend.device)
-    together = DecodeCache(states, shape, 2, backend.device)  # small room: extend must grow it
-    out = model.extend(padded, torch.tensor(counts, device=backend.device), together)
+    capacity = 17  # the longest row's 4 + 5 tokens use all but the last few positions
+    together = SlotCache(shape, len(states), capacity, backend.device, backend.dtype)
+    for b, st in enumerate(states):
+        together.load(b, st)
+    out = model.step(padded, counts, together)
     for b, (st, tokens) in enumerate(zip(states, new)):
-        alone = DecodeCache([st], shape, 2, backend.device)
+        alone = SlotCache(shape, 1, capacity, backend.device, backend.dtype)
+        alone.load(0, st)
         for j, t in enumerate(tokens):
-            h = model.decode_step(torch.tensor([t], device=backend.device), alone)
-            torch.testing.assert_close(out[b, j], h[0], atol=1e-5, rtol=1e-5)
-        assert int(together.lengths[b]) == int(alone.lengths[0]) == st.length + len(tokens)
+            h = model.step(torch.tensor([[t]], device=backend.device), [1], alone)
+            torch.testing.assert_close(out[b, j], h[0, 0], atol=1e-5, rtol=1e-5)
+        assert int(together.lengths[b]) == int(alone.lengths[0]) == together.held[b] == st.length + len(tokens)
         assert int(together.positions[b]) == int(alone.positions[0]) == st.next_position + len(tokens)
         n = int(alone.lengths[0])
         for kind, mine, ref in zip(shape.layer_types, together.layers, alone.layers):
@@ -192,7 +197,32 @@ def test_extend_equals_decode_steps(backend):
             else:
                 for x, y in zip(mine, ref):  # conv state, recurrent state
                     torch.testing.assert_close(x[b], y[0], atol=1e-5, rtol=1e-5)
+    idle = states[2]
+    for kind, mine, ref in zip(shape.layer_types, together.layers, idle.layers):
+        if kind != "full_attention":
+            torch.testing.assert_close(mine[0][2], ref[0][0], atol=0, rtol=0)
+            torch.testing.assert_close(mine[1][2], ref[1][0].float(), atol=0, rtol=0)
     assert ("linear_attention" in shape.layer_types) == (backend.shape.arch != "qwen3")
+
+
+def test_slot_moves_and_pool_size(backend):
+    """A finished row's slot takes the last live row's state (``move``), which then decodes as
+    it would have in its own slot; the pool's bytes are what ``pool_bytes`` says."""
+    model, shape = backend.model, backend.shape
+    rng = np.random.default_rng(2)
+    states = [model.forward(torch.from_numpy(rng.integers(5, 900, size=n))[None].to(backend.device),
+                            None, save=True)[1] for n in (5, 8)]
+    cache = SlotCache(shape, 2, 12, backend.device, backend.dtype)
+    for b, st in enumerate(states):
+        cache.load(b, st)
+    token = torch.tensor([[17]], device=backend.device)
+    reference = model.step(token, [1], cache.window(1, 2))[0, 0]
+    cache.load(1, states[1])
+    cache.move(1, 0)
+    moved = model.step(token, [1], cache.window(0, 1))[0, 0]
+    torch.testing.assert_close(moved, reference, atol=1e-6, rtol=1e-6)
+    held = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in cache.layers)
+    assert held == pool_bytes(shape, 2, 12, torch.empty((), dtype=backend.dtype).element_size())
 
 
 # ------------------------------------------------------------------------------------------
@@ -242,13 +272,12 @@ def test_tracked_logits_at_forced_positions(backend):
 def step_sizes(backend):
     """The number of rows of every decoding step."""
     model, sizes = backend.model, []
-    step, extend = model.decode_step, model.extend
-    model.decode_step = lambda tokens, cache: (sizes.append(tokens.shape[0]), step(tokens, cache))[1]
-    model.extend = lambda tokens, counts, cache: (sizes.append(tokens.shape[0]), extend(tokens, counts, cache))[1]
+    step = model.step
+    model.step = lambda tokens, counts, cache: (sizes.append(tokens.shape[0]), step(tokens, counts, cache))[1]
     try:
         yield sizes
     finally:
-        model.decode_step, model.extend = step, extend
+        del model.step
 
 
 def test_early_exit_and_refill_equal_one_batch(backend):

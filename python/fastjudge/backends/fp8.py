@@ -131,15 +131,19 @@ def fp8_gemm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-class Fp8Weight:
-    """A linear layer's FP8 weight ``[out, in]`` with its per-tensor scales, applied by
-    :func:`fp8_linear` (the model code calls :func:`linear` for every projection)."""
+class Fp8Weight(torch.nn.Module):
+    """A linear layer's FP8 weight ``[out, in]`` with its per-tensor scales (registered
+    buffers), applied by :func:`fp8_linear` (the model code calls :func:`linear` for every
+    projection)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None):
-        self.weight, self.weight_scale, self.input_scale = weight, weight_scale.float().reshape(()), input_scale
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale.float().reshape(()))
+        self.register_buffer("input_scale", input_scale)
         self.shape = weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, out_dtype=x.dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

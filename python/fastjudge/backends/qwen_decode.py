@@ -1,24 +1,32 @@
 """Greedy decoding of a batch of Qwen rows, optionally constrained by a grammar (Json specs): the
 rows decode together, each attending to its own length only, until every row has met a stop
-token or its token limit. Three things keep every row of every model step doing real work:
+token or its token limit.
+
+Every step is one batched operation whatever the row count: the model runs once over all live
+rows (``QwenModel.step`` on the static ``qwen_slots.SlotCache``); the grammar's next-token masks
+of all rows are filled on the host into one ``[rows, ceil(V/32)]`` bitmask
+(``runtime.grammar.TokenMask``) and applied to the batch's logits in one call; one argmax picks
+every row's token; and **one** device-to-host copy brings the chosen ids (with the tracked
+logits, when the spec tracks any) to the host. Everything else -- grammar state, stop tokens,
+budgets, which rows leave -- is decided on the host from that copy. Three things keep every row
+of every model step doing real work:
 
 * **Jump-forward** (``jump_forward=True``): where the grammar allows exactly one token next,
   greedy decoding must pick it whatever the logits (the masked argmax has one finite entry), so
   it is accepted without a model step; the run of forced tokens and the token chosen before it
-  then go through the model in one multi-token step (``QwenModel.extend``). Only this
-  single-allowed-token rule is used, because it is exact by construction; a jump-forward
-  *string* would have to be re-tokenized, and its tokens need not be the ones greedy decoding
-  picks. A forced stop token ends the row the same way. Rows force different numbers of
-  tokens: the step right-pads them and masks the pads out of every row's state (see
-  ``extend``), so one step serves the whole batch.
-* **Early exit**: a row that finishes (stop token, grammar terminated, token budget) leaves the
-  batch at once; its rows of the :class:`DecodeCache` are dropped, not padded along.
+  then go through the model in one multi-token step. Only this single-allowed-token rule is
+  used, because it is exact by construction; a jump-forward *string* would have to be
+  re-tokenized, and its tokens need not be the ones greedy decoding picks. A forced stop token
+  ends the row the same way. Rows force different numbers of tokens: the step right-pads them
+  and keeps the pads out of every row's state, so one step serves the whole batch.
+* **Early exit**: a row that finishes (stop token, grammar terminated, token budget) frees its
+  slot at once: the last live row moves into it, so live rows stay a leading slice.
 * **Refill**: with ``max_rows``, at most that many rows decode at once; waiting rows are
-  prefilled (their suffix from the prefix state) and join the cache as others leave.
+  prefilled (their suffix from the prefix state) into free slots as others leave.
 
-With ``jump_forward=False`` every step feeds one token per row (``QwenModel.decode_step``), as
-plain greedy decoding does; early exit and refill apply either way. None of the three changes
-an output beyond float rounding of a different batch shape.
+With ``jump_forward=False`` every step feeds one token per row, as plain greedy decoding does;
+early exit and refill apply either way. None of the three changes an output beyond float
+rounding of a different batch shape.
 """
 
 from __future__ import annotations
@@ -29,71 +37,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ..runtime.requests import Output, Request
-from .qwen_model import PrefixState, QwenModel, QwenShape
+from .qwen_model import QwenModel
+from .qwen_slots import SlotCache
 
-DECODE_ROOM = 256  # K/V room allocated for new tokens up front; longer outputs double the buffers
 
-
-class DecodeCache:
-    """Per-row decoding state of a batch: K/V buffers of the full-attention layers (rows of
-    different lengths right-padded; a row attends to its own length only) that grow by doubling,
-    and the DeltaNet conv/recurrent states stacked over rows."""
-
-    def __init__(self, states: Sequence[PrefixState], shape: QwenShape, room: int, device):
-        first = states[0].layers
-        self.lengths = torch.tensor([st.length for st in states], device=device)
-        self.positions = torch.tensor([st.next_position for st in states], device=device)
-        longest = int(self.lengths.max())
-        self.layers: list = []
-        for i, kind in enumerate(shape.layer_types):
-            if kind == "full_attention":
-                k0 = first[i][0]
-                bufs = [k0.new_zeros(len(states), k0.shape[1], longest + room, k0.shape[3]) for _ in range(2)]
-                for b, st in enumerate(states):
-                    for buf, t in zip(bufs, st.layers[i]):
-                        buf[b, :, : t.shape[2]] = t[0]
-                self.layers.append(bufs)
-            else:
-                self.layers.append(tuple(torch.cat([st.layers[i][j] for st in states]) for j in range(2)))
-        self.kinds = shape.layer_types
-
-    @property
-    def capacity(self) -> int:
-        """Length of the K/V buffers (0 without full-attention layers)."""
-        return next((pair[0].shape[2] for kind, pair in zip(self.kinds, self.layers) if kind == "full_attention"), 0)
-
-    def reserve(self, steps: int) -> None:
-        """Room for ``steps`` more tokens in every K/V buffer (doubling when short)."""
-        need = int(self.lengths.max()) + steps
-        for i, kind in enumerate(self.kinds):
-            if kind != "full_attention" or self.layers[i][0].shape[2] >= need:
-                continue
-            self.layers[i] = [torch.cat([b, torch.zeros_like(b)[:, :, : max(need - b.shape[2], b.shape[2])]], dim=2)
-                              for b in self.layers[i]]
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Only ``rows`` (indices, in this order) stay: finished rows leave the batch."""
-        self.lengths = self.lengths[rows]
-        self.positions = self.positions[rows]
-        self.layers = [[t.index_select(0, rows) for t in pair] for pair in self.layers]
-
-    def merge(self, other: "DecodeCache") -> None:
-        """``other``'s rows join after this cache's rows (K/V buffers padded to one length)."""
-        width = max(self.capacity, other.capacity)
-
-        def fit(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros(*t.shape[:2], width - t.shape[2], t.shape[3])], dim=2)
-
-        for i, kind in enumerate(self.kinds):
-            pairs = zip(self.layers[i], other.layers[i])
-            if kind == "full_attention":
-                self.layers[i] = [torch.cat([fit(a), fit(b)]) for a, b in pairs]
-            else:
-                self.layers[i] = [torch.cat([a, b]) for a, b in pairs]
-        self.lengths = torch.cat([self.lengths, other.lengths])
-        self.positions = torch.cat([self.positions, other.positions])
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: the one device-to-host copy of a decoding step (labelled for the
+    profiler, where a CPU tensor's copy has no event of its own)."""
+    with record_function("fastjudge::to_host"):
+        return t.cpu()
 
 
 @dataclass
@@ -101,60 +56,87 @@ class _Row:
     request: Request
     matcher: object  # runtime.grammar.JsonMatcher, or None for Text
     tokens: list[int] = field(default_factory=list)
-    # per token, the tracked logits, or (forced tokens) the position in this step's feed whose
-    # predecessor's hidden state gives them, filled in after the step
+    # per token, its tracked logits: a host list, or a (block, index) pair into a device tensor
+    # of tracked logits computed after a step (forced tokens), brought over once at the end
     tracked: list = field(default_factory=list)
     finished: bool = False  # a stop token was chosen (Text rows)
     done: bool = False
+    mask_slot: int | None = None  # the slot whose bitmask row holds this row's current mask
 
 
-class _Step:
-    """Choosing one step's tokens for every live row: the fed tokens of each and the counters."""
+class _Chooser:
+    """Choosing one step's tokens for every live row: the tokens each row feeds the model next,
+    the counters, and where each tracked value comes from."""
 
-    def __init__(self, jump_forward: bool, eos_token_ids: set[int], limit: int, track, stats: dict):
+    def __init__(self, jump_forward: bool, eos_token_ids: set[int], limit: int, track, mask, stats: dict):
         self.jump_forward = jump_forward
         self.eos = eos_token_ids
         self.limit = limit
-        self.track = track
+        self.track = track  # device tensor of tracked ids, or None
+        self.mask = mask  # runtime.grammar.TokenMask, or None for Text
         self.stats = stats
 
-    def feed(self, row: _Row, logits: torch.Tensor) -> list[int]:
-        """The tokens ``row`` feeds the model next: the forced run where the grammar forces
-        the very next token (at the start of a row); else the token chosen from ``logits`` and
-        the forced run after it. Empty when the row ended on a stop token."""
-        fed: list[int] = []
-        if self.jump_forward:
-            self._force(row, fed, logits)
-        if fed or row.done:
-            return fed
-        z = logits if row.matcher is None else row.matcher.mask(logits)
-        token = int(z.argmax())
-        self.stats["tokens_computed"] += 1
-        if row.matcher is not None:
-            row.matcher.accept(token)
-        if token in self.eos:
-            row.finished = row.done = True
-            return fed
-        self._append(row, token, logits[self.track] if self.track is not None else None)
-        fed.append(token)
-        if self.jump_forward:
-            self._force(row, fed, logits)
-        return fed
+    def choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each row (in slot order) feeds the model next: where the grammar forces
+        the very next token, the forced run; else the token chosen from its row of ``logits``
+        [rows, V] (float32, masked in place) and the forced run after it. Empty when the row
+        ended on a stop token."""
+        feeds: list[list[int]] = [[] for _ in rows]
+        choosing, from_logits = [], []  # rows choosing; (row, token index, slot) tracked from logits
+        for j, row in enumerate(rows):
+            if row.matcher is not None:
+                self._force(row, j, feeds[j], from_logits)  # also fills the row's mask
+            if not feeds[j] and not row.done:
+                choosing.append(j)
+        if not choosing and not from_logits:
+            return feeds
+        tracked = logits[:, self.track] if self.track is not None else None  # before masking
+        if self.mask is not None:
+            self.mask.apply(logits)
+        picked = logits.argmax(-1, keepdim=True).to(logits.dtype)  # ids exact in float32 (< 2**24)
+        host = to_host(torch.cat([picked, tracked], 1) if tracked is not None else picked).tolist()
+        for row, t, j in from_logits:
+            row.tracked[t] = host[j][1:]
+        for j in choosing:
+            row = rows[j]
+            token = int(host[j][0])
+            self.stats["tokens_computed"] += 1
+            if row.matcher is not None:
+                row.matcher.accept(token)
+                row.mask_slot = None
+            if token in self.eos:
+                row.finished = row.done = True
+                continue
+            self._append(row, token, host[j][1:] if self.track is not None else None)
+            feeds[j].append(token)
+            if row.matcher is not None and self.jump_forward:
+                self._force(row, j, feeds[j], from_logits)
+        return feeds
 
-    def _force(self, row: _Row, fed: list[int], logits: torch.Tensor) -> None:
-        while not row.done and row.matcher is not None:
-            token = row.matcher.forced_token()
+    def _force(self, row: _Row, j: int, fed: list[int], from_logits: list) -> None:
+        """Fill row ``j``'s mask; with jump-forward, accept the tokens the grammar forces, each
+        followed by a fresh fill. The row's mask is left as the grammar's next step allows (a
+        row whose mask in slot ``j`` is already that needs nothing)."""
+        while not row.done and not row.matcher.finished and row.mask_slot != j:
+            self.mask.fill(j, row.matcher)
+            row.mask_slot = j
+            if not self.jump_forward:
+                return
+            token = self.mask.forced(j)
             if token is None:
                 return
             row.matcher.accept(token)
+            row.mask_slot = None
             self.stats["tokens_forced"] += 1
             if token in self.eos:
                 row.done = True
                 return
-            if self.track is None:
-                tracked = None
-            else:  # first in the feed: the logits at hand; later: from the step's hidden states
-                tracked = logits[self.track] if not fed else len(fed)
+            tracked = None
+            if self.track is not None:
+                if not fed:  # first in the feed: this step's logits, copied with the picks
+                    from_logits.append((row, len(row.tokens), j))
+                else:  # later: from the hidden state of the token before it, after the step
+                    tracked = len(fed)
             self._append(row, token, tracked)
             fed.append(token)
 
@@ -165,84 +147,108 @@ class _Step:
         row.done = len(row.tokens) == self.limit
 
 
-def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence,
-                  prefill: Callable[[Sequence[Request]], tuple[torch.Tensor, DecodeCache]],
-                  eos_token_ids: set[int], jump_forward: bool = False, max_rows: int | None = None,
+def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence, cache: SlotCache,
+                  prefill: Callable[[Sequence[Request], SlotCache, int], torch.Tensor],
+                  eos_token_ids: set[int], jump_forward: bool = False, mask=None,
                   stats: dict | None = None) -> tuple[list[Output], int]:
     """Greedy decoding of ``batch`` (one Text/Json spec). ``matchers``: per row, a grammar
-    matcher (Json) or None (Text). ``prefill(requests)``: the rows' final prompt hidden states
-    [n, d] and their decode cache. ``max_rows``: the most rows decoding at once (default: all).
-    ``stats``: counters ``tokens_computed`` (tokens chosen from logits), ``tokens_forced``
-    (tokens accepted by jump-forward) and ``decode_steps`` (model calls), stop tokens included,
-    added to in place. Returns the outputs and the number of tokens run through the model."""
+    matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``cache``: the
+    static cache; its slot count is the most rows decoding at once, the others joining as rows
+    finish. ``prefill(requests, cache, first_slot)``: writes the rows' states into slots
+    ``first_slot ..`` and returns their final prompt hidden states [n, d]. ``stats``: counters
+    ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
+    jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
+    Returns the outputs and the number of tokens run through the model."""
     spec = batch[0].spec
     stats = {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats
     track_ids = getattr(spec, "track_ids", ())
-    device = None
     rows = [_Row(r, m) for r, m in zip(batch, matchers)]
     waiting = deque(range(len(rows)))
-    width = max_rows or len(rows)
-    live: list[int] = []  # indices into rows, in cache order
-    hidden, cache = None, None
-    fed_total = 0
+    live: list[int] = []  # the row in each live slot
+    hidden = None  # [slots, d]: each live slot's last hidden state
+    blocks: list[torch.Tensor] = []  # tracked logits of forced tokens, on the device
     chooser = None
+    fed_total = 0
     while waiting or live:
-        if waiting and len(live) < width:  # refill: newcomers join at the end of the cache
-            new = [waiting.popleft() for _ in range(min(width - len(live), len(waiting)))]
-            h, c = prefill([rows[i].request for i in new])
-            if cache is None:
-                hidden, cache, device = h, c, h.device
-                track = torch.tensor(track_ids, device=device) if track_ids else None
-                chooser = _Step(jump_forward, eos_token_ids, spec.max_new_tokens, track, stats)
-            else:
-                hidden = torch.cat([hidden, h])
-                cache.merge(c)
+        if waiting and len(live) < cache.slots:  # refill: newcomers take the free slots
+            new = [waiting.popleft() for _ in range(min(cache.slots - len(live), len(waiting)))]
+            h = prefill([rows[i].request for i in new], cache, len(live))
+            if hidden is None:
+                hidden = h.new_empty(cache.slots, h.shape[-1])
+                track = torch.tensor(track_ids, device=h.device) if track_ids else None
+                chooser = _Chooser(jump_forward, eos_token_ids, spec.max_new_tokens, track, mask, stats)
+            hidden[len(live): len(live) + len(new)] = h
             live += new
-        logits = model.logits(hidden)
-        feeds = [chooser.feed(rows[i], logits[j]) for j, i in enumerate(live)]
+        feeds = chooser.choose([rows[i] for i in live], model.logits(hidden[: len(live)]))
         # a finished row still takes this step only to fill tracked logits of forced tokens
-        stay = [j for j, i in enumerate(live) if not rows[i].done
-                or any(isinstance(t, int) for t in rows[i].tracked)]
-        if len(stay) < len(live):  # early exit
-            index = torch.tensor(stay, device=device, dtype=torch.long)
-            cache.keep(index)
-            hidden = hidden[index]
-            live, feeds = [live[j] for j in stay], [feeds[j] for j in stay]
+        _leave(cache, hidden, live, feeds, lambda row: row.done and not _awaits_step(row), rows)
         if not live:
             continue
         counts = [len(f) for f in feeds]
         fed_total += sum(counts)
         stats["decode_steps"] += 1
-        if max(counts) == 1:
-            hidden = model.decode_step(torch.tensor([f[0] for f in feeds], device=device), cache)
-        else:
-            padded = torch.tensor([f + [f[-1]] * (max(counts) - len(f)) for f in feeds], device=device)
-            n = torch.tensor(counts, device=device)
-            out = model.extend(padded, n, cache)
-            hidden = out[torch.arange(len(live), device=device), n - 1]
-            if track_ids:
-                _fill_tracked(model, [rows[i] for i in live], out, chooser.track)
-        stay = [j for j, i in enumerate(live) if not rows[i].done]
-        if len(stay) < len(live):  # rows that stayed only for their tracked logits
-            index = torch.tensor(stay, device=device, dtype=torch.long)
-            cache.keep(index)
-            hidden, live = hidden[index], [live[j] for j in stay]
+        width = max(counts)
+        tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds]).to(hidden.device)
+        out = model.step(tokens, counts, cache.window(0, len(live)))
+        last = torch.tensor(counts).to(out.device) - 1
+        hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
+        if track_ids and width > 1:
+            _track_forced(model, [rows[i] for i in live], out, chooser.track, blocks)
+        _leave(cache, hidden, live, feeds, lambda row: row.done, rows)
+    _bring_tracked(rows, blocks)
     return [_output(r, track_ids) for r in rows], fed_total
 
 
-def _fill_tracked(model: QwenModel, rows: Sequence[_Row], out: torch.Tensor, track: torch.Tensor) -> None:
-    """Tracked logits of the tokens forced after a step's first: from the hidden state of the
-    token before each, at its feed position - 1."""
-    for b, row in enumerate(rows):
-        for t, item in enumerate(row.tracked):
-            if isinstance(item, int):
-                row.tracked[t] = model.logits(out[b, item - 1][None])[0, track]
+def _awaits_step(row: _Row) -> bool:
+    """Whether some tracked logits of ``row`` come from the next step's hidden states."""
+    return any(isinstance(t, int) for t in row.tracked)
+
+
+def _leave(cache: SlotCache, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> None:
+    """Rows for which ``gone(row)`` holds free their slots: the last live row moves into each
+    (highest slot first, so the row moved in is live)."""
+    for j in reversed(range(len(live))):
+        if not gone(rows[live[j]]):
+            continue
+        last = len(live) - 1
+        if j != last:
+            cache.move(last, j)
+            hidden[j] = hidden[last]
+            live[j], feeds[j] = live[last], feeds[last]
+        live.pop()
+        feeds.pop()
+
+
+def _track_forced(model: QwenModel, rows: Sequence[_Row], out: torch.Tensor, track: torch.Tensor,
+                  blocks: list) -> None:
+    """Tracked logits of the tokens forced after a step's first, all rows at once: from the
+    hidden state of the token before each (its feed position - 1), kept on the device."""
+    where = [(b, t, item - 1) for b, row in enumerate(rows) for t, item in enumerate(row.tracked)
+             if isinstance(item, int)]
+    if not where:
+        return
+    b, _, pos = zip(*where)
+    block = model.logits(out[torch.tensor(b).to(out.device), torch.tensor(pos).to(out.device)])[:, track]
+    blocks.append(block)
+    for k, (bi, t, _) in enumerate(where):
+        rows[bi].tracked[t] = (len(blocks) - 1, k)
+
+
+def _bring_tracked(rows: Sequence[_Row], blocks: list) -> None:
+    """The forced tokens' tracked logits to the host in one copy."""
+    if not blocks:
+        return
+    sizes = [len(b) for b in blocks]
+    flat = to_host(torch.cat(blocks)).tolist()
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for row in rows:
+        row.tracked = [flat[int(starts[t[0]]) + t[1]] if isinstance(t, tuple) else t for t in row.tracked]
 
 
 def _output(row: _Row, track_ids) -> Output:
     out = Output(index=row.request.index, token_ids=row.tokens,
                  finished=row.matcher.finished if row.matcher is not None else row.finished)
     if track_ids:
-        out.tracked_logits = (torch.stack(row.tracked).cpu().numpy().astype(np.float64) if row.tracked
+        out.tracked_logits = (np.asarray(row.tracked, dtype=np.float32).astype(np.float64) if row.tracked
                               else np.zeros((0, len(track_ids))))
     return out

@@ -12,6 +12,7 @@ implementation, called as a function; the engine owns batching, masking, state a
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,62 +40,102 @@ def _delta_rule():
     return m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule
 
 
-class QwenWeights:
-    """The language model's tensors, projections fused where they read the same input. A state
-    with FP8 weights (``load_state_dict(keep_fp8=True)``) gives :class:`fp8.Fp8Weight`
-    projections, run as FP8 GEMMs; every other tensor is dequantized."""
+def _weight(value) -> torch.nn.Module | torch.nn.Parameter:
+    """A projection weight as a module member: a plain tensor as a frozen parameter, an FP8
+    weight (itself a module holding its scales) as it is."""
+    return value if isinstance(value, Fp8Weight) else torch.nn.Parameter(value, requires_grad=False)
 
-    def __init__(self, state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
-        prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state) \
-            else "model."
-        check_shapes(state, shape.tensor_shapes(prefix))
 
-        def take(name: str, full: bool = False) -> torch.Tensor:
-            w = dense(name, full)
-            return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+class QwenLayer(torch.nn.Module):
+    """What every decoder layer has: its two RMSNorm scales (float32, as transformers computes
+    norms) and the gated MLP (gate and up projections fused)."""
 
-        def dense(name: str, full: bool = False):
-            key = name if full else prefix + name
-            if key not in state:
-                raise CheckpointError(f"checkpoint lacks tensor {key!r}")
-            return projection_weight(state, key, device, dtype)
+    def __init__(self, kind: str, in_norm, post_norm, gate_up, down):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("in_norm", in_norm)
+        self.register_buffer("post_norm", post_norm)
+        self.gate_up = _weight(gate_up)
+        self.down = _weight(down)
 
-        def fused(*names: str):
-            return fuse([dense(n) for n in names], dtype)
 
-        def norm(name: str) -> torch.Tensor:
-            # Kept in float32: norms are computed in float32 as transformers does. Qwen3.5's
-            # norms are zero-centred (scale = 1 + w).
-            w = state[prefix + name].to(device=device, dtype=torch.float32)
-            return 1.0 + w if shape.hybrid else w
+class AttentionLayer(QwenLayer):
+    """A full (gated, for Qwen3.5) attention layer: q, fused k/v, o and the q/k norms."""
 
-        self.embed = take("embed_tokens.weight")
-        self.lm_head = take("lm_head.weight", full=True) if "lm_head.weight" in state else self.embed
-        self.final_norm = norm("norm.weight")
-        self.layers = []
-        for i, kind in enumerate(shape.layer_types):
-            p = f"layers.{i}."
-            layer = {"kind": kind, "in_norm": norm(p + "input_layernorm.weight"),
-                     "post_norm": norm(p + "post_attention_layernorm.weight"),
-                     "gate_up": fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                     "down": dense(p + "mlp.down_proj.weight")}
-            if kind == "full_attention":
-                a = p + "self_attn."
-                layer.update(q=dense(a + "q_proj.weight"),
-                             kv=fused(a + "k_proj.weight", a + "v_proj.weight"),
-                             o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
-                             k_norm=norm(a + "k_norm.weight"))
-            elif kind == "linear_attention":
-                a = p + "linear_attn."
-                layer.update(
-                    in_proj=fused(*(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
-                    conv=take(a + "conv1d.weight"), dt_bias=take(a + "dt_bias"),
-                    neg_A=-state[prefix + a + "A_log"].to(device=device, dtype=torch.float32).exp(),
-                    gated_norm=state[prefix + a + "norm.weight"].to(device=device, dtype=dtype),
-                    out=dense(a + "out_proj.weight"))
-            else:
-                raise CheckpointError(f"unsupported layer type {kind!r}")
-            self.layers.append(layer)
+    def __init__(self, q, kv, o, q_norm, k_norm, **common):
+        super().__init__("full_attention", **common)
+        self.q, self.kv, self.o = _weight(q), _weight(kv), _weight(o)
+        self.register_buffer("q_norm", q_norm)
+        self.register_buffer("k_norm", k_norm)
+
+
+class DeltaNetLayer(QwenLayer):
+    """A Gated DeltaNet layer: fused input projections (qkv, z, b, a), the causal conv, the decay
+    parameters and the gated output norm."""
+
+    def __init__(self, in_proj, conv, dt_bias, neg_A, gated_norm, out, **common):
+        super().__init__("linear_attention", **common)
+        self.in_proj, self.out = _weight(in_proj), _weight(out)
+        self.conv = torch.nn.Parameter(conv, requires_grad=False)
+        self.register_buffer("dt_bias", dt_bias)
+        self.register_buffer("neg_A", neg_A)
+        self.register_buffer("gated_norm", gated_norm)
+
+
+def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
+    """The language model's tensors from a checkpoint state, projections fused where they read
+    the same input: (embed, lm_head or None when tied, final norm, layers). A state with FP8
+    weights (``load_state_dict(keep_fp8=True)``) gives :class:`fp8.Fp8Weight` projections, run
+    as FP8 GEMMs; every other tensor is dequantized."""
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state) \
+        else "model."
+    check_shapes(state, shape.tensor_shapes(prefix))
+
+    def take(name: str, full: bool = False) -> torch.Tensor:
+        w = dense(name, full)
+        return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+    def dense(name: str, full: bool = False):
+        key = name if full else prefix + name
+        if key not in state:
+            raise CheckpointError(f"checkpoint lacks tensor {key!r}")
+        return projection_weight(state, key, device, dtype)
+
+    def fused(*names: str):
+        return fuse([dense(n) for n in names], dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        # Kept in float32: norms are computed in float32 as transformers does. Qwen3.5's
+        # norms are zero-centred (scale = 1 + w).
+        w = state[prefix + name].to(device=device, dtype=torch.float32)
+        return 1.0 + w if shape.hybrid else w
+
+    embed = take("embed_tokens.weight")
+    lm_head = take("lm_head.weight", full=True) if "lm_head.weight" in state else None
+    layers = []
+    for i, kind in enumerate(shape.layer_types):
+        p = f"layers.{i}."
+        common = dict(in_norm=norm(p + "input_layernorm.weight"),
+                      post_norm=norm(p + "post_attention_layernorm.weight"),
+                      gate_up=fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                      down=dense(p + "mlp.down_proj.weight"))
+        if kind == "full_attention":
+            a = p + "self_attn."
+            layers.append(AttentionLayer(q=dense(a + "q_proj.weight"),
+                                         kv=fused(a + "k_proj.weight", a + "v_proj.weight"),
+                                         o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
+                                         k_norm=norm(a + "k_norm.weight"), **common))
+        elif kind == "linear_attention":
+            a = p + "linear_attn."
+            layers.append(DeltaNetLayer(
+                in_proj=fused(*(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
+                conv=take(a + "conv1d.weight"), dt_bias=take(a + "dt_bias"),
+                neg_A=-state[prefix + a + "A_log"].to(device=device, dtype=torch.float32).exp(),
+                gated_norm=state[prefix + a + "norm.weight"].to(device=device, dtype=dtype),
+                out=dense(a + "out_proj.weight"), **common))
+        else:
+            raise CheckpointError(f"unsupported layer type {kind!r}")
+    return embed, lm_head, norm("norm.weight"), layers
 
 
 def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,18 +165,28 @@ class PrefixState:
         return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
 
 
-class QwenModel:
-    def __init__(self, weights: QwenWeights, shape: QwenShape):
-        self.w = weights
+class QwenModel(torch.nn.Module):
+    """The language model as a module: parameters and buffers registered (``state_dict``,
+    ``.to()``, hooks and compilers see them), the computation in the methods below."""
+
+    def __init__(self, state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
+        super().__init__()
         self.s = shape
+        embed, lm_head, final_norm, layers = build_layers(state, shape, device, dtype)
+        self.embed = torch.nn.Parameter(embed, requires_grad=False)
+        # a tied head is the embedding itself (one tensor, registered once)
+        self.lm_head = self.embed if lm_head is None else torch.nn.Parameter(lm_head, requires_grad=False)
+        self.register_buffer("final_norm", final_norm)
+        self.layers = torch.nn.ModuleList(layers)
         self.chunk_rule, self.step_rule = _delta_rule() if shape.hybrid else (None, None)
         rd = shape.rotary_dim
-        self.inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+        self.register_buffer("inv_freq", 1.0 / (shape.rope_theta ** (
+            torch.arange(0, rd, 2, dtype=torch.float32, device=embed.device) / rd)), persistent=False)
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for ``positions``: ``[S]`` (text), ``[3, S]`` (M-RoPE, shared by all rows) or
         ``[3, B, S]`` (M-RoPE per row; the result then broadcasts over heads as [B, 1, S, rd])."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
         if positions.dim() >= 2:  # M-RoPE: t/h/w frequencies interleaved per mrope_section
             freqs = positions.float()[..., None] * inv_freq
             mixed = freqs[0].clone()
@@ -156,9 +207,9 @@ class QwenModel:
         return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
     def _mlp(self, x, layer):
-        h = rms(x, layer["post_norm"], self.s.eps)
-        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, layer["down"])
+        h = rms(x, layer.post_norm, self.s.eps)
+        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, layer.down)
 
     def _qkv(self, x, layer, rope):
         """Queries [B, H, S, hd], keys and values [B, Hkv, S, hd] (normed, rotated by ``rope``,
@@ -167,16 +218,16 @@ class QwenModel:
         s = self.s
         B, S, _ = x.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
-        q = linear(x, layer["q"])
+        q = linear(x, layer.q)
         gate = None
         if s.hybrid:
             q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(B, S, H * hd)
         else:
             q = q.view(B, S, H, hd)
-        k, v = linear(x, layer["kv"]).view(B, S, 2, Hkv, hd).unbind(2)
-        q = rms(q, layer["q_norm"], s.eps).transpose(1, 2)
-        k = rms(k, layer["k_norm"], s.eps).transpose(1, 2)
+        k, v = linear(x, layer.kv).view(B, S, 2, Hkv, hd).unbind(2)
+        q = rms(q, layer.q_norm, s.eps).transpose(1, 2)
+        k = rms(k, layer.k_norm, s.eps).transpose(1, 2)
         cos, sin = rope
         return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v.transpose(1, 2), gate
 
@@ -185,7 +236,7 @@ class QwenModel:
         o = o.transpose(1, 2).reshape(B, S, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return linear(o, layer["o"])
+        return linear(o, layer.o)
 
     def _attention(self, x, layer, prev, rope, save):
         B, S, _ = x.shape
@@ -215,22 +266,22 @@ class QwenModel:
         B, S, _ = x.shape
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
         conv_dim = 2 * key_dim + val_dim
-        proj = linear(x, layer["in_proj"])
+        proj = linear(x, layer.in_proj)
         mixed, z, b, a = proj.split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
         K = s.conv_kernel
         inputs = mixed.transpose(1, 2)  # [B, C, S]
         history = prev[0].expand(B, -1, -1) if prev is not None else inputs.new_zeros(B, conv_dim, K - 1)
         window = torch.cat([history, inputs], dim=-1)
         if S <= SHORT_CONV_STEPS:  # decoding steps: a windowed product beats conv1d's setup cost
-            conv = F.silu((window.unfold(-1, K, 1) * layer["conv"][:, None, 0, :]).sum(-1))
+            conv = F.silu((window.unfold(-1, K, 1) * layer.conv[:, None, 0, :]).sum(-1))
         else:
-            conv = F.silu(F.conv1d(window, layer["conv"], groups=conv_dim))  # causal: no future input
+            conv = F.silu(F.conv1d(window, layer.conv, groups=conv_dim))  # causal: no future input
         q, k, v = conv.transpose(1, 2).split([key_dim, key_dim, val_dim], dim=-1)
         q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
         k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
         v = v.reshape(B, S, s.lin_v_heads, s.lin_v_dim)
         beta = b.sigmoid()
-        g = layer["neg_A"] * F.softplus(a.float() + layer["dt_bias"])
+        g = layer.neg_A * F.softplus(a.float() + layer.dt_bias)
         initial = prev[1].expand(B, -1, -1, -1) if prev is not None else None
         recurrent = S == 1 and prev is not None
         if counts is not None:
@@ -248,9 +299,9 @@ class QwenModel:
                                           initial_state=initial, output_final_state=save,
                                           use_qk_l2norm_in_kernel=True)
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
-        normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * layer["gated_norm"]
+        normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * layer.gated_norm
         gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(x.dtype)
-        out = linear(gated.reshape(B, S, val_dim), layer["out"])
+        out = linear(gated.reshape(B, S, val_dim), layer.out)
         if counts is None:
             conv_state = window[:, :, -(K - 1):]
         else:  # window position n_b + j is row b's j-th input of its last kernel - 1
@@ -283,17 +334,17 @@ class QwenModel:
                 raise ValueError(f"positions must be [3, {S}] or [3, {B}, {S}] M-RoPE positions, "
                                  f"got {tuple(positions.shape)}")
             next_position = int((positions if positions.dim() == 2 else positions[:, 0]).max()) + 1
-        x = F.embedding(ids, self.w.embed)
+        x = F.embedding(ids, self.embed)
         if image_embeds is not None:
             if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
                 raise ValueError("image_embeds need an image_mask with one true entry per embedding")
             x = x.masked_scatter(image_mask.to(x.device)[..., None], image_embeds.to(x.device, x.dtype))
         rope = self._rope(positions, x.dtype)
         states = []
-        for i, layer in enumerate(self.w.layers):
-            h = rms(x, layer["in_norm"], s.eps)
+        for i, layer in enumerate(self.layers):
+            h = rms(x, layer.in_norm, s.eps)
             p = prev.layers[i] if prev is not None else None
-            if layer["kind"] == "full_attention":
+            if layer.kind == "full_attention":
                 h, st = self._attention(h, layer, p, rope, save)
             else:
                 h, st = self._delta_net(h, layer, p, save)
@@ -306,81 +357,56 @@ class QwenModel:
         """Logits of the final states: the candidate ``rows`` through the fused choice head
         (never ``[B, vocab]``), or the full vocabulary for decoding."""
         if rows is not None:
-            return choice_logits(hidden, self.w.final_norm, self.w.lm_head, rows, eps=self.s.eps)
-        return F.linear(rms(hidden, self.w.final_norm, self.s.eps), self.w.lm_head).float()
+            return choice_logits(hidden, self.final_norm, self.lm_head, rows, eps=self.s.eps)
+        return F.linear(rms(hidden, self.final_norm, self.s.eps), self.lm_head).float()
 
-    def decode_step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
-        """One greedy-decoding step for every row of ``cache`` (a ``qwen_decode.DecodeCache``): hidden
-        states [B, d] of ``tokens`` [B], each row at its own length and position; the cache advances
-        in place."""
-        s = self.s
-        B = tokens.shape[0]
-        x = F.embedding(tokens[:, None], self.w.embed)
-        positions = cache.positions[None, :, None].expand(3, B, 1)
-        rope = self._rope(positions, x.dtype)
-        cache.reserve(1)
-        rows = torch.arange(B, device=tokens.device)
-        # additive mask: each row sees its own keys only (a float mask keeps SDPA on its fused
-        # CPU kernel; a boolean one falls back to a much slower path there)
-        hide = None
-        if cache.capacity:
-            visible = torch.arange(cache.capacity, device=tokens.device)[None, :] <= cache.lengths[:, None]
-            hide = torch.zeros(B, 1, 1, cache.capacity, dtype=x.dtype, device=tokens.device)
-            hide.masked_fill_(~visible[:, None, None, :], float("-inf"))
-        for i, layer in enumerate(self.w.layers):
-            h = rms(x, layer["in_norm"], s.eps)
-            if layer["kind"] == "full_attention":
-                q, k, v, gate = self._qkv(h, layer, rope)
-                kb, vb = cache.layers[i]
-                kb[rows, :, cache.lengths] = k[:, :, 0]
-                vb[rows, :, cache.lengths] = v[:, :, 0]
-                o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=hide,
-                                                   enable_gqa=s.kv_heads != s.heads)
-                h = self._attention_out(o, gate, layer)
-            else:
-                h, cache.layers[i] = self._delta_net(h, layer, cache.layers[i], True)
-            x = x + h
-            x = x + self._mlp(x, layer)
-        cache.lengths += 1
-        cache.positions += 1
-        return x[:, 0]
-
-    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, cache) -> torch.Tensor:
-        """A multi-token decoding step: row ``b`` of ``tokens`` [B, k] holds ``counts[b]`` new
-        tokens, right-padded; returns hidden states [B, k, d] (pad positions meaningless) and
-        advances ``cache`` by each row's own count, in place. Each row's tokens continue at its
-        own length and position and attend causally among themselves; pad tokens never reach a
-        row's state: their K/V lie past the row's new length (hidden, and overwritten by its
-        next tokens) and their DeltaNet steps are masked to the identity. Equals ``counts[b]``
-        calls of :meth:`decode_step` (to float rounding)."""
+    def step(self, tokens: torch.Tensor, counts, cache) -> torch.Tensor:
+        """A decoding step of every row of ``cache`` (a ``qwen_slots.SlotCache`` or a window of
+        one): row ``b`` of ``tokens`` [B, k] holds ``counts[b]`` new tokens (a host sequence),
+        right-padded; returns hidden states [B, k, d] (pad positions meaningless) and advances
+        the cache by each row's own count, in place. One batched pass whatever the row count:
+        each row's tokens continue at its own length and position and attend causally among
+        themselves; pad tokens never reach a row's state: their K/V go to the scratch column
+        past every real position and their DeltaNet steps are masked to the identity. A
+        one-token step is the same pass with k = 1; k tokens equal k one-token steps (to float
+        rounding)."""
         s = self.s
         B, k = tokens.shape
-        steps = torch.arange(k, device=tokens.device)
-        x = F.embedding(tokens, self.w.embed)
-        where = cache.lengths[:, None] + steps  # [B, k] each token's K/V slot
-        positions = (cache.positions[:, None] + steps).expand(3, B, k)
-        rope = self._rope(positions, x.dtype)
-        cache.reserve(k)
+        device = tokens.device
+        n = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
+        # keys any row reads: up to the furthest live extent (host-side lengths, no sync)
+        width = int(max(cache.held[b] + c for b, c in enumerate(counts))) if B else 0
+        steps = torch.arange(k, device=device)
+        x = F.embedding(tokens, self.embed)
+        real = steps[None, :] < n[:, None]
+        where = torch.where(real, cache.lengths[:, None] + steps, cache.capacity)  # [B, k] K/V column
+        rope = self._rope((cache.positions[:, None] + steps).expand(3, B, k), x.dtype)
         hide = None
-        if cache.capacity:
-            visible = torch.arange(cache.capacity, device=tokens.device)[None, None, :] <= where[:, :, None]
-            hide = torch.zeros(B, 1, k, cache.capacity, dtype=x.dtype, device=tokens.device)
+        if "full_attention" in s.layer_types:
+            # additive mask (a float mask keeps SDPA on its fused CPU kernel; a boolean one
+            # falls back to a much slower path there): each token sees its row's keys up to itself
+            visible = torch.arange(width, device=device)[None, None, :] <= where[:, :, None]
+            hide = torch.zeros(B, 1, k, width, dtype=x.dtype, device=device)
             hide.masked_fill_(~visible[:, None], float("-inf"))
-        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, k)
-        for i, layer in enumerate(self.w.layers):
-            h = rms(x, layer["in_norm"], s.eps)
-            if layer["kind"] == "full_attention":
+        rows = torch.arange(B, device=device)[:, None].expand(B, k)
+        for i, layer in enumerate(self.layers):
+            h = rms(x, layer.in_norm, s.eps)
+            if layer.kind == "full_attention":
                 q, kk, v, gate = self._qkv(h, layer, rope)
                 kb, vb = cache.layers[i]
                 kb[rows, :, where] = kk.transpose(1, 2)
                 vb[rows, :, where] = v.transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, kb, vb, attn_mask=hide,
+                o = F.scaled_dot_product_attention(q, kb[:, :, :width], vb[:, :, :width], attn_mask=hide,
                                                    enable_gqa=s.kv_heads != s.heads)
                 h = self._attention_out(o, gate, layer)
             else:
-                h, cache.layers[i] = self._delta_net(h, layer, cache.layers[i], True, counts=counts)
+                conv, recurrent = cache.layers[i]
+                h, (new_conv, new_recurrent) = self._delta_net(h, layer, (conv, recurrent), True, counts=n)
+                conv.copy_(new_conv)
+                recurrent.copy_(new_recurrent)
             x = x + h
             x = x + self._mlp(x, layer)
-        cache.lengths += counts
-        cache.positions += counts
+        cache.lengths += n
+        cache.positions += n
+        cache.held += np.asarray(counts, dtype=np.int64)
         return x

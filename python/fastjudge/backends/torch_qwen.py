@@ -33,8 +33,9 @@ from ..kernels.choice_head import choice_head
 from ..runtime.requests import Choice, Image, Output, Request, Text, choice_probs
 from .caches import ImageEmbeddingCache, prefix_cache_key
 from .loading import load_state_dict, place_checkpoint
-from .qwen_decode import DECODE_ROOM, DecodeCache, decode_greedy
-from .qwen_model import PrefixState, QwenModel, QwenShape, QwenWeights
+from .qwen_decode import decode_greedy
+from .qwen_model import PrefixState, QwenModel, QwenShape
+from .qwen_slots import SlotCache
 from .qwen_vision import mrope_positions
 
 log = logging.getLogger("fastjudge")
@@ -65,7 +66,7 @@ class TorchQwenBackend:
                                                                   device, dtype, fp8_gemm)
         self.shape = QwenShape.from_config(cfg)
         state = load_state_dict(model_dir, allow_pickle=allow_pickle, keep_fp8=keep_fp8)
-        self.model = QwenModel(QwenWeights(state, self.shape, self.device, self.dtype), self.shape)
+        self.model = QwenModel(state, self.shape, self.device, self.dtype)
         self.vision = None
         if cfg.get("vision_config"):
             self._init_vision(model_dir, cfg, state)
@@ -276,7 +277,7 @@ class TorchQwenBackend:
         logprobs = None
         if any(r.spec.full_vocab for r in batch):
             # the fused head's online log-sum-exp over vocabulary tiles: never [B, vocab]
-            head = choice_head(final, self.model.w.final_norm, self.model.w.lm_head, cand,
+            head = choice_head(final, self.model.final_norm, self.model.lm_head, cand,
                                eps=self.shape.eps, full_vocab=True)
             logits = head.logits.cpu().numpy().astype(np.float64)
             logprobs = head.logprobs.cpu().numpy().astype(np.float64)
@@ -294,49 +295,60 @@ class TorchQwenBackend:
         """A grammar matcher for a Json spec (None for Text)."""
         if isinstance(spec, Text):
             return None
+        return self._grammar_cache().matcher(spec)
+
+    def _grammar_cache(self):
         from ..runtime.grammar import GrammarCache
 
         if self._grammars is None:
             self._grammars = GrammarCache(self.codec.tokenizer, self.shape.vocab_size, self.codec.eos_token_ids)
-        return self._grammars.matcher(spec)
+        return self._grammars
 
     def _generate(self, batch: Sequence[Request], states: dict) -> list[Output]:
         """Greedy decoding of a batch of one Text/Json spec, ``states`` the prefix state of
         each request: each row's suffix runs alone from its prefix state (exact: no padding),
-        then the rows decode together (``qwen_decode``); Json rows under their grammar."""
+        then the rows decode together (``qwen_decode``) on a static cache sized from the
+        requests' token budgets; Json rows under their grammar."""
+        from ..runtime.grammar import TokenMask
+
         matchers = [self._matcher(r.spec) for r in batch]
-        outputs, decoded = decode_greedy(self.model, batch, matchers, lambda rows: self._prefill_suffixes(rows, states),
-                                         self.codec.eos_token_ids, jump_forward=self.jump_forward,
-                                         max_rows=self.max_decode_rows, stats=self.decode_stats)
+        slots = min(self.max_decode_rows or len(batch), len(batch))
+        capacity = max(r.num_tokens + r.spec.max_new_tokens for r in batch)
+        cache = SlotCache(self.shape, slots, capacity, self.device, self.dtype)
+        mask = None
+        if matchers[0] is not None:
+            mask = TokenMask(slots, self.shape.vocab_size, self.device, self._grammar_cache().apply_backend)
+        outputs, decoded = decode_greedy(self.model, batch, matchers, cache,
+                                         lambda rows, cache, start: self._prefill_suffixes(rows, states, cache, start),
+                                         self.codec.eos_token_ids, jump_forward=self.jump_forward, mask=mask,
+                                         stats=self.decode_stats)
         self.tokens_computed += decoded
         return outputs
 
-    def _prefill_suffixes(self, batch: Sequence[Request], states: dict) -> tuple[torch.Tensor, DecodeCache]:
-        """Each row's suffix run from its prefix state (``states[id(request)]``): the final
-        hidden states [B, d] and the rows' states gathered into one decode cache.
+    def _prefill_suffixes(self, batch: Sequence[Request], states: dict, cache: SlotCache, start: int) -> torch.Tensor:
+        """Each row's suffix run from its prefix state (``states[id(request)]``) into slots
+        ``start ..`` of ``cache``: the final hidden states [B, d].
 
-        Text-only suffixes after a prefix run together as one multi-token decoding step
-        (``QwenModel.extend``) on a decode cache of the prefix states: each row continues at its
-        own length and position, and its padding never reaches its state, so this equals each
-        row alone. A suffix with images (M-RoPE positions of its own) or a row without a prefix
-        runs alone; returning only the gathered cache lets those per-row states go before
-        decoding starts."""
+        Text-only suffixes after a prefix run together as one multi-token step
+        (``QwenModel.step``) on the slots loaded with their prefix states: each row continues
+        at its own length and position, and its padding never reaches its state, so this
+        equals each row alone. A suffix with images (M-RoPE positions of its own) or a row
+        without a prefix runs alone, and its state is loaded into its slot."""
         suffixes = [self._suffix(r) for r in batch]
-        room = min(batch[0].spec.max_new_tokens, DECODE_ROOM)
         prefixes = [states[id(r)] for r in batch]
         if all(st is not None for st in prefixes) and all(len(ids) and not images for ids, images in suffixes):
+            for b, st in enumerate(prefixes):
+                cache.load(start + b, st)
             counts = [len(ids) for ids, _ in suffixes]
-            cache = DecodeCache(prefixes, self.shape, max(counts) + room, self.device)
             ids = torch.full((len(batch), max(counts)), self.codec.pad_token_id, dtype=torch.long)
             for i, (row, _) in enumerate(suffixes):
                 ids[i, : len(row)] = torch.from_numpy(row)
-            n = torch.tensor(counts, device=self.device)
-            hidden = self.model.extend(ids.to(self.device), n, cache)
+            hidden = self.model.step(ids.to(self.device), counts, cache.window(start, start + len(batch)))
             self.tokens_computed += sum(counts)
-            return hidden[torch.arange(len(batch), device=self.device), n - 1], cache
-        last, rows = [], []
-        for r, (ids, images) in zip(batch, suffixes):
+            return hidden[torch.arange(len(batch), device=self.device), torch.tensor(counts, device=self.device) - 1]
+        last = []
+        for b, (r, (ids, images)) in enumerate(zip(batch, suffixes)):
             hidden, st = self._forward_rows([ids], [images], states[id(r)], save=True)
             last.append(hidden[:, -1])
-            rows.append(st)
-        return torch.cat(last), DecodeCache(rows, self.shape, room, self.device)
+            cache.load(start + b, st)
+        return torch.cat(last)

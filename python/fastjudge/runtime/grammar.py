@@ -154,13 +154,31 @@ _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4
 _NEVER_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
 
 
-def _pack_bits(allowed: np.ndarray) -> torch.Tensor:
+def _pack_bits(allowed: np.ndarray) -> np.ndarray:
     """Bool ``[V]`` as an xgrammar-style int32 bitmask ``[ceil(V/32)]`` (bit ``i % 32`` of word
     ``i // 32``)."""
     words = -(-len(allowed) // 32)
     bits = np.zeros(words * 32, dtype=bool)
     bits[: len(allowed)] = allowed
-    return torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+
+
+def _bit(words: np.ndarray, token: int) -> bool:
+    return bool((int(words[token // 32]) >> (token % 32)) & 1)
+
+
+def forced_in(words: np.ndarray, vocab_size: int) -> int | None:
+    """The one token a bitmask row ``words`` (int32 ``[ceil(V/32)]``) allows, or None where it
+    allows several or none. Host-side numpy only: no tensor op."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return None
+    w = int(nonzero[0])
+    bits = int(words[w]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return None
+    token = w * 32 + bits.bit_length() - 1
+    return token if token < vocab_size else None
 
 
 def _utf8_guard(decoded_vocab: Sequence[bytes], vocab_size: int):
@@ -254,7 +272,9 @@ class GrammarCache:
 
 
 class JsonMatcher:
-    """Grammar state of one row's constrained decoding."""
+    """Grammar state of one row's constrained decoding. Its next-token bitmask is filled into
+    a row of a batch bitmask (:meth:`fill_row`, what :class:`TokenMask` does for a decoding
+    batch), or into a bitmask of its own for the single-row helpers below."""
 
     def __init__(self, compiled_grammar, vocab_size: int, stop_token_ids: Sequence[int],
                  apply_backend: str = "torch_native", utf8_guard=None):
@@ -270,29 +290,30 @@ class JsonMatcher:
         self._utf8 = utf8_guard
         self._pending_lead: int | None = None  # the last token ended in a narrow UTF-8 lead byte
 
-    def _fill(self) -> None:
-        """The next-token bitmask: the grammar's, less what would break UTF-8."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> np.ndarray:
+        """Row ``row`` of a CPU int32 batch bitmask ``[rows, ceil(V/32)]`` set to the next-token
+        mask: the grammar's, less what would break UTF-8. Returns that row as a numpy view."""
+        if self.finished:
+            raise GrammarError("the grammar has terminated; nothing more can be decoded")
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        words = bitmask.numpy()[row]
         if self._utf8 is not None:
             keep, follow, _ = self._utf8
-            self._bitmask[0] &= keep if self._pending_lead is None else follow[self._pending_lead]
+            words &= keep if self._pending_lead is None else follow[self._pending_lead]
+        return words
+
+    def _fill(self) -> np.ndarray:
+        return self.fill_row(self._bitmask, 0)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits (``[V]`` or ``[1, V]``, any device) as a new float32 tensor of the same
         shape with every token the grammar disallows at ``-inf``; the input is left as is."""
-        if self.finished:
-            raise GrammarError("the grammar has terminated; nothing more can be decoded")
         if logits.dim() not in (1, 2) or logits.numel() != self.vocab_size:
             raise ValueError(f"expected logits of shape [{self.vocab_size}] or [1, {self.vocab_size}], "
                              f"got {tuple(logits.shape)}")
         out = logits.detach().to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
         self._fill()
-        if out.device.type == "cpu":
-            bitmask, backend = self._bitmask, "cpu"
-        else:
-            bitmask, backend = self._bitmask.to(out.device), self.apply_backend
-        self._xgr.apply_token_bitmask_inplace(out.view(1, -1), bitmask, vocab_size=self.vocab_size,
-                                              backend=backend)
+        apply_bitmask(out.view(1, -1), self._bitmask, self.vocab_size, self.apply_backend)
         return out
 
     def allowed(self) -> torch.Tensor:
@@ -306,19 +327,10 @@ class JsonMatcher:
     def forced_token(self) -> int | None:
         """The one token the grammar allows next, or None where it allows several (or none, or
         has terminated). Greedy decoding must pick a forced token whatever the logits, which is
-        what makes jump-forward decoding exact. Read off the bitmask: one nonzero word, one bit."""
+        what makes jump-forward decoding exact."""
         if self.finished:
             return None
-        self._fill()
-        words = self._bitmask[0].nonzero()
-        if len(words) != 1:
-            return None
-        w = int(words[0])
-        bits = int(self._bitmask[0, w]) & 0xFFFFFFFF
-        if bits & (bits - 1):
-            return None
-        token = w * 32 + bits.bit_length() - 1
-        return token if token < self.vocab_size else None
+        return forced_in(self._fill(), self.vocab_size)
 
     def accept(self, token: int) -> None:
         """Advance past ``token``; :class:`GrammarError` if the grammar does not allow it."""
@@ -336,8 +348,7 @@ class JsonMatcher:
         if self._utf8 is None:
             return True
         keep, follow, _ = self._utf8
-        bits = keep if self._pending_lead is None else follow[self._pending_lead]
-        return bool((int(bits[token // 32]) >> (token % 32)) & 1)
+        return _bit(keep if self._pending_lead is None else follow[self._pending_lead], token)
 
     @property
     def finished(self) -> bool:
@@ -352,7 +363,7 @@ class JsonMatcher:
         if self.finished:  # xgrammar 0.1.32: a stop token is allowed exactly when the root matched
             return True
         self._matcher.fill_next_token_bitmask(self._bitmask)
-        return any((int(self._bitmask[0, t // 32]) >> (t % 32)) & 1 for t in self.stop_token_ids)
+        return any(_bit(self._bitmask.numpy()[0], t) for t in self.stop_token_ids)
 
     def jump_forward(self) -> str:
         """The text the grammar forces next (whole characters only; "" when nothing is forced),
@@ -369,6 +380,50 @@ class JsonMatcher:
         self._matcher.reset()
         self.num_tokens = 0
         self._pending_lead = None
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+                  backend: str = "torch_native") -> None:
+    """Every token a CPU bitmask ``[rows, ceil(V/32)]`` disallows set to ``-inf`` in float32
+    ``logits`` ``[rows, V]``, in place: xgrammar's CPU kernel for CPU logits; else one copy of
+    the bitmask to the logits' device and ``backend`` there."""
+    import xgrammar as xgr
+
+    if logits.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend="cpu")
+    else:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=vocab_size, backend=backend)
+
+
+class TokenMask:
+    """One next-token bitmask for a decoding batch: ``[rows, ceil(V/32)]`` int32 on the host
+    (pinned for an asynchronous copy where the logits live on CUDA), each row filled by its
+    row's matcher, applied to the batch's logits in one call per step (as vLLM and SGLang do)."""
+
+    def __init__(self, rows: int, vocab_size: int, device, backend: str = "torch_native"):
+        import xgrammar as xgr
+
+        self.vocab_size = int(vocab_size)
+        self.backend = backend
+        bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+        pin = torch.device(device).type == "cuda"
+        self.bitmask = bitmask.pin_memory() if pin else bitmask
+
+    def fill(self, row: int, matcher: JsonMatcher) -> np.ndarray:
+        """Row ``row`` from ``matcher`` (returned as a numpy view)."""
+        return matcher.fill_row(self.bitmask, row)
+
+    def allow_all(self, row: int) -> None:
+        self.bitmask.numpy()[row] = -1
+
+    def forced(self, row: int) -> int | None:
+        """The one token row ``row`` allows, or None (see :func:`forced_in`)."""
+        return forced_in(self.bitmask.numpy()[row], self.vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """The first ``len(logits)`` rows applied to ``logits`` ``[rows, V]`` (float32), in place."""
+        apply_bitmask(logits, self.bitmask[: logits.shape[0]], self.vocab_size, self.backend)
 
 
 # -- schema building blocks (metric schemas live with their judges) ----------------------------

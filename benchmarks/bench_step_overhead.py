@@ -1,0 +1,180 @@
+"""What one decoding step costs the host, at 1, 8 and 64 rows: host synchronisations, aten ops and
+wall time per decode step, under ``torch.profiler``.
+
+A GPU runs a step as fast as the host can issue it: every ``int(tensor)`` / ``.item()`` (an
+``aten::_local_scalar_dense`` event) and every device-to-host copy stalls its pipeline, and
+every aten op is a kernel launch. A step shaped for the GPU costs the same few launches and one
+copy whatever its row count. Two paths:
+
+* **Qwen JSON** -- VisExMEM decomposition (JSON-constrained, jump-forward on) on the tiny
+  random-weight multimodal Qwen3.5 checkpoint: ``VisExJudge`` decomposition of N image-caption
+  pairs, all rows decoding together.
+* **T5 rationale** -- LAVE with a rationale on the tiny Flan-T5-shaped checkpoint: greedy text
+  decoding of N items.
+
+Only the decoding loop is counted: the events inside the decode function's windows less those
+inside its prefill windows (the prompt suffixes and the vision tower run once per row, not per
+step), divided by the decode steps. Counted per step:
+
+* ``syncs``: ``aten::_local_scalar_dense`` / ``aten::item`` events plus the engine's labelled
+  device-to-host copies (``fastjudge::to_host``; on a CPU a ``.cpu()`` has no aten event of its
+  own, so the engine labels the one copy it makes per step);
+* ``aten ops``: top-level aten ops (those not called from inside another aten op), the kernel
+  launches a GPU would see;
+* ``ms``: wall time per step (this CPU's, compute included).
+
+Target for a GPU-shaped step: at most 2 syncs per step whatever the row count, and aten ops per
+step independent of the row count (within 10 %).
+
+    python benchmarks/bench_step_overhead.py                 # both paths, 1/8/64 rows
+    python benchmarks/bench_step_overhead.py --rows 1 8 --paths qwen
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+SYNC_EVENTS = {"aten::_local_scalar_dense", "aten::item", "fastjudge::to_host"}
+DECODE_LABEL, PREFILL_LABEL = "bench::decode", "bench::prefill"
+
+
+@contextlib.contextmanager
+def labelled(owner, name: str, label: str):
+    """``owner.name`` (a function or method) wrapped in a profiler range ``label`` while inside."""
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def windows(events, label: str) -> list[tuple[float, float]]:
+    return [(e.time_range.start, e.time_range.end) for e in events if e.name == label]
+
+
+def inside(t: float, spans) -> bool:
+    return any(a <= t <= b for a, b in spans)
+
+
+def count(events, steps: int) -> dict:
+    """Per-step syncs and top-level aten ops inside the decode windows, outside prefill."""
+    decode, prefill = windows(events, DECODE_LABEL), windows(events, PREFILL_LABEL)
+    syncs = ops = 0
+    for e in events:
+        t = e.time_range.start
+        if not inside(t, decode) or inside(t, prefill):
+            continue
+        if e.name in SYNC_EVENTS:
+            syncs += 1
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if e.name.startswith("aten::") and parent is None:
+            ops += 1
+    wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill)
+    return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, ms=wall / 1000 / steps)
+
+
+def profiled(run, patches) -> list:
+    with contextlib.ExitStack() as stack:
+        for owner, name, label in patches:
+            stack.enter_context(labelled(owner, name, label))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+    return prof.events()
+
+
+# -- Qwen JSON: VisExMEM decomposition ----------------------------------------------------------
+def qwen_path(model_dir: Path, rows: int) -> dict:
+    from bench_visexmem_e2e import make_examples
+
+    from fastjudge import VisExJudge
+    from fastjudge.backends import torch_qwen
+
+    judge = VisExJudge(model_dir, device="cpu", dtype=torch.float32, max_claims=3, max_claim_chars=40,
+                       max_batch_size=rows, max_batch_tokens=1 << 20)
+    items, _ = judge.prepare(make_examples(rows, 448, 336))
+    judge._decompose(list(items))  # warm-up: grammar compiled, image embeddings cached
+    items, _ = judge.prepare(make_examples(rows, 448, 336))
+    judge.backend.reset_decode_stats()
+    events = profiled(lambda: judge._decompose(list(items)),
+                      [(torch_qwen, "decode_greedy", DECODE_LABEL),
+                       (torch_qwen.TorchQwenBackend, "_prefill_suffixes", PREFILL_LABEL)])
+    return count(events, judge.backend.decode_stats["decode_steps"])
+
+
+# -- T5 rationale -------------------------------------------------------------------------------
+def t5_path(model_dir: Path, rows: int) -> dict:
+    from fastjudge import LaveJudge, VQAExample
+    from fastjudge.backends import t5_decode, torch_t5
+    from fastjudge.demo import sample_rows
+
+    judge = LaveJudge(model_dir, device="cpu", dtype=torch.float32, rationale=True, max_new_tokens=24)
+    sample = sample_rows()
+    examples = [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), f"{r['id']}-{i}")
+                for i, r in enumerate((sample * (rows // len(sample) + 1))[:rows])]
+    judge.score(examples)  # warm-up
+    steps = []
+    original = t5_decode.step
+
+    def counted_step(*args, **kwargs):
+        steps.append(1)
+        return original(*args, **kwargs)
+
+    t5_decode.step = counted_step
+    try:
+        events = profiled(lambda: judge.score(examples),
+                          [(torch_t5, "decode_greedy", DECODE_LABEL),
+                           (t5_decode.T5Model, "encode", PREFILL_LABEL)])
+    finally:
+        t5_decode.step = original
+    return count(events, len(steps))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--paths", nargs="+", choices=["qwen", "t5"], default=["qwen", "t5"])
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if "qwen" in args.paths:
+            from bench_visexmem_e2e import build_biased
+
+            qwen_dir = build_biased(tmp / "qwen", "tiny")
+            for n in args.rows:
+                table.append(("Qwen JSON (decompose, jump-forward)", n, qwen_path(qwen_dir, n)))
+        if "t5" in args.paths:
+            from fastjudge.checkpoints import build_random_t5
+            from fastjudge.demo import tokenizer_corpus
+
+            t5_dir = build_random_t5(tmp / "t5", tokenizer_corpus(), shape="tiny")
+            for n in args.rows:
+                table.append(("T5 rationale", n, t5_path(t5_dir, n)))
+    print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads; {time.strftime('%Y-%m-%d')}")
+    print(f"{'path':<38} {'rows':>5} {'steps':>6} {'syncs/step':>11} {'aten ops/step':>14} {'ms/step':>8}")
+    for name, n, r in table:
+        print(f"{name:<38} {n:>5} {r['steps']:>6} {r['syncs']:>11.1f} {r['ops']:>14.1f} {r['ms']:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

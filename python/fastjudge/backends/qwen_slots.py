@@ -1,0 +1,113 @@
+"""The static decode cache of the Qwen backend: every row's model state in preallocated,
+slot-addressed buffers.
+
+A decode batch gets one pool of ``slots`` rows, each ``capacity`` tokens long, allocated once
+from the requests' token budgets (prompt + forced response start + ``max_new_tokens``, all known
+up front): per full-attention layer K and V ``[slots, kv_heads, capacity + 1, head_dim]``, per
+Gated DeltaNet layer the conv state ``[slots, conv_dim, kernel - 1]`` and the recurrent state
+``[slots, v_heads, k_dim, v_dim]`` (float32, as the delta rule keeps it). Nothing grows by
+concatenation: a step writes each new token's K/V at its row's length, in place.
+
+Live rows sit in slots ``0 .. live - 1``, so a step runs on plain leading slices of every
+buffer (views, no gather). A row that finishes frees its slot: the last live row's state is
+copied into it (one row, never a re-gather of every row), and a newcomer takes the first free
+slot (refill). Column ``capacity`` of the K/V buffers is scratch: the right padding of a
+multi-token step writes there, past every real token, so padding never lands on a row's state.
+
+Memory: ``slots * (A * 2 * kv_heads * (capacity + 1) * head_dim * b
++ D * (conv_dim * (kernel - 1) * b + v_heads * k_dim * v_dim * 4))`` bytes, with ``A`` / ``D``
+the full-attention / DeltaNet layer counts, ``b`` the bytes per element of the model's dtype and
+``conv_dim = 2 * k_heads * k_dim + v_heads * v_dim`` (:func:`pool_bytes`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .qwen_shape import QwenShape
+
+
+def _conv_dim(shape: QwenShape) -> int:
+    return 2 * shape.lin_k_heads * shape.lin_k_dim + shape.lin_v_heads * shape.lin_v_dim
+
+
+def pool_bytes(shape: QwenShape, slots: int, capacity: int, element_size: int) -> int:
+    """The bytes of a :class:`SlotCache` of ``slots`` rows of ``capacity`` tokens (module notes)."""
+    per_slot = 0
+    for kind in shape.layer_types:
+        if kind == "full_attention":
+            per_slot += 2 * shape.kv_heads * (capacity + 1) * shape.head_dim * element_size
+        else:
+            per_slot += _conv_dim(shape) * (shape.conv_kernel - 1) * element_size
+            per_slot += shape.lin_v_heads * shape.lin_k_dim * shape.lin_v_dim * 4
+    return slots * per_slot
+
+
+class SlotCache:
+    """Per-slot decoding state (module notes). ``layers[i]`` is ``(K, V)`` of a full-attention
+    layer or ``(conv, recurrent)`` of a DeltaNet layer; ``lengths`` / ``positions`` (device) are
+    each slot's token count and next rotary position; ``held`` (host) mirrors ``lengths`` so that
+    the host never reads a device value to plan a step."""
+
+    def __init__(self, shape: QwenShape, slots: int, capacity: int, device, dtype):
+        self.capacity = int(capacity)
+        self.kinds = shape.layer_types
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for kind in shape.layer_types:
+            if kind == "full_attention":
+                size = (slots, shape.kv_heads, self.capacity + 1, shape.head_dim)
+                self.layers.append((torch.zeros(size, dtype=dtype, device=device),
+                                    torch.zeros(size, dtype=dtype, device=device)))
+            else:
+                self.layers.append((
+                    torch.zeros(slots, _conv_dim(shape), shape.conv_kernel - 1, dtype=dtype, device=device),
+                    torch.zeros(slots, shape.lin_v_heads, shape.lin_k_dim, shape.lin_v_dim,
+                                dtype=torch.float32, device=device)))
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.held = np.zeros(slots, dtype=np.int64)
+
+    @property
+    def slots(self) -> int:
+        return len(self.held)
+
+    def window(self, start: int, stop: int) -> "SlotCache":
+        """Slots ``start .. stop - 1`` as a cache of their own: every buffer a view, so a step on
+        the window writes the pool."""
+        view = object.__new__(SlotCache)
+        view.capacity, view.kinds = self.capacity, self.kinds
+        view.layers = [(a[start:stop], b[start:stop]) for a, b in self.layers]
+        view.lengths, view.positions = self.lengths[start:stop], self.positions[start:stop]
+        view.held = self.held[start:stop]
+        return view
+
+    def load(self, slot: int, state) -> None:
+        """A prefix state (``qwen_model.PrefixState`` of one row) into ``slot``."""
+        if state.length > self.capacity:
+            raise ValueError(f"a state of {state.length} tokens does not fit {self.capacity} positions")
+        for kind, (a, b), (x, y) in zip(self.kinds, self.layers, state.layers):
+            if kind == "full_attention":
+                a[slot, :, : state.length] = x[0]
+                b[slot, :, : state.length] = y[0]
+            else:
+                a[slot] = x[0]
+                b[slot] = y[0]
+        self.lengths[slot] = state.length
+        self.positions[slot] = state.next_position
+        self.held[slot] = state.length
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src``'s row into slot ``dst`` (its written positions only: what lies past a
+        row's length is never read)."""
+        n = int(self.held[src])
+        for kind, (a, b) in zip(self.kinds, self.layers):
+            if kind == "full_attention":
+                a[dst, :, :n] = a[src, :, :n]
+                b[dst, :, :n] = b[src, :, :n]
+            else:
+                a[dst] = a[src]
+                b[dst] = b[src]
+        self.lengths[dst] = self.lengths[src]
+        self.positions[dst] = self.positions[src]
+        self.held[dst] = n
