@@ -686,12 +686,14 @@ def test_fp8_gemm_path_on_the_fp8_checkpoint(kind, request):
     gemm = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=True)
     plain = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=False)
 
-    def layers(backend):
-        w = backend.model.w
-        return w.encoder if kind == "flan-t5" else w.layers
+    def fp8_weights(backend):
+        model = backend.model
+        if isinstance(model, torch.nn.Module):
+            return [m for m in model.modules() if isinstance(m, Fp8Weight)]
+        return [v for layer in model.w.encoder for v in layer.values() if isinstance(v, Fp8Weight)]
 
-    fp8 = [v for layer in layers(gemm) for v in layer.values() if isinstance(v, Fp8Weight)]
-    assert fp8 and not any(isinstance(v, Fp8Weight) for layer in layers(plain) for v in layer.values())
+    fp8 = fp8_weights(gemm)
+    assert fp8 and not fp8_weights(plain)
     w = fp8[0]
     x = torch.randn(5, w.shape[1])
     assert torch.allclose(w(x), fp8_linear_reference(x, w.weight, w.weight_scale, w.input_scale),
