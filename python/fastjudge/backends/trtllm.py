@@ -104,15 +104,15 @@ def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | N
     from importlib import metadata
     import importlib.util
 
-    from packaging.version import Version
+    from packaging.specifiers import SpecifierSet
 
     if installed is None:
         try:
             installed = metadata.version("tensorrt_llm")
         except metadata.PackageNotFoundError:
             return f"TensorRT-LLM is not installed ({_install_hint()})"
-    have = Version(installed)
-    if not Version(TRTLLM_SINCE) <= have < Version(TRTLLM_BELOW):
+    # the extra's own specifier: "<1.5" also refuses 1.5's pre-releases (PEP 440)
+    if not SpecifierSet(f">={TRTLLM_SINCE},<{TRTLLM_BELOW}").contains(installed, prereleases=True):
         return (f"TensorRT-LLM {installed} is outside the range fastjudge runs on its PyTorch backend "
                 f"({_install_hint()})")
     if kind == "qwen3.5" and _is_qwen3_5(model_type) and importlib.util.find_spec("transformers.models.qwen3_5") is None:
