@@ -207,3 +207,57 @@ def test_text_output_stops_at_eos_and_reads_tracked_columns():
     out = text_output(Request(index=0, prompt_ids=[3], spec=Text(2)), [3, 5], None, EOS)
     assert out.token_ids == [3, 5] and not out.finished and out.tracked_logits is None
     assert set(API["finish_reason"]) >= {"stop", "length"}
+
+
+# --------------------------------------------------------------------------------------------
+# T5 on the release's PyTorch backend (tensorrt_llm/_torch/models/modeling_t5.py)
+
+# Transcribed from the release's T5ForConditionalGeneration.__init__ and _convert_hf_t5_weights
+# (the lines the backend's checks read; the rest elided).
+RELEASE_T5_INIT = '''
+        self.logits_processor = LogitsProcessor()
+
+        # T5 convention: scale logits by 1/sqrt(d_model)
+        self.rescale_before_lm_head = True
+        self.d_model = config.d_model
+'''
+RELEASE_T5_CONVERT = '''
+    if dtype is not None:
+        hf_weights = {k: v.to(dtype) for k, v in hf_weights.items()}
+    out["model.shared_embedding"] = [{"weight": _get("shared.weight")}]
+'''
+
+
+def test_t5_logit_scale_follows_the_checkpoint_and_the_release():
+    from fastjudge.backends.trtllm import release_loads_t5_fp8, release_rescales_t5_logits, t5_logit_scale
+
+    assert release_rescales_t5_logits(RELEASE_T5_INIT) and not release_loads_t5_fp8(RELEASE_T5_CONVERT)
+    flan = {"d_model": 64, "tie_word_embeddings": False}
+    assert t5_logit_scale(flan, True) == 8.0  # untied Flan-T5 under a release that rescales anyway
+    assert t5_logit_scale(flan, False) == 1.0
+    assert t5_logit_scale({"d_model": 64}, True) == 1.0  # original T5: both scale
+    assert t5_logit_scale({"d_model": 64, "tie_word_embeddings": False, "scale_decoder_outputs": True}, True) == 1.0
+
+
+def test_scaled_release_logits_give_the_checkpoints_choice_exactly(t5_dir):
+    """The release's T5 logits are the checkpoint's times d_model**-0.5 (transformers'
+    T5ForConditionalGeneration on the same weights, with and without that scaling); the
+    processor's scale restores the checkpoint's Choice probabilities and full-vocabulary
+    log-probabilities."""
+    from transformers import T5ForConditionalGeneration
+
+    from fastjudge.backends.trtllm import t5_logit_scale
+
+    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    assert model.config.scale_decoder_outputs is False  # Flan-T5 layout: untied, unscaled
+    ids = torch.tensor([[5, 17, 40, 9, 1]])
+    with torch.no_grad():
+        own = model(input_ids=ids, decoder_input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+        model.config.scale_decoder_outputs = True  # what the release computes
+        release = model(input_ids=ids, decoder_input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+    scale = t5_logit_scale(json.loads((t5_dir / "config.json").read_text()), release_rescales=True)
+    assert torch.allclose(release * scale, own, atol=1e-5)
+    cand = (4, 6, 8)
+    out = _processed(release.reshape(-1), CandidateLogits(cand, rest_token(cand), scale))
+    exact = torch.log_softmax(own.reshape(-1).double(), dim=-1)
+    assert torch.allclose(out[list(cand)], exact[list(cand)], atol=1e-5)

@@ -15,7 +15,10 @@ options being the build's LLM-API options file (:data:`OPTIONS_FILE`, written by
 (NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_t5.py``, v1.3.0rc22 to v1.4.0rc1:
 ``attn_backend="TRTLLM"`` for the relative attention bias, a cross-attention KV pool sized by
 ``kv_cache_config.cross_kv_cache_fraction``, prompts given as encoder token ids, the decoder
-started by the checkpoint's ``decoder_start_token_id``); Qwen3.5 / Qwen3 are decoder-only.
+started by the checkpoint's ``decoder_start_token_id``); two behaviours of that file are read
+from the installed release's source at load (:func:`t5_logit_scale`: its unconditional
+d_model**-0.5 logit scaling, undone exactly; :func:`release_loads_t5_fp8`: FP8 builds are
+refused where its weight conversion drops the scales). Qwen3.5 / Qwen3 are decoder-only.
 
 The request mapping (:func:`sampling_kwargs`; ``tensorrt_llm/sampling_params.py``,
 ``SamplingParams`` and ``GuidedDecodingParams``, same tags):
@@ -153,17 +156,23 @@ class CandidateLogits:
     is not a candidate), that entry becomes the log-sum-exp of all non-candidate logits, so the
     candidates' log-softmax is their log-probability under the whole vocabulary.
 
+    ``scale``: a factor applied to the row first, undoing a scaling the release's model applies
+    and the checkpoint's own model does not (:func:`t5_logit_scale`).
+
     Plain attributes only: the LLM API pickles it to its worker processes."""
 
-    def __init__(self, token_ids: Sequence[int], rest: int | None = None):
+    def __init__(self, token_ids: Sequence[int], rest: int | None = None, scale: float = 1.0):
         self.token_ids = [int(t) for t in token_ids]
         self.rest = None if rest is None else int(rest)
+        self.scale = float(scale)
         if self.rest in self.token_ids:
             raise ValueError("the rest token must not be a candidate")
 
     def __call__(self, req_id, logits, token_ids, stream_ptr, client_id) -> None:
         import torch
 
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
         keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         keep[self.token_ids] = True
         if self.rest is not None:
@@ -180,14 +189,15 @@ def rest_token(candidates: Sequence[int]) -> int:
     return next(t for t in range(len(taken) + 1) if t not in taken)
 
 
-def sampling_kwargs(spec, eos_token_ids: Sequence[int]) -> dict:
-    """The ``SamplingParams`` keyword arguments of one output spec."""
+def sampling_kwargs(spec, eos_token_ids: Sequence[int], logit_scale: float = 1.0) -> dict:
+    """The ``SamplingParams`` keyword arguments of one output spec (``logit_scale``: see
+    :func:`t5_logit_scale`; greedy decoding does not depend on it)."""
     eos = sorted(int(t) for t in eos_token_ids)
     if isinstance(spec, Choice):
         # No sampling settings: the one token drawn is never read, only the log-probabilities.
         rest = rest_token(spec.token_ids) if spec.full_vocab else None
         return {"max_tokens": 1, "logprobs": len(spec.token_ids) + (rest is not None),
-                "logits_processor": CandidateLogits(spec.token_ids, rest), "detokenize": False}
+                "logits_processor": CandidateLogits(spec.token_ids, rest, logit_scale), "detokenize": False}
     greedy = {"top_k": 1, "end_id": eos[0], "stop_token_ids": eos[1:] or None, "detokenize": False}
     if isinstance(spec, Text):
         return {"max_tokens": spec.max_new_tokens, **greedy, "return_generation_logits": bool(spec.track_ids)}
@@ -220,7 +230,8 @@ def choice_output(request: Request, step_logprobs) -> Output:
                   logprobs=z.copy() if request.spec.full_vocab else None)
 
 
-def text_output(request: Request, tokens: list[int], logits, eos: set[int], stopped: bool = False) -> Output:
+def text_output(request: Request, tokens: list[int], logits, eos: set[int], stopped: bool = False,
+                logit_scale: float = 1.0) -> Output:
     finished = stopped
     for k, t in enumerate(tokens):
         if t in eos:
@@ -230,7 +241,7 @@ def text_output(request: Request, tokens: list[int], logits, eos: set[int], stop
     tracked = None
     if track:
         steps = _as_steps(logits) if logits is not None else None
-        tracked = (steps[: len(tokens)][:, list(track)] if steps is not None and len(tokens)
+        tracked = (steps[: len(tokens)][:, list(track)] * logit_scale if steps is not None and len(tokens)
                    else np.zeros((0, len(track))))
     return Output(index=request.index, token_ids=[int(t) for t in tokens], finished=finished, tracked_logits=tracked)
 
@@ -241,6 +252,37 @@ def _as_steps(logits) -> np.ndarray:
 
     t = logits if isinstance(logits, torch.Tensor) else torch.as_tensor(np.asarray(logits))
     return t.float().cpu().reshape(-1, t.shape[-1]).numpy().astype(np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# T5 on the release's PyTorch backend (tensorrt_llm/_torch/models/modeling_t5.py, v1.3.0rc22 to
+# v1.4.0rc1), read from the installed release's source so that a release that changes either
+# behaviour is followed, not assumed.
+
+def release_rescales_t5_logits(source: str) -> bool:
+    """Whether the release's ``T5ForConditionalGeneration.__init__`` (``source``) scales the
+    decoder output by d_model**-0.5 before the LM head unconditionally (it does in the releases
+    read: ``self.rescale_before_lm_head = True``)."""
+    return "rescale_before_lm_head = True" in source
+
+
+def t5_logit_scale(config: dict, release_rescales: bool) -> float:
+    """The factor that turns the release's T5 logits into the checkpoint's own. Transformers
+    scales the decoder output by d_model**-0.5 only for checkpoints saved with tied embeddings
+    (``scale_decoder_outputs``, else ``tie_word_embeddings`` not false: transformers
+    ``models/t5/configuration_t5.py``); Flan-T5 is saved untied, so where the release scales
+    anyway its logits are the checkpoint's times d_model**-0.5, exactly (the LM head is linear),
+    and multiplying by sqrt(d_model) restores them."""
+    own = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True) is not False)
+    return float(config["d_model"]) ** 0.5 if release_rescales and not own else 1.0
+
+
+def release_loads_t5_fp8(source: str) -> bool:
+    """Whether the release's T5 weight conversion (``_convert_hf_t5_weights``, ``source``)
+    carries FP8 scales. In the releases read it maps the ``.weight`` tensors only and casts
+    them to the model dtype, which would load an FP8 checkpoint's E4M3 values without their
+    scales."""
+    return "weight_scale" in source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +316,7 @@ class TrtllmBackend:
         self.eos_token_ids = self.codec.eos_token_ids
         check_token_ids(manifest, self.codec)  # before anything heavy is loaded
         self.options = read_llm_options(self.build_dir)
+        self.logit_scale = 1.0  # see t5_logit_scale
         self._llm = None
         if load_engine:
             self._load()
@@ -286,11 +329,31 @@ class TrtllmBackend:
         from tensorrt_llm import LLM
         from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
+        if self.kind == "encoder-decoder":
+            self._t5_compat()
         kwargs, left_out = llm_kwargs(self.options, set(TorchLlmArgs.model_fields))
         if left_out:
             log.info("fastjudge: this TensorRT-LLM has no %s; running without them", ", ".join(left_out))
         self._llm = LLM(model=str(self.checkpoint_dir), tokenizer=str(self.checkpoint_dir), **kwargs)
         log.info("fastjudge: loaded TensorRT-LLM %s judge %s", self.engine_kind, self.build_dir)
+
+    def _t5_compat(self) -> None:
+        import inspect
+
+        from tensorrt_llm._torch.models import modeling_t5
+
+        if (self.manifest.get("quantization") or {}).get("algo") == "FP8" and not release_loads_t5_fp8(
+                inspect.getsource(modeling_t5._convert_hf_t5_weights)):
+            raise TensorRTLLMUnavailable(
+                f"{self.build_dir}: this TensorRT-LLM loads T5 checkpoints' weights without FP8 scales "
+                "(tensorrt_llm/_torch/models/modeling_t5.py, _convert_hf_t5_weights); build the Flan-T5 judge "
+                "with --dtype bf16 for TensorRT-LLM (this FP8 checkpoint runs in the torch backend)")
+        config = json.loads((self.checkpoint_dir / "config.json").read_text())
+        self.logit_scale = t5_logit_scale(config, release_rescales_t5_logits(
+            inspect.getsource(modeling_t5.T5ForConditionalGeneration.__init__)))
+        if self.logit_scale != 1.0:
+            log.info("fastjudge: this TensorRT-LLM scales T5 logits by d_model**-0.5 where the checkpoint does "
+                     "not; the backend multiplies them by %.3f", self.logit_scale)
 
     def cost(self, request: Request) -> int:
         return request.num_tokens
@@ -311,7 +374,7 @@ class TrtllmBackend:
                 # the LLM API starts T5's decoder from its start token; it takes no decoder prefix
                 raise NotImplementedError("the trtllm backend cannot continue a Flan-T5 decoder prefix "
                                           "(a rationale's follow-up rating step); use the torch backend")
-            kw = sampling_kwargs(r.spec, self.eos_token_ids)
+            kw = sampling_kwargs(r.spec, self.eos_token_ids, self.logit_scale)
             if "guided_decoding" in kw:
                 kw["guided_decoding"] = GuidedDecodingParams(**kw["guided_decoding"])
             prompts.append({"prompt_token_ids": [int(t) for t in (*r.prompt_ids, *r.response_prefix)]})
@@ -324,5 +387,5 @@ class TrtllmBackend:
                 outputs.append(choice_output(r, o.logprobs[0]))
             else:  # a stop token may or may not be in token_ids; finish_reason says it was reached
                 outputs.append(text_output(r, list(o.token_ids), o.generation_logits, self.eos_token_ids,
-                                           stopped=o.finish_reason == "stop"))
+                                           stopped=o.finish_reason == "stop", logit_scale=self.logit_scale))
         return outputs

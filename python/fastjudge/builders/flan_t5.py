@@ -14,8 +14,9 @@ No engine is built: TensorRT-LLM's PyTorch backend reads the Hugging Face checkp
 q/k/v and gate/up projections made from the checkpoint's ``q``/``k``/``v`` and ``wi_0``/``wi_1``,
 so calibration gives each group one range, the largest, as a fused GEMM takes it). Upstream
 recommends BF16 for encoder-decoder models and leaves other precisions to be validated by the
-user: the agreement report is that validation on the judge's own items, and the GPU check runs
-the FP8 judge through TensorRT-LLM against the torch backend.
+user; in the releases read its T5 weight conversion drops FP8 scales, so the trtllm backend
+refuses FP8 Flan-T5 builds there (``backends/trtllm.release_loads_t5_fp8``) and ``--dtype bf16``
+is the build for TensorRT-LLM; the FP8 checkpoint serves the torch backend.
 
 Limits are judge-tuned: the encoder takes prompts up to ``max_input_len`` (the longest
 calibration/held-out prompt plus headroom, by default); the decoder runs one step in score-only
