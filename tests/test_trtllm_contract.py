@@ -261,3 +261,16 @@ def test_scaled_release_logits_give_the_checkpoints_choice_exactly(t5_dir):
     out = _processed(release.reshape(-1), CandidateLogits(cand, rest_token(cand), scale))
     exact = torch.log_softmax(own.reshape(-1).double(), dim=-1)
     assert torch.allclose(out[list(cand)], exact[list(cand)], atol=1e-5)
+
+
+def test_choice_fallback_reads_generation_logits():
+    """The fallback mode: only release argument names, and the candidates read from the step's
+    logits (full-vocabulary log-probabilities by log-softmax over the row)."""
+    from fastjudge.backends.trtllm import choice_from_logits
+
+    kw = sampling_kwargs(Choice((5, 9), full_vocab=True), EOS, choice_from_logits=True)
+    assert set(kw) <= set(API["SamplingParams"]) and kw["return_generation_logits"] is True
+    row = torch.randn(1, 20, generator=torch.Generator().manual_seed(2))
+    out = choice_from_logits(Request(index=0, prompt_ids=[3], spec=Choice((5, 9), full_vocab=True)), row)
+    exact = torch.log_softmax(row.double(), -1)[0, [5, 9]].numpy()
+    assert np.allclose(out.logprobs, exact) and np.allclose(out.probs, choice_probs(row[0, [5, 9]].numpy()))

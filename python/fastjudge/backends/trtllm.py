@@ -29,7 +29,9 @@ The request mapping (:func:`sampling_kwargs`; ``tensorrt_llm/sampling_params.py`
   log-softmax among themselves: the ``probs`` a judge reads. A ``full_vocab`` Choice keeps one
   more entry, a "rest" token whose logit is the log-sum-exp of every other logit, so the K
   log-probabilities are those under the whole vocabulary. Nothing of vocabulary width leaves
-  the device; the sampled token itself is discarded.
+  the device; the sampled token itself is discarded. Should the release's log-probabilities
+  turn out not to follow the processor (a candidate missing from them), the backend says so
+  once and reads Choices from ``return_generation_logits`` instead.
 * ``Text``: greedy (``top_k=1``) up to EOS (``end_id``; the other EOS ids as
   ``stop_token_ids``); ``track_ids`` read from ``return_generation_logits`` (the one place a
   vocabulary-wide row per step comes back, only for judges that track rating tokens while
@@ -189,10 +191,15 @@ def rest_token(candidates: Sequence[int]) -> int:
     return next(t for t in range(len(taken) + 1) if t not in taken)
 
 
-def sampling_kwargs(spec, eos_token_ids: Sequence[int], logit_scale: float = 1.0) -> dict:
+def sampling_kwargs(spec, eos_token_ids: Sequence[int], logit_scale: float = 1.0,
+                    choice_from_logits: bool = False) -> dict:
     """The ``SamplingParams`` keyword arguments of one output spec (``logit_scale``: see
-    :func:`t5_logit_scale`; greedy decoding does not depend on it)."""
+    :func:`t5_logit_scale`; greedy decoding does not depend on it). ``choice_from_logits``: a
+    Choice reads the step's generation logits instead (the fallback for a release whose
+    log-probabilities do not follow the logits processor)."""
     eos = sorted(int(t) for t in eos_token_ids)
+    if isinstance(spec, Choice) and choice_from_logits:
+        return {"max_tokens": 1, "return_generation_logits": True, "detokenize": False}
     if isinstance(spec, Choice):
         # No sampling settings: the one token drawn is never read, only the log-probabilities.
         rest = rest_token(spec.token_ids) if spec.full_vocab else None
@@ -216,6 +223,11 @@ def json_grammar_ebnf(schema: str) -> str:
     return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=True))
 
 
+class CandidatesMissing(RuntimeError):
+    """The returned log-probabilities lack a candidate: they were not taken after the logits
+    processor."""
+
+
 def choice_output(request: Request, step_logprobs) -> Output:
     """A Choice from the one generated step's returned log-probabilities (``{token id:
     Logprob(logprob, rank)}``). They must hold every candidate: a release that returned them
@@ -223,11 +235,23 @@ def choice_output(request: Request, step_logprobs) -> Output:
     ids = list(request.spec.token_ids)
     missing = [t for t in ids if t not in step_logprobs]
     if missing:
-        raise RuntimeError(f"TensorRT-LLM returned no log-probability for candidate ids {missing}: "
-                           "the logits processor did not restrict the row the log-probabilities came from")
+        raise CandidatesMissing(f"TensorRT-LLM returned no log-probability for candidate ids {missing}: "
+                                "the logits processor did not restrict the row the log-probabilities came from")
     z = np.array([float(getattr(step_logprobs[t], "logprob", step_logprobs[t])) for t in ids], dtype=np.float64)
     return Output(index=request.index, logits=z, probs=choice_probs(z),
                   logprobs=z.copy() if request.spec.full_vocab else None)
+
+
+def choice_from_logits(request: Request, logits, logit_scale: float = 1.0) -> Output:
+    """A Choice from the step's generation logits (the fallback mode): the candidates' logits,
+    and for ``full_vocab`` their log-softmax over the row."""
+    row = _as_steps(logits)[0] * logit_scale
+    z = row[list(request.spec.token_ids)]
+    logprobs = None
+    if request.spec.full_vocab:
+        top = row.max()
+        logprobs = z - (top + np.log(np.exp(row - top).sum()))
+    return Output(index=request.index, logits=z, probs=choice_probs(z), logprobs=logprobs)
 
 
 def text_output(request: Request, tokens: list[int], logits, eos: set[int], stopped: bool = False,
@@ -317,6 +341,7 @@ class TrtllmBackend:
         check_token_ids(manifest, self.codec)  # before anything heavy is loaded
         self.options = read_llm_options(self.build_dir)
         self.logit_scale = 1.0  # see t5_logit_scale
+        self.choice_from_logits = False  # set if the release's log-probabilities ignore the processor
         self._llm = None
         if load_engine:
             self._load()
@@ -365,6 +390,17 @@ class TrtllmBackend:
     def run(self, batch: Sequence[Request]) -> list[Output]:
         if self._llm is None:
             raise RuntimeError("this TrtllmBackend was opened with load_engine=False")
+        try:
+            return self._run(batch)
+        except CandidatesMissing as why:
+            if self.choice_from_logits:
+                raise
+            log.warning("fastjudge: %s; Choice requests read the generation logits from now on "
+                        "(a vocabulary-wide row per item)", why)
+            self.choice_from_logits = True
+            return self._run(batch)
+
+    def _run(self, batch: Sequence[Request]) -> list[Output]:
         from tensorrt_llm import SamplingParams
         from tensorrt_llm.llmapi import GuidedDecodingParams
 
@@ -374,7 +410,7 @@ class TrtllmBackend:
                 # the LLM API starts T5's decoder from its start token; it takes no decoder prefix
                 raise NotImplementedError("the trtllm backend cannot continue a Flan-T5 decoder prefix "
                                           "(a rationale's follow-up rating step); use the torch backend")
-            kw = sampling_kwargs(r.spec, self.eos_token_ids, self.logit_scale)
+            kw = sampling_kwargs(r.spec, self.eos_token_ids, self.logit_scale, self.choice_from_logits)
             if "guided_decoding" in kw:
                 kw["guided_decoding"] = GuidedDecodingParams(**kw["guided_decoding"])
             prompts.append({"prompt_token_ids": [int(t) for t in (*r.prompt_ids, *r.response_prefix)]})
@@ -384,7 +420,8 @@ class TrtllmBackend:
         for r, res in zip(batch, results):
             o = res.outputs[0]
             if isinstance(r.spec, Choice):
-                outputs.append(choice_output(r, o.logprobs[0]))
+                outputs.append(choice_from_logits(r, o.generation_logits, self.logit_scale) if self.choice_from_logits
+                               else choice_output(r, o.logprobs[0]))
             else:  # a stop token may or may not be in token_ids; finish_reason says it was reached
                 outputs.append(text_output(r, list(o.token_ids), o.generation_logits, self.eos_token_ids,
                                            stopped=o.finish_reason == "stop", logit_scale=self.logit_scale))
