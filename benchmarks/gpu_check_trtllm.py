@@ -78,7 +78,7 @@ def _top2_gap(result) -> float:
     return p[-1] - p[-2]
 
 
-def check_build(kind: str, precision: str, source: Path, out: Path, examples: list) -> dict:
+def check_build(kind: str, precision: str, source: Path, out: Path, examples: list, device: str = "cuda") -> dict:
     from fastjudge.backends.torch_qwen import TorchQwenBackend
     from fastjudge.backends.torch_t5 import TorchT5Backend
     from fastjudge.backends.trtllm import TensorRTLLMUnavailable, TrtllmBackend
@@ -88,7 +88,7 @@ def check_build(kind: str, precision: str, source: Path, out: Path, examples: li
 
     t0 = time.perf_counter()
     rc = build_main(["build", kind, "--model", str(source), "--out", str(out), "--dtype", precision,
-                     "--device", "cuda", "--num-shots", "2", "--max-calib", "32", "--max-heldout", "16"])
+                     "--device", device, "--num-shots", "2", "--max-calib", "32", "--max-heldout", "16"])
     r = {"build_rc": rc, "build_s": time.perf_counter() - t0}
     m = read_manifest(out)
     gate = m["agreement"].get("fp8") or m["agreement"]["bf16_checkpoint_torch"]
@@ -103,7 +103,7 @@ def check_build(kind: str, precision: str, source: Path, out: Path, examples: li
     r["trtllm_load_s"] = time.perf_counter() - t0
     r["t5_logit_scale"] = trt.logit_scale
     cls = TorchT5Backend if kind == "flan-t5" else TorchQwenBackend
-    ref = cls(out / m["artifacts"]["checkpoint"], device="cuda", dtype="bfloat16")
+    ref = cls(out / m["artifacts"]["checkpoint"], device=device, dtype="bfloat16")
     ours, r["trtllm_s"] = timed_score(LaveJudge(trt, num_shots=2), examples)
     theirs, r["torch_s"] = timed_score(LaveJudge(ref, num_shots=2), examples)
     r["trtllm_vs_torch"] = compare(ours, theirs)
