@@ -242,21 +242,33 @@ def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
     assert LaveJudge(str(ckpt), device="cpu", dtype="float32", num_shots=2).rating_token_ids == judge.rating_token_ids
 
 
-def test_fp8_checkpoint_equals_weight_fake_quant(t5_build, t5_dir):
+@pytest.mark.parametrize("kind", ["flan-t5", "qwen3.5"])
+def test_fp8_checkpoint_equals_weight_fake_quant(kind, request):
     """The torch backend on the FP8 checkpoint computes what transformers computes with the
-    same E4M3 weights (ModelOpt's weight fake quantization, activations left unquantized)."""
-    from transformers import T5ForConditionalGeneration
-
+    same E4M3 weights (ModelOpt's weight fake quantization, which
+    test_exported_weights_equal_modelopt_fake_quant and the exporter tests hold the checkpoint
+    to; activations left unquantized): probabilities within 1e-4 (float32), identical ratings."""
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
     from fastjudge.backends.torch_t5 import TorchT5Backend
 
-    ckpt = t5_build / "checkpoint"
-    fp8 = TorchT5Backend(ckpt, device="cpu", dtype="float32")
-    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    t5 = kind == "flan-t5"
+    build = request.getfixturevalue("t5_build" if t5 else "qwen_build")
+    source = request.getfixturevalue("t5_dir" if t5 else "qwen_dir")
+    ckpt = build / "checkpoint"
+    if t5:
+        from transformers import T5ForConditionalGeneration as hf_cls
+    else:
+        from transformers import Qwen3_5ForCausalLM as hf_cls
+    fp8 = (TorchT5Backend if t5 else TorchQwenBackend)(ckpt, device="cpu", dtype="float32")
+    model = hf_cls.from_pretrained(str(source), dtype=torch.float32).eval()
     state = dequantize_state(load_file(str(ckpt / "model.safetensors")))
-    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=False)
+    own = model.state_dict()
+    assert sum(k in own for k in state) > len(own) // 2  # the names match: the weights really load
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
     examples = load_examples()[0][:5]
-    ours = LaveJudge(fp8, num_shots=2).score(examples)
-    theirs = LaveJudge(agr.TransformersChoiceBackend(model, fp8, True), num_shots=2).score(examples)
+    shots = 2 if t5 else 1
+    ours = LaveJudge(fp8, num_shots=shots).score(examples)
+    theirs = LaveJudge(agr.TransformersChoiceBackend(model, fp8, t5), num_shots=shots).score(examples)
     diff = max(abs(a - b) for r, s in zip(ours, theirs) for a, b in zip(r.probs, s.probs))
     assert diff < 1e-4 and [r.rating for r in ours] == [r.rating for r in theirs]
 
