@@ -41,7 +41,7 @@ def add_build_parser(sub) -> None:
     p.add_argument("--calib-dtype", default="bfloat16",
                    help="dtype of the reference judge and of calibration (bfloat16; float32 on CPUs "
                         "without native bf16 is faster)")
-    p.add_argument("--no-fp8-kv", action="store_true", help="keep the KV cache in the engine dtype")
+    p.add_argument("--no-fp8-kv", action="store_true", help="keep the KV cache in the model dtype")
     p.add_argument("--min-agreement", type=float, default=DEFAULT_THRESHOLD,
                    help=f"rating agreement below which the build warns loudly ({DEFAULT_THRESHOLD})")
     p.add_argument("--strict", action="store_true", help="exit with status 1 below --min-agreement")

@@ -90,10 +90,11 @@ def fused_groups(model) -> list[list[str]]:
 
 def limits(opts: BuildOptions, longest_prompt: int, backend) -> dict:
     """Prompts up to the longest calibration/held-out prompt plus headroom (rounded to 256, at
-    most the model's limit); the generated tokens of the judge (one, or a rationale)."""
+    most the model's limit); room for ``--max-new-tokens`` generated tokens even for a
+    score-only LAVE judge, since the same model serves generating judges (rationales,
+    VisExMEM's JSON stages)."""
     max_input = opts.max_input_len or min(backend.max_input_tokens, int(-(-(longest_prompt + 256) // 256) * 256))
-    new = opts.max_new_tokens if opts.rationale else 1
-    return llm_limits(max_input, max(new, opts.max_new_tokens), opts.max_batch_size, longest_prompt)
+    return llm_limits(max_input, opts.max_new_tokens, opts.max_batch_size, longest_prompt)
 
 
 def build(opts: BuildOptions) -> dict:
