@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Resolve each TensorRT-LLM extra of fastjudge (with the core dependencies) against the package
+# Resolve the TensorRT-LLM extra of fastjudge (with the core dependencies) against the package
 # index for Linux x86_64 and the Python versions TensorRT-LLM 1.3 ships wheels for, and print
 # OK with the versions chosen, or the conflict. Needs the network; changes no environment (the
 # resolver writes only to a temporary folder). CI does not run it.
 #
 #   bash benchmarks/check_extras.sh                  # or: make check-extras
-#   EXTRAS="trtllm-t5" PYTHONS="3.12" bash benchmarks/check_extras.sh
+#   EXTRAS="trtllm" PYTHONS="3.12" bash benchmarks/check_extras.sh
 #
 # Why uv and not `pip install --dry-run`: TensorRT-LLM is on the index as source distributions
 # whose build step downloads the real wheel from NVIDIA's own index. pip must run that build to
@@ -16,7 +16,7 @@
 # reached, torch is pinned by version only and its CUDA dependencies are left unchecked.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${EXTRAS:-trtllm-t5 trtllm-qwen}"
+EXTRAS="${EXTRAS:-trtllm}"
 PYTHONS="${PYTHONS:-3.10 3.12}"
 PLATFORM="${PLATFORM:-x86_64-manylinux_2_28}"
 TORCH_INDEX="${TORCH_INDEX:-https://download.pytorch.org/whl/cu130}"

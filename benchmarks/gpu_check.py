@@ -17,9 +17,10 @@
 5. the speed targets (``gpu_speed.py``): the end-to-end VisExMEM, holistic VQAScore and (given
    a checkout of the authors' repository) official-LAVE benchmarks, fastjudge against its
    baseline on the GPU, with their output checks.
-6. the trtllm backend (tests/test_builders.py, TensorRT-LLM tests): FP8 Flan-T5 engines and the
-   FP8 Qwen3.5 checkpoint in the LLM API against transformers with ModelOpt fake quantization.
-   Skipped, saying why, where TensorRT-LLM is not installed.
+6. the trtllm backend: ``gpu_check_trtllm.py`` (both tiny judges built in BF16 and FP8, run
+   through TensorRT-LLM's LLM API against the torch backend, timed) and the TensorRT-LLM tests
+   of tests/test_builders.py (the FP8 judges in the LLM API against transformers with ModelOpt
+   fake quantization). Skipped, saying why, where TensorRT-LLM is not installed.
 
 Times are medians over many runs, measured with CUDA events, inputs rotated over several copies so
 that caches do not flatter. Prints one table and writes OUT_DIR/gpu_check.json.
@@ -330,30 +331,42 @@ def check_scaled_mm(device, dry: bool, timer: Timer, rows: list, report: dict) -
     report["scaled_mm"] = out
 
 
-def run_trtllm_checks(dry: bool, seconds: float, rows: list, report: dict) -> None:
-    """The trtllm backend's faithfulness tests where TensorRT-LLM is installed; skipped, with
-    the reason in the table, where it is not."""
+def run_trtllm_checks(dry: bool, seconds: float, out: Path, rows: list, report: dict) -> None:
+    """The trtllm stage (gpu_check_trtllm.py, then the TensorRT-LLM tests) where TensorRT-LLM is
+    installed; skipped, with the reason in the table, where it is not."""
     reason = None
     if importlib.util.find_spec("tensorrt_llm") is None:
-        reason = "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm-t5]' or 'fastjudge[trtllm-qwen]')"
+        reason = "TensorRT-LLM is not installed (pip install 'fastjudge[trtllm]')"
     elif dry:
         reason = "dry run (no CUDA device)"
     if reason:
         report["trtllm_tests"] = {"skipped": reason}
-        rows.append(("trtllm backend", "faithfulness vs FP8 fake quant", f"skipped: {reason}"))
+        rows.append(("trtllm backend", "vs torch backend, vs FP8 fake quant", f"skipped: {reason}"))
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_builders.py",
-           "-k", "trtllm_t5_engines or trtllm_qwen_llm_api or scaled_mm_on_gpu"]
+    stage = [sys.executable, str(ROOT / "benchmarks" / "gpu_check_trtllm.py"), str(out / "trtllm")]
+    tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_builders.py",
+             "-k", "trtllm_llm_api or scaled_mm_on_gpu"]
+    r = {}
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, seconds))
-        tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
-        r = {"returncode": p.returncode, "summary": tail[0], "seconds": time.perf_counter() - t0,
-             "output_tail": (p.stdout + p.stderr)[-4000:]}
-    except subprocess.TimeoutExpired:
-        r = {"returncode": None, "summary": f"timed out after {seconds:.0f} s", "seconds": seconds}
+    for name, cmd, share in (("stage", stage, 0.6), ("tests", tests, 1.0)):
+        left = max(30.0, (seconds - (time.perf_counter() - t0)) * share)
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
+            lines = (p.stdout + p.stderr).strip().splitlines()
+            r[name] = {"returncode": p.returncode, "summary": (lines or [""])[-1],
+                       "output_tail": (p.stdout + p.stderr)[-4000:]}
+            if name == "stage":
+                for line in lines:
+                    if line.startswith("gpu_check_trtllm: ") and ": " in line[18:]:
+                        what, value = line[18:].split(": ", 1)
+                        rows.append((f"trtllm {what}", "vs torch backend", value[:160]))
+        except subprocess.TimeoutExpired:
+            r[name] = {"returncode": None, "summary": f"timed out after {left:.0f} s"}
+    r["seconds"] = time.perf_counter() - t0
+    r["returncode"] = max((x["returncode"] if x["returncode"] is not None else 124) for x in
+                          (r["stage"], r["tests"]))
     report["trtllm_tests"] = r
-    rows.append(("trtllm backend", "faithfulness vs FP8 fake quant", f"{r['summary']} ({r['seconds']:.0f} s)"))
+    rows.append(("trtllm backend", "vs FP8 fake quant (tests)", f"{r['tests']['summary']} ({r['seconds']:.0f} s)"))
 
 
 def print_table(rows: list) -> None:
@@ -441,7 +454,7 @@ def main(argv=None) -> int:
         run_faithfulness(dry, left - 10 - (240 if trtllm_here else 0), rows, report)
         if report["faithfulness_tests"].get("returncode") not in (0,):
             failures.append("faithfulness_tests")
-        run_trtllm_checks(dry, args.budget_s - (time.perf_counter() - t_start) - 10, rows, report)
+        run_trtllm_checks(dry, args.budget_s - (time.perf_counter() - t_start) - 10, out, rows, report)
         if "skipped" not in report["trtllm_tests"] and report["trtllm_tests"].get("returncode") != 0:
             failures.append("trtllm_tests")
     for part in ("choice_head", "crop_encode"):

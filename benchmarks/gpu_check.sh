@@ -21,10 +21,9 @@ if ! "$PY" -c "import fastjudge._engine, fastjudge.kernels" 2>/dev/null; then
     || echo "gpu_check: offline build failed (see $OUT/pip_install.log)" >&2
 fi
 
-# The trtllm backend's checks run only where TensorRT-LLM is installed, each judge's in the
-# environment of its extra (docs/gpu.md, "Version matrix"): the Flan-T5 engines in trtllm-t5
-# (TensorRT-LLM 1.3.0rc15), Qwen3.5 through the LLM API in trtllm-qwen (1.3.0rc15 or later).
-# Say up front which of them this environment runs and why the others are skipped.
+# The trtllm backend's checks run only where TensorRT-LLM is installed (the trtllm extra:
+# 1.3.0rc22 to below 1.5, both judges on the LLM API's PyTorch backend; docs/gpu.md, "Version
+# matrix"). Say up front whether this environment runs them and, if not, why.
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('tensorrt_llm') is None)" 2>/dev/null; then
   "$PY" - >&2 <<'EOF' || true
 from importlib import metadata

@@ -1,9 +1,10 @@
-"""FP8 builders on tiny random-weight checkpoints, on the CPU: calibration prompts, ModelOpt
-quantization, the FP8 checkpoints (Hugging Face layout and TensorRT-LLM's T5 layout, checked
-against ModelOpt's own exporters), the manifest, the agreement report, the torch backend on the
-FP8 checkpoint, the vision tower's ONNX export, ``fastjudge build`` end to end with the
-TensorRT-LLM stages skipped, and the trtllm backend's manifest checks and missing-TensorRT-LLM
-error. Tests that need TensorRT-LLM and a GPU skip here (``benchmarks/gpu_check.sh`` runs them).
+"""Builders on tiny random-weight checkpoints, on the CPU: calibration prompts, ModelOpt
+quantization, the FP8 checkpoints (Hugging Face layout, checked against ModelOpt's own exporter),
+the BF16 checkpoints (``--dtype bf16``), the LLM-API options file, the manifest, the agreement
+report, the torch backend and transformers on the written checkpoints, the vision tower's ONNX
+export, ``fastjudge build`` end to end, and the trtllm backend's manifest checks and
+missing-TensorRT-LLM error. Tests that need TensorRT-LLM and a GPU skip here
+(``benchmarks/gpu_check.sh`` runs them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fastjudge.judges.lave import LaveJudge, LaveResult
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 GPU_TRTLLM = HAVE_TRTLLM and torch.cuda.is_available()
 # Small builds: few shots (short prompts) and few items keep the file fast on two cores.
-SMALL = ["--dtype", "float32", "--num-shots", "2", "--max-calib", "8", "--max-heldout", "6"]
+SMALL = ["--calib-dtype", "float32", "--num-shots", "2", "--max-calib", "8", "--max-heldout", "6"]
 
 
 def run_build(kind, model, out, *extra):
@@ -187,14 +188,6 @@ def test_exported_weights_equal_modelopt_fake_quant(t5_dir):
 # --------------------------------------------------------------------------------------------
 # Flan-T5 build
 
-def _trt_ckpt(build):
-    out = {}
-    for comp in ("encoder", "decoder"):
-        d = build / "trtllm-checkpoint" / comp
-        out[comp] = (json.loads((d / "config.json").read_text()), load_file(str(d / "rank0.safetensors")))
-    return out
-
-
 def test_t5_build_manifest_and_token_ids(t5_build, t5_backend):
     m = read_manifest(t5_build)
     assert m["model"]["kind"] == "flan-t5" and m["model"]["model_type"] == "t5"
@@ -206,125 +199,23 @@ def test_t5_build_manifest_and_token_ids(t5_build, t5_backend):
     assert judge["template_version"] == "lave/1" and len(judge["template_sha256"]) == 64
     lim = m["limits"]
     assert lim["max_input_len"] >= lim["longest_calibration_prompt"]
-    assert (lim["decoder_max_input_len"], lim["decoder_max_seq_len"]) == (1, 2)  # score-only: one step
+    assert lim["max_new_tokens"] == 1 and lim["max_seq_len"] == lim["max_input_len"] + 2  # start token + one step
     cal = m["calibration"]
     assert (cal["items"], cal["heldout_items"]) == (8, 6) and len(cal["sha256"]) == 64
     for name in ("fp8", "fp8_checkpoint_torch"):
         e = m["agreement"][name]
         assert e["items"] == 6 and 0 <= e["rating_agreement"] <= 1 and e["max_abs_dprob"] >= 0
         assert set(e) >= {"spearman_soft_score", "mean_abs_dprob", "reference", "candidate"}
-    stage = m["stages"]["engine_build"]
+    stage = m["stages"]["trtllm"]
     if not GPU_TRTLLM:
         assert stage["status"] == "skipped" and stage["reason"]
-    script = (t5_build / "build_engines.sh").read_text()
-    assert script.count("trtllm-build") == 2 and "--gather_generation_logits" in script
-    assert "--max_seq_len 2" in script and f"--max_input_len {lim['max_input_len']}" in script
+    # the LLM-API options: sized from the judge's prompt lengths (tests/test_trtllm_contract.py
+    # checks the names against the release's)
+    options = json.loads((t5_build / m["artifacts"]["llm_options"]).read_text())
+    assert (options["max_input_len"], options["max_seq_len"]) == (lim["max_input_len"], lim["max_seq_len"])
+    assert options["max_batch_size"] == 64 and options["kv_cache_config"]["cross_kv_cache_fraction"] > 0.9
+    assert not any((t5_build / name).exists() for name in ("engines", "build_engines.sh", "trtllm-checkpoint"))
     assert m["tools"]["modelopt"] and m["tools"]["torch"]
-
-
-def test_t5_trtllm_checkpoint_layout(t5_build, t5_dir):
-    """Tensor names, dtypes and shapes per TensorRT-LLM's T5 converter; FP8 tensors and scales
-    per its FP8 layers."""
-    from fastjudge.backends.loading import read_config
-    from fastjudge.builders.fp8_export import read_checkpoint
-
-    cfg = read_config(t5_dir)
-    src = read_checkpoint(t5_dir)
-    ckpt = _trt_ckpt(t5_build)
-    H, heads, dkv, ff, V = cfg["d_model"], cfg["num_heads"], cfg["d_kv"], cfg["d_ff"], cfg["vocab_size"]
-    for comp, (config, w) in ckpt.items():
-        assert config["architecture"] == ("EncoderModel" if comp == "encoder" else "DecoderModel")
-        assert config["quantization"]["quant_algo"] == "FP8"
-        assert config["quantization"]["kv_cache_quant_algo"] == ("FP8" if comp == "decoder" else None)
-        assert config["quantization"]["exclude_modules"] == ["lm_head"]
-        assert (config["layernorm_type"], config["mlp_type"], config["hidden_act"]) == (1, 1, "gelu_new")
-        assert config["q_scaling"] == pytest.approx(dkv ** -0.5)
-        attns = ["attention"] if comp == "encoder" else ["self_attention", "cross_attention"]
-        expected = {"transformer.vocab_embedding.weight", "transformer.ln_f.weight"}
-        if comp == "decoder":
-            expected |= {"lm_head.weight", "rel_attn_table"}
-        for i in range(cfg["num_layers"]):
-            p = f"transformer.layers.{i}"
-            expected |= {f"{p}.{attns[0]}.rel_attn_table", f"{p}.mlp_layernorm.weight",
-                         f"{p}.{'attention' if comp == 'encoder' else 'self_attention'}_layernorm.weight"}
-            if comp == "decoder":
-                expected.add(f"{p}.cross_attention_layernorm.weight")
-            for a in attns:
-                if comp == "decoder":
-                    expected.add(f"{p}.{a}.kv_cache_scaling_factor")
-                for lin in ("qkv", "dense"):
-                    expected |= {f"{p}.{a}.{lin}.{t}" for t in ("weight", "weights_scaling_factor",
-                                                                 "activation_scaling_factor")}
-            for lin in ("fc", "gate", "proj"):
-                expected |= {f"{p}.mlp.{lin}.{t}" for t in ("weight", "weights_scaling_factor",
-                                                             "activation_scaling_factor")}
-        assert set(w) == expected
-        for name, t in w.items():
-            if name.endswith("scaling_factor"):
-                assert t.dtype == torch.float32 and t.shape == (1,) and float(t) > 0, name
-            elif name.endswith(".weight") and name.split(".")[-2] in ("qkv", "dense", "fc", "gate", "proj"):
-                assert t.dtype == FP8_DTYPE, name
-            else:
-                assert t.dtype == torch.bfloat16, name
-        p = "transformer.layers.0"
-        assert w[f"{p}.{attns[0]}.qkv.weight"].shape == (3 * heads * dkv, H)
-        assert w[f"{p}.{attns[0]}.dense.weight"].shape == (H, heads * dkv)
-        assert w[f"{p}.mlp.fc.weight"].shape == (ff, H) and w[f"{p}.mlp.proj.weight"].shape == (H, ff)
-        assert w[f"{p}.{attns[0]}.rel_attn_table"].shape == (heads, cfg["relative_attention_num_buckets"])
-        assert torch.equal(w[f"{p}.mlp.fc.weights_scaling_factor"], w[f"{p}.mlp.gate.weights_scaling_factor"])
-        # the fused q/k/v dequantize to the source weights (to E4M3 precision)
-        hf = f"{comp}.block.0.layer.0.SelfAttention"
-        qkv = dequantize_e4m3(w[f"{p}.{attns[0]}.qkv.weight"], w[f"{p}.{attns[0]}.qkv.weights_scaling_factor"])
-        ref = torch.cat([src[f"{hf}.{x}.weight"] for x in "qkv"])
-        step = float(w[f"{p}.{attns[0]}.qkv.weights_scaling_factor"])
-        assert torch.all((qkv - ref).abs() <= ref.abs() * 2 ** -4 + step * 2 ** -9)
-        assert w["transformer.vocab_embedding.weight"].shape == (V, H)
-    assert torch.equal(ckpt["decoder"][1]["lm_head.weight"], src["lm_head.weight"].to(torch.bfloat16))
-
-
-def test_t5_trtllm_checkpoint_matches_modelopt_exporter(t5_dir, tmp_path):
-    """The same calibrated model through ModelOpt's TensorRT-LLM exporter (TensorRT-LLM's
-    documented FP8 path for T5): identical FP8 bytes and scales. ModelOpt 0.47 needs two
-    workarounds to export T5 under transformers 5, and writes kv_cache_scaling_factor 1.0 where
-    fastjudge writes the calibrated max(K, V amax) / 448; the encoder has no KV cache, so
-    fastjudge writes no KV scales there."""
-    from safetensors.torch import load_file
-    from transformers import T5ForConditionalGeneration
-
-    import modelopt.torch.export as mte
-    import modelopt.torch.export.tensorrt_llm_utils as mo_utils
-    from fastjudge.backends.loading import read_config
-    from fastjudge.builders.flan_t5 import calibration_loop, trtllm_t5_checkpoint
-    from fastjudge.builders.fp8_export import read_checkpoint
-    from fastjudge.builders.quantize import collect_amax, quantize_fp8
-
-    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
-    rng = np.random.default_rng(0)
-    quantize_fp8(model, calibration_loop([rng.integers(3, 500, n) for n in (30, 50)], 0))
-    ours = trtllm_t5_checkpoint(read_checkpoint(t5_dir), read_config(t5_dir), *collect_amax(model))
-    model.config.__dict__["model_type"] = "t5"  # workaround 1: config.__dict__ lookups
-    mo_utils.MODEL_NAME_TO_HF_ARCH_MAP.setdefault("t5", "EncoderModel")  # workaround 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mte.export_tensorrt_llm_checkpoint(model, "t5", dtype=torch.bfloat16, export_dir=str(tmp_path),
-                                           inference_tensor_parallel=1)
-    for comp in ("encoder", "decoder"):
-        ref = load_file(str(tmp_path / comp / "rank0.safetensors"))
-        ref = {k: v for k, v in ref.items()
-               if k.rsplit(".", 1)[-1] not in ("k_cache_scaling_factor", "v_cache_scaling_factor")}
-        _, w = ours[comp]
-        extra = set(ref) - set(w)
-        assert extra <= {"rel_attn_table"} | {k for k in ref if k.endswith("kv_cache_scaling_factor")}, extra
-        assert set(w) <= set(ref)
-        for k, t in w.items():
-            r = ref[k]
-            assert (t.dtype, t.shape) == (r.dtype, r.shape), k
-            if k.endswith("kv_cache_scaling_factor"):
-                continue
-            if t.dtype == FP8_DTYPE:
-                assert torch.equal(t.view(torch.uint8), r.view(torch.uint8)), k
-            else:
-                assert torch.allclose(t.float(), r.float(), rtol=1e-6, atol=0), k
 
 
 def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
@@ -351,21 +242,33 @@ def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
     assert LaveJudge(str(ckpt), device="cpu", dtype="float32", num_shots=2).rating_token_ids == judge.rating_token_ids
 
 
-def test_fp8_checkpoint_equals_weight_fake_quant(t5_build, t5_dir):
+@pytest.mark.parametrize("kind", ["flan-t5", "qwen3.5"])
+def test_fp8_checkpoint_equals_weight_fake_quant(kind, request):
     """The torch backend on the FP8 checkpoint computes what transformers computes with the
-    same E4M3 weights (ModelOpt's weight fake quantization, activations left unquantized)."""
-    from transformers import T5ForConditionalGeneration
-
+    same E4M3 weights (ModelOpt's weight fake quantization, which
+    test_exported_weights_equal_modelopt_fake_quant and the exporter tests hold the checkpoint
+    to; activations left unquantized): probabilities within 1e-4 (float32), identical ratings."""
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
     from fastjudge.backends.torch_t5 import TorchT5Backend
 
-    ckpt = t5_build / "checkpoint"
-    fp8 = TorchT5Backend(ckpt, device="cpu", dtype="float32")
-    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    t5 = kind == "flan-t5"
+    build = request.getfixturevalue("t5_build" if t5 else "qwen_build")
+    source = request.getfixturevalue("t5_dir" if t5 else "qwen_dir")
+    ckpt = build / "checkpoint"
+    if t5:
+        from transformers import T5ForConditionalGeneration as hf_cls
+    else:
+        from transformers import Qwen3_5ForCausalLM as hf_cls
+    fp8 = (TorchT5Backend if t5 else TorchQwenBackend)(ckpt, device="cpu", dtype="float32")
+    model = hf_cls.from_pretrained(str(source), dtype=torch.float32).eval()
     state = dequantize_state(load_file(str(ckpt / "model.safetensors")))
-    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=False)
+    own = model.state_dict()
+    assert sum(k in own for k in state) > len(own) // 2  # the names match: the weights really load
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
     examples = load_examples()[0][:5]
-    ours = LaveJudge(fp8, num_shots=2).score(examples)
-    theirs = LaveJudge(agr.TransformersChoiceBackend(model, fp8, True), num_shots=2).score(examples)
+    shots = 2 if t5 else 1
+    ours = LaveJudge(fp8, num_shots=shots).score(examples)
+    theirs = LaveJudge(agr.TransformersChoiceBackend(model, fp8, t5), num_shots=shots).score(examples)
     diff = max(abs(a - b) for r, s in zip(ours, theirs) for a, b in zip(r.probs, s.probs))
     assert diff < 1e-4 and [r.rating for r in ours] == [r.rating for r in theirs]
 
@@ -375,10 +278,59 @@ def test_cli_build_end_to_end_strict_below_threshold(t5_cli_run):
     assert rc == 1  # --strict and below --min-agreement
     assert "WARNING:" in stderr and "below 101%" in stderr and "!!!!" in stderr
     assert "agreement on held-out items" in stdout and f"wrote {out / MANIFEST_NAME}" in stdout
-    assert GPU_TRTLLM or "TensorRT-LLM engine build skipped: no CUDA device" in stdout
+    assert GPU_TRTLLM or "TensorRT-LLM not available here (no CUDA device)" in stdout
     m = read_manifest(out)
     assert m["agreement"]["fp8"]["passed"] is False and "below" in m["agreement"]["fp8"]["warning"]
     assert m["agreement"]["fp8"]["threshold"] == 1.01
+
+
+# --------------------------------------------------------------------------------------------
+# BF16 builds (--dtype bf16)
+
+@pytest.mark.parametrize("kind", ["flan-t5", "qwen3.5"])
+def test_bf16_build_loads_in_torch_backend_and_transformers_alike(kind, request, tmp_path):
+    """``--dtype bf16``: the source tensors in bfloat16, no quantization declared; the torch
+    backend and transformers (``T5ForConditionalGeneration`` / ``Qwen3_5ForCausalLM`` loading
+    the written directory with ``from_pretrained``) give the same probabilities on it (float32
+    compute: within 1e-5, identical ratings), and the threshold applies to the checkpoint's
+    agreement with the source."""
+    from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.builders.fp8_export import read_checkpoint
+
+    source = request.getfixturevalue("t5_dir" if kind == "flan-t5" else "qwen_dir")
+    out = tmp_path / "bf16"
+    assert run_build(kind, source, out, "--dtype", "bf16", "--num-shots", "1", "--max-calib", "2",
+                     "--max-heldout", "3") == 0
+    m = read_manifest(out)
+    assert m["quantization"]["algo"] is None and m["quantization"]["dtype"] == "bfloat16"
+    entry = m["agreement"]["bf16_checkpoint_torch"]
+    assert "fp8" not in m["agreement"] and entry["threshold"] == 0.98 and entry["items"] == 3
+    ckpt = out / m["artifacts"]["checkpoint"]
+    assert not (ckpt / "hf_quant_config.json").exists()
+    config = json.loads((ckpt / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    written, original = load_file(str(ckpt / "model.safetensors")), read_checkpoint(source)
+    assert set(written) == set(original)
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, original[k].to(torch.bfloat16))
+               for k, t in written.items() if original[k].is_floating_point())
+    assert (out / m["artifacts"]["llm_options"]).is_file()
+
+    if kind == "flan-t5":
+        from transformers import T5ForConditionalGeneration as hf_cls
+
+        ours = TorchT5Backend(ckpt, device="cpu", dtype="float32")
+    else:
+        from transformers import Qwen3_5ForCausalLM as hf_cls
+
+        ours = TorchQwenBackend(ckpt, device="cpu", dtype="float32")
+    model = hf_cls.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    examples = load_examples()[0][:5]
+    a = LaveJudge(ours, num_shots=1).score(examples)
+    b = LaveJudge(agr.TransformersChoiceBackend(model, ours, kind == "flan-t5"), num_shots=1).score(examples)
+    assert all(r.error is None for r in a + b)
+    assert [r.rating for r in a] == [r.rating for r in b]
+    assert max(abs(p - q) for r, s in zip(a, b) for p, q in zip(r.probs, s.probs)) < 1e-5
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,7 +498,7 @@ def test_trtllm_backend_manifest_checks(t5_build, qwen_build, tmp_path):
     assert LaveJudge(tq, num_shots=1).rating_token_ids == judge.rating_token_ids
     # a manifest that disagrees with the tokenizer is refused before anything loads
     bad = tmp_path / "bad"
-    shutil.copytree(t5_build, bad, ignore=shutil.ignore_patterns("trtllm-checkpoint"))
+    shutil.copytree(t5_build, bad)
     m = json.loads((bad / MANIFEST_NAME).read_text())
     m["judge"]["rating_token_ids"] = [7, 8, 9]
     (bad / MANIFEST_NAME).write_text(json.dumps(m))
@@ -571,8 +523,7 @@ def test_trtllm_backend_clear_error_without_tensorrt_llm(t5_build, qwen_build):
     from fastjudge.backends.trtllm import TensorRTLLMUnavailable
 
     for build in (t5_build, qwen_build):
-        extra = "trtllm-t5" if build is t5_build else "trtllm-qwen"
-        with pytest.raises(TensorRTLLMUnavailable, match=rf"pip install 'fastjudge\[{extra}\]'"):
+        with pytest.raises(TensorRTLLMUnavailable, match=r"pip install 'fastjudge\[trtllm\]'"):
             load_backend(build, backend="trtllm")
     with pytest.raises(ImportError, match="torch backend"):
         LaveJudge(str(t5_build), backend="trtllm")
@@ -590,26 +541,18 @@ def test_json_grammar_ebnf_for_guided_decoding():
 # TensorRT-LLM on a GPU (benchmarks/gpu_check.sh)
 
 @pytest.mark.skipif(not GPU_TRTLLM, reason="needs TensorRT-LLM and a CUDA device")
-def test_trtllm_t5_engines_faithful_to_fake_quant(t5_build, t5_dir):
-    """The engines against the FP8 judge they were built from (ModelOpt fake quantization of
-    the same calibration), on the held-out items."""
+@pytest.mark.parametrize("kind", ["flan-t5", "qwen3.5"])
+def test_trtllm_llm_api_faithful_to_fake_quant(kind, request):
+    """The FP8 judge through TensorRT-LLM's LLM API against the FP8 judge it was built from
+    (ModelOpt fake quantization of the same calibration), on the held-out items."""
     from fastjudge.backends.trtllm import TrtllmBackend, trtllm_mismatch
 
-    if trtllm_mismatch("flan-t5"):  # another judge's environment (docs/gpu.md, version matrix)
-        pytest.skip(trtllm_mismatch("flan-t5"))
-    m = read_manifest(t5_build)
-    assert m["stages"]["engine_build"]["status"] == "done"
-    _faithfulness(TrtllmBackend(t5_build), t5_dir, t5_build, encoder_decoder=True)
-
-
-@pytest.mark.skipif(not GPU_TRTLLM, reason="needs TensorRT-LLM and a CUDA device")
-def test_trtllm_qwen_llm_api_faithful_to_fake_quant(qwen_build, qwen_dir):
-    from fastjudge.backends.trtllm import TrtllmBackend, trtllm_mismatch
-
-    why = trtllm_mismatch("qwen3.5", read_manifest(qwen_build)["model"].get("model_type"))
-    if why:  # another judge's environment (docs/gpu.md, version matrix)
+    build = request.getfixturevalue("t5_build" if kind == "flan-t5" else "qwen_build")
+    source = request.getfixturevalue("t5_dir" if kind == "flan-t5" else "qwen_dir")
+    why = trtllm_mismatch(kind, read_manifest(build)["model"].get("model_type"))
+    if why:
         pytest.skip(why)
-    _faithfulness(TrtllmBackend(qwen_build), qwen_dir, qwen_build, encoder_decoder=False)
+    _faithfulness(TrtllmBackend(build), source, build, encoder_decoder=kind == "flan-t5")
 
 
 def _faithfulness(backend, source, build, encoder_decoder):
@@ -621,7 +564,7 @@ def _faithfulness(backend, source, build, encoder_decoder):
     m = read_manifest(build)
     cal = m["calibration"]
     opts = BuildOptions(model=str(source), out=str(build), num_shots=m["judge"]["num_shots"],
-                        dtype=m["quantization"]["calibration_dtype"], max_calib=cal["items"],
+                        calib_dtype=m["quantization"]["calibration_dtype"], max_calib=cal["items"],
                         max_heldout=cal["heldout_items"], heldout_fraction=cal["heldout_fraction"], seed=cal["seed"])
     reference, heldout = _fake_quant_backend(source, opts, encoder_decoder)
     ref = agr.score(open_judge(reference, opts), heldout)
@@ -642,7 +585,7 @@ def _fake_quant_backend(source, opts, encoder_decoder):
     from fastjudge.builders.pipeline import open_judge, prepare_prompts
     from fastjudge.builders.quantize import quantize_fp8
 
-    dtype = getattr(torch, opts.dtype)
+    dtype = getattr(torch, opts.calib_dtype)
     base = (TorchT5Backend if encoder_decoder else TorchQwenBackend)(source, device="cuda", dtype=dtype)
     prompts = prepare_prompts(open_judge(base, opts), opts)
     if encoder_decoder:
@@ -760,20 +703,3 @@ def test_vision_index_inputs_without_transformers_vision_utils(vl_dir, monkeypat
     without = vision_onnx.vision_inputs(visual, grids)
     for name, value in with_library.items():
         assert torch.allclose(without[name].float(), value.float()), name
-
-
-def test_only_the_t5_build_needs_the_trtllm_build_command(monkeypatch):
-    """The Qwen3.5 engine comes from TensorRT-LLM's LLM API (no ``trtllm-build``); the Flan-T5
-    engines are built with the ``trtllm-build`` command, so only that path asks for it."""
-    import importlib.util
-    import shutil
-
-    from fastjudge.builders import pipeline
-
-    monkeypatch.setattr(pipeline.torch.cuda, "is_available", lambda: True)
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "tensorrt_llm" else real_find_spec(name, *a))
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert pipeline.cuda_and_trtllm() is None
-    assert pipeline.cuda_and_trtllm(needs_trtllm_build=True) == "trtllm-build is not on PATH"

@@ -1,105 +1,276 @@
-"""The trtllm backend's calls into TensorRT-LLM, checked against transcriptions of the upstream
-signatures (TensorRT-LLM cannot be installed beside the CPU torch this suite runs on).
+"""The trtllm backend's calls into TensorRT-LLM's LLM API, checked against the release's argument
+names (TensorRT-LLM cannot be installed beside the CPU torch this suite runs on).
 
-Upstream: NVIDIA/TensorRT-LLM ``tensorrt_llm/runtime/model_runner_cpp.py``,
-``ModelRunnerCpp.generate``. Its named parameters are transcribed below; extra keyword arguments
-land in ``**kwargs``, of which ``generate`` reads only the SamplingConfig attributes it lists
-(``num_beams``, ``top_k``, ...) and a few speculative-decoding keys, silently dropping the rest,
-so the fake refuses any other keyword: a misspelt or removed argument fails here instead of
-being ignored on the GPU.
+``tests/fixtures/trtllm_api.json`` transcribes, from NVIDIA/TensorRT-LLM for the pinned range
+v1.3.0rc22 to v1.4.0rc1, the fields of ``TorchLlmArgs`` and its nested configs
+(``tensorrt_llm/llmapi/llm_args.py``), of ``SamplingParams`` / ``GuidedDecodingParams`` and the
+``LogitsProcessor.__call__`` parameters (``tensorrt_llm/sampling_params.py``), and of
+``CompletionOutput`` / ``Logprob`` (``tensorrt_llm/executor/result.py``); the file names the
+snapshots read. Upstream's configs are pydantic models that forbid unknown fields
+(``StrictBaseModel``) and ``SamplingParams`` is a keyword-only dataclass, so any name outside
+these lists fails there; here it fails first.
+
+What is exercised for real: the options file of real builds, the request mapping of real judge
+specs, and :class:`CandidateLogits` on real logits tensors (its arithmetic is what makes the
+returned log-probabilities exact).
 """
 
 from __future__ import annotations
 
 import inspect
-from types import SimpleNamespace
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fastjudge.backends.trtllm import TrtllmBackend
-from fastjudge.runtime.requests import Choice, Request, Text
+from fastjudge.backends.trtllm import (NEWER_OPTIONS, CandidateLogits, ManifestError, choice_output, llm_kwargs,
+                                       rest_token, sampling_kwargs, text_output)
+from fastjudge.builders.llm_options import cross_kv_fraction, graph_batch_sizes, limits, llm_options
+from fastjudge.runtime.grammar import Json
+from fastjudge.runtime.requests import Choice, Request, Text, choice_probs
 
-# ModelRunnerCpp.generate: the SamplingConfig attributes it accepts through **kwargs
-SAMPLING_KWARGS = {"num_beams", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay",
-                   "temperature", "min_tokens", "beam_search_diversity_rate", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "length_penalty", "early_stopping",
-                   "no_repeat_ngram_size", "random_seed", "num_return_sequences", "min_p",
-                   "beam_width_array"}
-
-
-class FakeModelRunnerCpp:
-    """``ModelRunnerCpp.generate``'s parameter list (model_runner_cpp.py), answering like the
-    real runner: ``sequence_lengths`` is in the result only when ``output_sequence_lengths``."""
-
-    def __init__(self, vocab: int, answer: list[int]):
-        self.vocab, self.answer, self.calls = vocab, answer, []
-
-    def generate(self, batch_input_ids, position_ids=None, encoder_input_ids=None,
-                 encoder_input_features=None, encoder_output_lengths=None, cross_attention_masks=None,
-                 mrope_params=None, sampling_config=None, lora_uids=None, lookahead_config=None,
-                 streaming=False, stopping_criteria=None, logits_processor_names=None, max_new_tokens=1,
-                 end_id=None, pad_id=None, bad_words_list=None, stop_words_list=None, return_dict=False,
-                 output_sequence_lengths=False, output_generation_logits=False, output_log_probs=False,
-                 output_cum_log_probs=False, prompt_table=None, prompt_tasks=None,
-                 input_token_extra_ids=None, return_all_generated_tokens=False,
-                 language_adapter_uids=None, mm_embedding_offloading=False, **kwargs):
-        unknown = set(kwargs) - SAMPLING_KWARGS
-        if unknown:
-            raise TypeError(f"ModelRunnerCpp.generate would ignore {sorted(unknown)}")
-        self.calls.append(dict(kwargs, max_new_tokens=max_new_tokens, return_dict=return_dict,
-                               output_sequence_lengths=output_sequence_lengths,
-                               output_generation_logits=output_generation_logits))
-        rows = len(batch_input_ids)
-        out_ids, lengths = [], []
-        for ids in batch_input_ids:
-            seq = ids.tolist() + self.answer[:max_new_tokens]
-            width = len(ids) + max_new_tokens
-            out_ids.append([seq + [end_id] * (width - len(seq))])
-            lengths.append([len(seq)])
-        logits = torch.zeros(rows, 1, max_new_tokens, self.vocab)
-        for step, tok in enumerate(self.answer[:max_new_tokens]):
-            logits[:, 0, step, tok] = 5.0
-        out = {"output_ids": torch.tensor(out_ids), "generation_logits": logits if output_generation_logits else None}
-        if output_sequence_lengths:
-            out["sequence_lengths"] = torch.tensor(lengths)
-        return out if return_dict else out["output_ids"]
+API = json.loads((Path(__file__).parent / "fixtures" / "trtllm_api.json").read_text())
+NESTED = {"cuda_graph_config": "CudaGraphConfig", "encoder_cuda_graph_config": "EncodeCudaGraphConfig",
+          "torch_compile_config": "TorchCompileConfig", "kv_cache_config": "KvCacheConfig"}
 
 
-def _t5_backend(runner):
-    return SimpleNamespace(_runner=runner, decoder_start_token_id=0, eos_token_ids={1}, pad_token_id=0)
+def _check_options(options: dict) -> None:
+    fields = set(API["TorchLlmArgs"]["fields"])
+    assert set(options) <= fields, set(options) - fields
+    for name, cls in NESTED.items():
+        if name in options:
+            assert set(options[name]) <= set(API[cls]), (name, set(options[name]) - set(API[cls]))
+    assert options["attn_backend"] in API["TorchLlmArgs"]["attn_backend"]
+    if "guided_decoding_backend" in options:
+        assert options["guided_decoding_backend"] in API["TorchLlmArgs"]["guided_decoding_backend"]
 
 
-def test_fake_mirrors_upstream_parameter_names():
-    """The fake's named parameters are exactly those of ModelRunnerCpp.generate
-    (tensorrt_llm/runtime/model_runner_cpp.py) after ``self``."""
-    params = [p for p in inspect.signature(FakeModelRunnerCpp.generate).parameters if p not in ("self", "kwargs")]
-    assert params[:3] == ["batch_input_ids", "position_ids", "encoder_input_ids"]
-    assert {"output_sequence_lengths", "output_generation_logits", "return_dict"} <= set(params)
+@pytest.mark.parametrize("kind, model_type", [("flan-t5", "t5"), ("qwen3.5", "qwen3_5_text"), ("qwen3.5", "qwen3")])
+@pytest.mark.parametrize("rationale", [False, True])
+def test_options_use_only_release_argument_names(kind, model_type, rationale):
+    lim = limits(700, 100 if rationale else 1, 64, 600, decoder_prefix=1 if kind == "flan-t5" else 0)
+    options = llm_options(kind, model_type, lim)
+    _check_options(options)
+    assert options["max_seq_len"] == lim["max_seq_len"] >= lim["max_input_len"] + lim["max_new_tokens"]
+    assert options["max_num_tokens"] >= options["max_input_len"]  # a whole prompt fits one batch
+    assert options["cuda_graph_config"]["batch_sizes"][-1] == options["max_batch_size"]
+    assert options["torch_compile_config"]["enable_piecewise_cuda_graph"] is False
+    kv = options["kv_cache_config"]
+    if kind == "flan-t5":
+        assert options["attn_backend"] == "TRTLLM" and options["enable_chunked_prefill"] is False
+        assert 0.5 < kv["cross_kv_cache_fraction"] < 1 and kv["enable_block_reuse"] is False
+        assert options["encoder_cuda_graph_config"]["seq_lens"][-1] == 700
+    else:
+        assert "cross_kv_cache_fraction" not in kv and options["guided_decoding_backend"] == "xgrammar"
+        # Qwen3.5: KV-cache reuse is listed unsupported (docs/source/models/supported-models.md)
+        assert kv["enable_block_reuse"] is (model_type == "qwen3")
 
 
-def test_t5_text_reads_sequence_lengths_it_asked_for():
-    """ModelRunnerCpp.generate returns ``sequence_lengths`` only with output_sequence_lengths=True;
-    the T5 text path asks for it, and decodes up to it."""
-    runner = FakeModelRunnerCpp(vocab=12, answer=[7, 8, 1])
-    reqs = [Request(index=0, prompt_ids=[3, 4, 5], spec=Text(max_new_tokens=4)),
-            Request(index=1, prompt_ids=[6], spec=Text(max_new_tokens=4))]
-    outs = TrtllmBackend._run_t5(_t5_backend(runner), reqs)
-    assert runner.calls[0]["output_sequence_lengths"] is True
-    assert [o.token_ids for o in outs] == [[7, 8], [7, 8]]
-    assert all(o.finished for o in outs)
+def test_the_options_of_real_builds_use_release_names(tmp_path):
+    """The options files ``fastjudge build`` writes (tests/test_builders.py checks the builds;
+    here a written file is read back as the backend reads it)."""
+    from fastjudge.backends.trtllm import read_llm_options
+    from fastjudge.builders.llm_options import write_llm_options
+
+    write_llm_options(tmp_path, llm_options("flan-t5", "t5", limits(256, 1, 8, 100, decoder_prefix=1)))
+    _check_options(read_llm_options(tmp_path))
 
 
-def test_t5_choice_call_is_accepted_upstream():
-    """A Choice batch's call passes only parameters ModelRunnerCpp.generate has."""
-    runner = FakeModelRunnerCpp(vocab=12, answer=[9])
-    outs = TrtllmBackend._run_t5(_t5_backend(runner), [Request(index=0, prompt_ids=[3], spec=Choice(token_ids=(9, 10)))])
-    assert runner.calls[0]["max_new_tokens"] == 1
-    assert np.argmax(outs[0].probs) == 0
+def test_cross_pool_share_follows_the_token_budgets():
+    """Cross pool: the encoder tokens of a request; self pool: its decoder tokens; both in
+    32-token blocks."""
+    assert cross_kv_fraction(640, 2) == pytest.approx(640 / 672, abs=1e-4)
+    assert cross_kv_fraction(512, 101) == pytest.approx(512 / 640, abs=1e-4)
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64] and graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def test_fake_refuses_an_argument_upstream_lacks():
-    """The contract can fail: a keyword outside the upstream signature raises."""
-    with pytest.raises(TypeError):
-        FakeModelRunnerCpp(4, [1]).generate([torch.tensor([1])], output_sequence_length=True)
+def test_llm_kwargs_refuses_unknown_names_and_leaves_out_newer_ones():
+    declared = set(API["TorchLlmArgs"]["fields"]) - set(API["TorchLlmArgs"]["newer"])
+    options = llm_options("flan-t5", "t5", limits(256, 1, 8, 100, decoder_prefix=1))
+    kwargs, left_out = llm_kwargs(options, declared)
+    assert set(left_out) == {"encoder_cuda_graph_config", "encoder_max_batch_size"} <= set(NEWER_OPTIONS)
+    assert set(kwargs) == set(options) - set(left_out)
+    kwargs, left_out = llm_kwargs(options, set(API["TorchLlmArgs"]["fields"]))
+    assert kwargs == options and not left_out
+    with pytest.raises(ManifestError, match="max_batch_sise"):
+        llm_kwargs({**options, "max_batch_sise": 8}, declared)
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+
+EOS = {1, 7}
+
+
+@pytest.mark.parametrize("spec", [Choice((5, 9, 11)), Choice((5, 9, 11), full_vocab=True), Text(20),
+                                  Text(20, track_ids=(5, 9)),
+                                  Json.from_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                    "required": ["ok"]}, 40)])
+def test_sampling_kwargs_use_only_release_argument_names(spec):
+    kw = sampling_kwargs(spec, EOS)
+    assert set(kw) <= set(API["SamplingParams"]), set(kw) - set(API["SamplingParams"])
+    if isinstance(spec, Choice):
+        assert kw["max_tokens"] == 1 and kw["logprobs"] == len(spec.token_ids) + spec.full_vocab
+        assert "top_k" not in kw and "return_generation_logits" not in kw  # nothing vocabulary-wide comes back
+        params = [p for p in inspect.signature(kw["logits_processor"].__call__).parameters]
+        assert params == API["LogitsProcessor.__call__"]
+    else:
+        assert kw["top_k"] == 1 and kw["end_id"] == 1 and kw["stop_token_ids"] == [7]
+        assert kw["max_tokens"] == spec.max_new_tokens
+    if isinstance(spec, Text):
+        assert kw["return_generation_logits"] is bool(spec.track_ids)
+    if isinstance(spec, Json):
+        assert set(kw["guided_decoding"]) <= set(API["GuidedDecodingParams"])
+
+
+def test_json_maps_to_the_torch_paths_grammar():
+    """Guided decoding gets the grammar the torch path compiles (runtime.grammar), as EBNF."""
+    xgr = pytest.importorskip("xgrammar")
+    from fastjudge.runtime.grammar import SEPARATORS
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    spec = Json.from_schema(schema, 40)
+    ebnf = sampling_kwargs(spec, EOS)["guided_decoding"]["grammar"]
+    assert ebnf == str(xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False, separators=SEPARATORS,
+                                                    strict_mode=True))
+    assert "root ::=" in ebnf
+
+
+def test_unknown_spec_is_refused():
+    with pytest.raises(NotImplementedError):
+        sampling_kwargs(object(), EOS)
+
+
+def _processed(logits: torch.Tensor, processor: CandidateLogits) -> torch.Tensor:
+    row = logits.clone()
+    processor(0, row, [[3, 4]], None, None)
+    return torch.log_softmax(row.double(), dim=-1)
+
+
+@pytest.mark.parametrize("shape", [(50,), (1, 50), (1, 1, 50)])
+def test_candidate_logits_give_the_choice_probabilities(shape):
+    """Restricted to the K ids, the row's log-softmax at them is the log of the Choice's
+    renormalised probabilities, and nothing else keeps any mass."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(shape, generator=g) * 4
+    ids = (5, 9, 11)
+    out = _processed(logits, CandidateLogits(ids)).reshape(-1)
+    z = logits.reshape(-1)[list(ids)].numpy()
+    assert np.allclose(out[list(ids)].exp().numpy(), choice_probs(z), atol=1e-12)
+    assert torch.isinf(out[[i for i in range(50) if i not in ids]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidate_logits_with_rest_give_full_vocabulary_logprobs(dtype):
+    """With the rest entry, the K log-probabilities equal those under the whole vocabulary (to
+    the logits' precision)."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(1, 1, 300, generator=g) * 3).to(dtype)
+    ids = (0, 2, 17)
+    rest = rest_token(ids)
+    assert rest == 1
+    out = _processed(logits, CandidateLogits(ids, rest)).reshape(-1)
+    exact = torch.log_softmax(logits.double(), dim=-1).reshape(-1)
+    tol = 1e-9 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out[list(ids)], exact[list(ids)], atol=tol)
+    with pytest.raises(ValueError):
+        CandidateLogits(ids, rest=2)
+
+
+class _Logprob:
+    """``tensorrt_llm.executor.result.Logprob``'s fields (fixture: Logprob)."""
+
+    def __init__(self, logprob, rank=None):
+        self.logprob, self.rank = logprob, rank
+
+
+def test_choice_output_reads_the_candidates_and_refuses_a_row_without_them():
+    assert sorted(vars(_Logprob(0.0))) == sorted(API["Logprob"])
+    row = {5: _Logprob(-0.1, 1), 9: _Logprob(-2.5, 2), 11: _Logprob(-3.0, 3)}
+    req = Request(index=4, prompt_ids=[3], spec=Choice((11, 5, 9), full_vocab=True))
+    out = choice_output(req, row)
+    assert out.index == 4 and np.allclose(out.logprobs, [-3.0, -0.1, -2.5])
+    assert np.allclose(out.probs, choice_probs([-3.0, -0.1, -2.5]))
+    assert choice_output(Request(index=0, prompt_ids=[3], spec=Choice((5, 9))), row).logprobs is None
+    with pytest.raises(RuntimeError, match="candidate ids \\[12\\]"):
+        choice_output(Request(index=0, prompt_ids=[3], spec=Choice((5, 12))), row)
+
+
+def test_text_output_stops_at_eos_and_reads_tracked_columns():
+    req = Request(index=0, prompt_ids=[3], spec=Text(8, track_ids=(2, 4)))
+    gen = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    out = text_output(req, [3, 5, 7, 2], gen, EOS, stopped=True)
+    assert out.token_ids == [3, 5] and out.finished
+    assert np.array_equal(out.tracked_logits, gen[:2][:, [2, 4]].numpy())
+    out = text_output(Request(index=0, prompt_ids=[3], spec=Text(2)), [3, 5], None, EOS)
+    assert out.token_ids == [3, 5] and not out.finished and out.tracked_logits is None
+    assert set(API["finish_reason"]) >= {"stop", "length"}
+
+
+# --------------------------------------------------------------------------------------------
+# T5 on the release's PyTorch backend (tensorrt_llm/_torch/models/modeling_t5.py)
+
+# Transcribed from the release's T5ForConditionalGeneration.__init__ and _convert_hf_t5_weights
+# (the lines the backend's checks read; the rest elided).
+RELEASE_T5_INIT = '''
+        self.logits_processor = LogitsProcessor()
+
+        # T5 convention: scale logits by 1/sqrt(d_model)
+        self.rescale_before_lm_head = True
+        self.d_model = config.d_model
+'''
+RELEASE_T5_CONVERT = '''
+    if dtype is not None:
+        hf_weights = {k: v.to(dtype) for k, v in hf_weights.items()}
+    out["model.shared_embedding"] = [{"weight": _get("shared.weight")}]
+'''
+
+
+def test_t5_logit_scale_follows_the_checkpoint_and_the_release():
+    from fastjudge.backends.trtllm import release_loads_t5_fp8, release_rescales_t5_logits, t5_logit_scale
+
+    assert release_rescales_t5_logits(RELEASE_T5_INIT) and not release_loads_t5_fp8(RELEASE_T5_CONVERT)
+    flan = {"d_model": 64, "tie_word_embeddings": False}
+    assert t5_logit_scale(flan, True) == 8.0  # untied Flan-T5 under a release that rescales anyway
+    assert t5_logit_scale(flan, False) == 1.0
+    assert t5_logit_scale({"d_model": 64}, True) == 1.0  # original T5: both scale
+    assert t5_logit_scale({"d_model": 64, "tie_word_embeddings": False, "scale_decoder_outputs": True}, True) == 1.0
+
+
+def test_scaled_release_logits_give_the_checkpoints_choice_exactly(t5_dir):
+    """The release's T5 logits are the checkpoint's times d_model**-0.5 (transformers'
+    T5ForConditionalGeneration on the same weights, with and without that scaling); the
+    processor's scale restores the checkpoint's Choice probabilities and full-vocabulary
+    log-probabilities."""
+    from transformers import T5ForConditionalGeneration
+
+    from fastjudge.backends.trtllm import t5_logit_scale
+
+    model = T5ForConditionalGeneration.from_pretrained(str(t5_dir), dtype=torch.float32).eval()
+    assert model.config.scale_decoder_outputs is False  # Flan-T5 layout: untied, unscaled
+    ids = torch.tensor([[5, 17, 40, 9, 1]])
+    with torch.no_grad():
+        own = model(input_ids=ids, decoder_input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+        model.config.scale_decoder_outputs = True  # what the release computes
+        release = model(input_ids=ids, decoder_input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+    scale = t5_logit_scale(json.loads((t5_dir / "config.json").read_text()), release_rescales=True)
+    assert torch.allclose(release * scale, own, atol=1e-5)
+    cand = (4, 6, 8)
+    out = _processed(release.reshape(-1), CandidateLogits(cand, rest_token(cand), scale))
+    exact = torch.log_softmax(own.reshape(-1).double(), dim=-1)
+    assert torch.allclose(out[list(cand)], exact[list(cand)], atol=1e-5)
+
+
+def test_choice_fallback_reads_generation_logits():
+    """The fallback mode: only release argument names, and the candidates read from the step's
+    logits (full-vocabulary log-probabilities by log-softmax over the row)."""
+    from fastjudge.backends.trtllm import choice_from_logits
+
+    kw = sampling_kwargs(Choice((5, 9), full_vocab=True), EOS, choice_from_logits=True)
+    assert set(kw) <= set(API["SamplingParams"]) and kw["return_generation_logits"] is True
+    row = torch.randn(1, 20, generator=torch.Generator().manual_seed(2))
+    out = choice_from_logits(Request(index=0, prompt_ids=[3], spec=Choice((5, 9), full_vocab=True)), row)
+    exact = torch.log_softmax(row.double(), -1)[0, [5, 9]].numpy()
+    assert np.allclose(out.logprobs, exact) and np.allclose(out.probs, choice_probs(row[0, [5, 9]].numpy()))

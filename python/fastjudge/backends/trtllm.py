@@ -1,33 +1,55 @@
-"""The TensorRT-LLM backend: FP8 judges built by ``fastjudge build``, behind the backend interface.
+"""The TensorRT-LLM backend: judges built by ``fastjudge build``, run through TensorRT-LLM's LLM API
+on its PyTorch backend, behind the backend interface.
 
-``TrtllmBackend(build_dir)`` opens a build output directory. Before TensorRT-LLM is imported it
-reads ``fastjudge-engine.json`` and checks it against the tokenizer shipped in the build: model
-kind, and the token ids judges read (rating tokens, rationale rating tokens, yes/no), derived
-here exactly as the judges derive them. A mismatch raises ``ManifestError``; a machine without
-TensorRT-LLM, or with a release that cannot serve the judge (:func:`trtllm_mismatch`), gets
-``TensorRTLLMUnavailable`` naming the extra to install (and that the build's FP8 checkpoint also
-loads in the torch backend).
+``TrtllmBackend(build_dir)`` opens a build directory. Before TensorRT-LLM is imported it reads
+``fastjudge-engine.json`` and checks it against the tokenizer shipped in the build: model kind,
+and the token ids judges read (rating tokens, rationale rating tokens, yes/no), derived here
+exactly as the judges derive them. A mismatch raises ``ManifestError``; a machine without
+TensorRT-LLM, or with a release outside the supported range (:func:`trtllm_mismatch`), gets
+``TensorRTLLMUnavailable`` naming the extra (and that the build's checkpoint also loads in the
+torch backend).
 
-* Flan-T5: the encoder and decoder engines through TensorRT-LLM's encoder-decoder runtime
-  (``tensorrt_llm.runtime.ModelRunnerCpp``, ``is_enc_dec=True``). ``Choice``: one decoder step
-  from the start token (plus any forced response prefix), read from the generation logits at
-  the K candidate ids (the decoder engine is built with ``--gather_generation_logits``).
-* Qwen3.5 / Qwen3: the FP8 checkpoint through the LLM API (``tensorrt_llm.LLM``, PyTorch
-  backend), KV-cache block reuse on: requests sharing the LAVE prefix reuse its cached blocks
-  (for Qwen3.5's recurrent layers with the state snapshots the release offers, see
-  :func:`kv_cache_config`). ``Choice``: ``max_tokens=1`` with
-  ``return_generation_logits``, read at the K ids (and, for a ``full_vocab`` Choice, normalised
-  over the whole row). ``Json``: guided decoding with the xgrammar
-  backend, given the same grammar the torch path compiles (no free whitespace, fixed
+Both judges load the same way: ``tensorrt_llm.LLM(model=OUT/checkpoint, **options)``, the
+options being the build's LLM-API options file (:data:`OPTIONS_FILE`, written by
+``builders/llm_options.py``). Flan-T5 is ``T5ForConditionalGeneration`` on the PyTorch backend
+(NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_t5.py``, v1.3.0rc22 to v1.4.0rc1:
+``attn_backend="TRTLLM"`` for the relative attention bias, a cross-attention KV pool sized by
+``kv_cache_config.cross_kv_cache_fraction``, prompts given as encoder token ids, the decoder
+started by the checkpoint's ``decoder_start_token_id``); two behaviours of that file are read
+from the installed release's source at load (:func:`t5_logit_scale`: its unconditional
+d_model**-0.5 logit scaling, undone exactly; :func:`release_loads_t5_fp8`: FP8 builds are
+refused where its weight conversion drops the scales). Qwen3.5 / Qwen3 are decoder-only.
+
+The request mapping (:func:`sampling_kwargs`; ``tensorrt_llm/sampling_params.py``,
+``SamplingParams`` and ``GuidedDecodingParams``, same tags):
+
+* ``Choice``: one generated token, ``logprobs`` for the K candidate ids, read exactly:
+  :class:`CandidateLogits` (a ``LogitsProcessor``) keeps only the K candidate logits in the
+  row, in place on the device, so the K returned log-probabilities are the candidates'
+  log-softmax among themselves: the ``probs`` a judge reads. A ``full_vocab`` Choice keeps one
+  more entry, a "rest" token whose logit is the log-sum-exp of every other logit, so the K
+  log-probabilities are those under the whole vocabulary. Nothing of vocabulary width leaves
+  the device; the sampled token itself is discarded. Should the release's log-probabilities
+  turn out not to follow the processor (a candidate missing from them), the backend says so
+  once and reads Choices from ``return_generation_logits`` instead.
+* ``Text``: greedy (``top_k=1``) up to EOS (``end_id``; the other EOS ids as
+  ``stop_token_ids``); ``track_ids`` read from ``return_generation_logits`` (the one place a
+  vocabulary-wide row per step comes back, only for judges that track rating tokens while
+  generating).
+* ``Json``: greedy under ``guided_decoding=GuidedDecodingParams(grammar=...)`` with the
+  xgrammar backend, given the same grammar the torch path compiles (no free whitespace, fixed
   separators) as EBNF, so both paths constrain identically.
-* ``Text``: greedy decoding; ``track_ids`` read from the generation logits.
 
 Tokenization is the torch backends' (prompt formatting, chat template with thinking off), so
-prompts, candidate ids and the planner's costs are identical across backends.
+prompts, candidate ids and the planner's costs are identical across backends. TensorRT-LLM
+batches and schedules requests itself; for Qwen3.5 it keeps no KV blocks across requests
+(KV-cache reuse is unsupported for ``Qwen3_5ForConditionalGeneration`` in
+``docs/source/models/supported-models.md``), so a shared LAVE prefix is recomputed per request.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -36,44 +58,44 @@ from typing import Sequence
 import numpy as np
 
 from ..codec import open_codec
+from ..runtime.grammar import Json
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
 from .manifest import ManifestError, check_token_ids, read_manifest
 
 log = logging.getLogger("fastjudge")
 
 ENGINE_KINDS = ("flan-t5", "qwen3.5")
+OPTIONS_FILE = "llm_api_options.yaml"  # JSON text, which YAML readers (trtllm-serve --config) read too
+
+# The releases whose PyTorch backend runs both judges (docs/gpu.md, "Version matrix"): T5 on the
+# PyTorch backend arrived in v1.3.0rc19 (upstream #13919; rc16 to rc21 are not on the package
+# index, so rc22 is the first installable), Qwen3.5 in rc9 with a transformers that has qwen3_5
+# from rc15. 1.4.0rc1 is the newest release read.
+TRTLLM_EXTRA = "trtllm"
+TRTLLM_SINCE = "1.3.0rc22"
+TRTLLM_BELOW = "1.5"
+
+# Options the build writes that only later releases of the range declare (encoder CUDA graphs,
+# upstream #16158): left out, with a log line, where the installed LlmArgs lacks them.
+NEWER_OPTIONS = ("encoder_cuda_graph_config", "encoder_max_batch_size")
 
 
 class TensorRTLLMUnavailable(ImportError):
     """TensorRT-LLM is not importable here, or the installed release cannot serve the judge."""
 
 
-# Which TensorRT-LLM serves which judge (docs/gpu.md, "Version matrix"): Flan-T5 engines need a
-# release with the TensorRT backend, Qwen3.5 one with its PyTorch-backend model and a transformers
-# pin that has qwen3_5. Only 1.3.0rc15 is both, so each judge has its own extra and environment.
-TRTLLM_EXTRAS = {"flan-t5": "trtllm-t5", "qwen3.5": "trtllm-qwen"}
-# The TensorRT backend (trtllm-build engines, ModelRunnerCpp, the encoder-decoder runtime) is
-# gone from this release on (its release notes: "tensorrt-backend-removal").
-T5_ENGINES_REMOVED_IN = "1.3.0rc22"
-# The PyTorch backend's Qwen3.5 model arrived in this release (its release notes, #12242).
-QWEN3_5_SINCE = "1.3.0rc9"
+def _install_hint() -> str:
+    return (f"pip install 'fastjudge[{TRTLLM_EXTRA}]' (TensorRT-LLM {TRTLLM_SINCE} to below "
+            f"{TRTLLM_BELOW}, Linux with an NVIDIA GPU)")
 
 
-def _install_hint(kind: str | None) -> str:
-    extra = TRTLLM_EXTRAS.get(kind or "")
-    if extra is None:
-        return "pip install 'fastjudge[trtllm-t5]' (Flan-T5) or 'fastjudge[trtllm-qwen]' (Qwen3.5)"
-    return f"pip install 'fastjudge[{extra}]' in its own environment"
-
-
-def import_tensorrt_llm(kind: str | None = None):
+def import_tensorrt_llm():
     try:
         import tensorrt_llm
     except ImportError as missing:
         raise TensorRTLLMUnavailable(
-            f"the trtllm backend needs TensorRT-LLM, which is not installed ({missing}). On a Linux machine "
-            f"with an NVIDIA GPU: {_install_hint(kind)}. Without it, the same FP8 judge runs in "
-            "the torch backend: LaveJudge('<build dir>/checkpoint').") from None
+            f"the trtllm backend needs TensorRT-LLM, which is not installed ({missing}): {_install_hint()}. "
+            "Without it, the same judge runs in the torch backend: LaveJudge('<build dir>/checkpoint').") from None
     return tensorrt_llm
 
 
@@ -83,65 +105,218 @@ def _is_qwen3_5(model_type: str | None) -> bool:
 
 def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | None = None) -> str | None:
     """None when the installed TensorRT-LLM (``installed``: its version; default the installed
-    distribution's) can serve a ``kind`` judge, else why not and which extra to install."""
+    distribution's) can serve a ``kind`` judge, else why not and what to install."""
     from importlib import metadata
     import importlib.util
 
-    from packaging.version import Version
+    from packaging.specifiers import SpecifierSet
 
     if installed is None:
         try:
             installed = metadata.version("tensorrt_llm")
         except metadata.PackageNotFoundError:
-            return f"TensorRT-LLM is not installed ({_install_hint(kind)})"
-    have = Version(installed)
-    if kind == "flan-t5" and have >= Version(T5_ENGINES_REMOVED_IN):
-        return (f"TensorRT-LLM {installed} has no TensorRT backend (removed in {T5_ENGINES_REMOVED_IN}); "
-                f"Flan-T5 engines need the trtllm-t5 environment ({_install_hint(kind)})")
-    if kind == "qwen3.5" and _is_qwen3_5(model_type):
-        if have < Version(QWEN3_5_SINCE):
-            return (f"TensorRT-LLM {installed} has no Qwen3.5 model (added in {QWEN3_5_SINCE}); "
-                    f"Qwen3.5 needs the trtllm-qwen environment ({_install_hint(kind)})")
-        if importlib.util.find_spec("transformers.models.qwen3_5") is None:
-            return (f"the transformers installed beside TensorRT-LLM {installed} has no qwen3_5 model "
-                    f"(1.3.0rc9 to rc14 pin 4.57.3); Qwen3.5 needs the trtllm-qwen environment "
-                    f"({_install_hint(kind)})")
+            return f"TensorRT-LLM is not installed ({_install_hint()})"
+    # the extra's own specifier: "<1.5" also refuses 1.5's pre-releases (PEP 440)
+    if not SpecifierSet(f">={TRTLLM_SINCE},<{TRTLLM_BELOW}").contains(installed, prereleases=True):
+        return (f"TensorRT-LLM {installed} is outside the range fastjudge runs on its PyTorch backend "
+                f"({_install_hint()})")
+    if kind == "qwen3.5" and _is_qwen3_5(model_type) and importlib.util.find_spec("transformers.models.qwen3_5") is None:
+        return (f"the transformers installed beside TensorRT-LLM {installed} has no qwen3_5 model "
+                f"({_install_hint()})")
     return None
 
 
-# Prefix reuse on Qwen3.5: its Gated DeltaNet layers carry a recurrent state, which TensorRT-LLM
-# can reuse only where it kept a snapshot; the interval is a multiple of the default 32-token KV
-# block, so at most this many tokens of a shared LAVE prefix are recomputed per request.
-SNAPSHOT_INTERVAL = 128
+# ---------------------------------------------------------------------------------------------
+# the options file
+
+def read_llm_options(build_dir: str | os.PathLike) -> dict:
+    path = Path(build_dir) / OPTIONS_FILE
+    if not path.is_file():
+        raise ManifestError(f"{build_dir}: no {OPTIONS_FILE} (rebuild with this fastjudge's `fastjudge build`)")
+    return json.loads(path.read_text())
 
 
-def kv_cache_config(KvCacheConfig, model_type: str | None, free_gpu_memory_fraction: float):
-    """The LLM API's KV cache settings with block reuse that works for this model on the installed
-    release (``KvCacheConfig``: ``tensorrt_llm.llmapi.KvCacheConfig``). Returns the config and
-    whether prefix reuse is on. For hybrid models: releases with ``mamba_state_config`` (which
-    turn reuse off without a snapshot policy) get periodic snapshots there, releases with only
-    ``mamba_state_cache_interval`` get it set, older releases cannot reuse recurrent state, so
-    reuse is off."""
-    kw = {"enable_block_reuse": True, "free_gpu_memory_fraction": free_gpu_memory_fraction}
-    if _is_qwen3_5(model_type):
-        fields = getattr(KvCacheConfig, "model_fields", {})
-        if "mamba_state_config" in fields:
-            kw["mamba_state_config"] = {"periodic_snapshot_interval": SNAPSHOT_INTERVAL}
-        elif "mamba_state_cache_interval" in fields:
-            kw["mamba_state_cache_interval"] = SNAPSHOT_INTERVAL
-        else:
-            kw["enable_block_reuse"] = False
-    return KvCacheConfig(**kw), kw["enable_block_reuse"]
+def llm_kwargs(options: dict, declared: set[str]) -> tuple[dict, list[str]]:
+    """The ``LLM(...)`` keyword arguments of an options file, given the argument names the
+    installed release declares (``TorchLlmArgs.model_fields``). Returns them and the
+    :data:`NEWER_OPTIONS` left out; any other undeclared name raises (a misspelt or removed
+    option fails at load instead of being dropped)."""
+    left_out = [k for k in options if k not in declared and k in NEWER_OPTIONS]
+    unknown = sorted(k for k in options if k not in declared and k not in NEWER_OPTIONS)
+    if unknown:
+        raise ManifestError(f"{OPTIONS_FILE}: the installed TensorRT-LLM has no LLM argument {unknown}")
+    return {k: v for k, v in options.items() if k in declared}, left_out
 
+
+# ---------------------------------------------------------------------------------------------
+# requests
+
+class CandidateLogits:
+    """A ``tensorrt_llm.sampling_params.LogitsProcessor`` (called as ``(req_id, logits,
+    token_ids, stream_ptr, client_id)``, modifying ``logits`` in place) that leaves only the
+    candidate logits of the row: every other entry becomes -inf. With ``rest`` (a token id that
+    is not a candidate), that entry becomes the log-sum-exp of all non-candidate logits, so the
+    candidates' log-softmax is their log-probability under the whole vocabulary.
+
+    ``scale``: a factor applied to the row first, undoing a scaling the release's model applies
+    and the checkpoint's own model does not (:func:`t5_logit_scale`).
+
+    Plain attributes only: the LLM API pickles it to its worker processes."""
+
+    def __init__(self, token_ids: Sequence[int], rest: int | None = None, scale: float = 1.0):
+        self.token_ids = [int(t) for t in token_ids]
+        self.rest = None if rest is None else int(rest)
+        self.scale = float(scale)
+        if self.rest in self.token_ids:
+            raise ValueError("the rest token must not be a candidate")
+
+    def __call__(self, req_id, logits, token_ids, stream_ptr, client_id) -> None:
+        import torch
+
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[self.token_ids] = True
+        if self.rest is not None:
+            others = torch.logsumexp(logits.float().masked_fill(keep, float("-inf")), dim=-1)
+            logits[..., self.rest] = others.to(logits.dtype)
+            keep[self.rest] = True
+        logits.masked_fill_(~keep, float("-inf"))
+
+
+def rest_token(candidates: Sequence[int]) -> int:
+    """The smallest token id that is not a candidate (the ``rest`` entry of a full-vocabulary
+    Choice)."""
+    taken = set(candidates)
+    return next(t for t in range(len(taken) + 1) if t not in taken)
+
+
+def sampling_kwargs(spec, eos_token_ids: Sequence[int], logit_scale: float = 1.0,
+                    choice_from_logits: bool = False) -> dict:
+    """The ``SamplingParams`` keyword arguments of one output spec (``logit_scale``: see
+    :func:`t5_logit_scale`; greedy decoding does not depend on it). ``choice_from_logits``: a
+    Choice reads the step's generation logits instead (the fallback for a release whose
+    log-probabilities do not follow the logits processor)."""
+    eos = sorted(int(t) for t in eos_token_ids)
+    if isinstance(spec, Choice) and choice_from_logits:
+        return {"max_tokens": 1, "return_generation_logits": True, "detokenize": False}
+    if isinstance(spec, Choice):
+        # No sampling settings: the one token drawn is never read, only the log-probabilities.
+        rest = rest_token(spec.token_ids) if spec.full_vocab else None
+        return {"max_tokens": 1, "logprobs": len(spec.token_ids) + (rest is not None),
+                "logits_processor": CandidateLogits(spec.token_ids, rest, logit_scale), "detokenize": False}
+    greedy = {"top_k": 1, "end_id": eos[0], "stop_token_ids": eos[1:] or None, "detokenize": False}
+    if isinstance(spec, Text):
+        return {"max_tokens": spec.max_new_tokens, **greedy, "return_generation_logits": bool(spec.track_ids)}
+    if isinstance(spec, Json):
+        return {"max_tokens": spec.max_new_tokens, **greedy, "guided_decoding": {"grammar": json_grammar_ebnf(spec.schema)}}
+    raise NotImplementedError(f"{type(spec).__name__} requests are not supported by the trtllm backend")
+
+
+def json_grammar_ebnf(schema: str) -> str:
+    """The JSON-schema grammar the torch path compiles (``runtime.grammar``: no free whitespace,
+    fixed separators, strict mode), as EBNF text for TensorRT-LLM's xgrammar backend."""
+    import xgrammar as xgr
+
+    from ..runtime.grammar import SEPARATORS
+
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=True))
+
+
+class CandidatesMissing(RuntimeError):
+    """The returned log-probabilities lack a candidate: they were not taken after the logits
+    processor."""
+
+
+def choice_output(request: Request, step_logprobs) -> Output:
+    """A Choice from the one generated step's returned log-probabilities (``{token id:
+    Logprob(logprob, rank)}``). They must hold every candidate: a release that returned them
+    before the logits processor ran would not, and is refused rather than misread."""
+    ids = list(request.spec.token_ids)
+    missing = [t for t in ids if t not in step_logprobs]
+    if missing:
+        raise CandidatesMissing(f"TensorRT-LLM returned no log-probability for candidate ids {missing}: "
+                                "the logits processor did not restrict the row the log-probabilities came from")
+    z = np.array([float(getattr(step_logprobs[t], "logprob", step_logprobs[t])) for t in ids], dtype=np.float64)
+    return Output(index=request.index, logits=z, probs=choice_probs(z),
+                  logprobs=z.copy() if request.spec.full_vocab else None)
+
+
+def choice_from_logits(request: Request, logits, logit_scale: float = 1.0) -> Output:
+    """A Choice from the step's generation logits (the fallback mode): the candidates' logits,
+    and for ``full_vocab`` their log-softmax over the row."""
+    row = _as_steps(logits)[0] * logit_scale
+    z = row[list(request.spec.token_ids)]
+    logprobs = None
+    if request.spec.full_vocab:
+        top = row.max()
+        logprobs = z - (top + np.log(np.exp(row - top).sum()))
+    return Output(index=request.index, logits=z, probs=choice_probs(z), logprobs=logprobs)
+
+
+def text_output(request: Request, tokens: list[int], logits, eos: set[int], stopped: bool = False,
+                logit_scale: float = 1.0) -> Output:
+    finished = stopped
+    for k, t in enumerate(tokens):
+        if t in eos:
+            tokens, finished = tokens[:k], True
+            break
+    track = getattr(request.spec, "track_ids", ())
+    tracked = None
+    if track:
+        steps = _as_steps(logits) if logits is not None else None
+        tracked = (steps[: len(tokens)][:, list(track)] * logit_scale if steps is not None and len(tokens)
+                   else np.zeros((0, len(track))))
+    return Output(index=request.index, token_ids=[int(t) for t in tokens], finished=finished, tracked_logits=tracked)
+
+
+def _as_steps(logits) -> np.ndarray:
+    """Generation logits of one sequence as ``[steps, vocab]`` float64 (beam 1)."""
+    import torch
+
+    t = logits if isinstance(logits, torch.Tensor) else torch.as_tensor(np.asarray(logits))
+    return t.float().cpu().reshape(-1, t.shape[-1]).numpy().astype(np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# T5 on the release's PyTorch backend (tensorrt_llm/_torch/models/modeling_t5.py, v1.3.0rc22 to
+# v1.4.0rc1), read from the installed release's source so that a release that changes either
+# behaviour is followed, not assumed.
+
+def release_rescales_t5_logits(source: str) -> bool:
+    """Whether the release's ``T5ForConditionalGeneration.__init__`` (``source``) scales the
+    decoder output by d_model**-0.5 before the LM head unconditionally (it does in the releases
+    read: ``self.rescale_before_lm_head = True``)."""
+    return "rescale_before_lm_head = True" in source
+
+
+def t5_logit_scale(config: dict, release_rescales: bool) -> float:
+    """The factor that turns the release's T5 logits into the checkpoint's own. Transformers
+    scales the decoder output by d_model**-0.5 only for checkpoints saved with tied embeddings
+    (``scale_decoder_outputs``, else ``tie_word_embeddings`` not false: transformers
+    ``models/t5/configuration_t5.py``); Flan-T5 is saved untied, so where the release scales
+    anyway its logits are the checkpoint's times d_model**-0.5, exactly (the LM head is linear),
+    and multiplying by sqrt(d_model) restores them."""
+    own = config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True) is not False)
+    return float(config["d_model"]) ** 0.5 if release_rescales and not own else 1.0
+
+
+def release_loads_t5_fp8(source: str) -> bool:
+    """Whether the release's T5 weight conversion (``_convert_hf_t5_weights``, ``source``)
+    carries FP8 scales. In the releases read it maps the ``.weight`` tensors only and casts
+    them to the model dtype, which would load an FP8 checkpoint's E4M3 values without their
+    scales."""
+    return "weight_scale" in source
+
+
+# ---------------------------------------------------------------------------------------------
 
 class TrtllmBackend:
     """Runs :class:`Request` batches on a ``fastjudge build`` output directory."""
 
-    def __init__(self, build_dir: str | os.PathLike, max_input_tokens: int | None = None,
-                 kv_cache_free_gpu_memory_fraction: float = 0.85, load_engine: bool = True):
+    def __init__(self, build_dir: str | os.PathLike, max_input_tokens: int | None = None, load_engine: bool = True):
         """``load_engine=False``: manifest checks and tokenization only (no TensorRT-LLM needed;
         ``run`` is then unavailable)."""
-
         self.build_dir = Path(build_dir)
         self.manifest = manifest = read_manifest(self.build_dir)
         model = manifest["model"]
@@ -156,179 +331,98 @@ class TrtllmBackend:
         self.max_input_tokens = min(max_input_tokens or limits["max_input_len"], limits["max_input_len"])
         self.max_batch_size = int(limits["max_batch_size"])
         self.default_batch_tokens = self.max_batch_size * self.max_input_tokens
-        # No image slots: the engines run text prompts only. TensorRT-LLM finds shared prefixes
-        # itself (KV-cache block reuse), so requests carry none.
+        # No image slots: the LLM API runs text prompts here. It schedules and batches requests
+        # itself, so requests carry no shared-prefix split.
         self.codec = open_codec(tokenizer_dir, {}, self.kind, eos_token_id=model.get("eos_token_id"),
                                 exact_prefix=False)
-        if self.kind == "encoder-decoder":
-            self.pad_token_id = int(model.get("pad_token_id") or 0)
-            self.decoder_start_token_id = int(model.get("decoder_start_token_id") or 0)
-        else:
-            self.pad_token_id = self.codec.pad_token_id
+        self.pad_token_id = (int(model.get("pad_token_id") or 0) if self.kind == "encoder-decoder"
+                             else self.codec.pad_token_id)
         self.eos_token_ids = self.codec.eos_token_ids
         check_token_ids(manifest, self.codec)  # before anything heavy is loaded
-        self._runner = self._llm = None
+        self.options = read_llm_options(self.build_dir)
+        self.logit_scale = 1.0  # see t5_logit_scale
+        self.choice_from_logits = False  # set if the release's log-probabilities ignore the processor
+        self._llm = None
         if load_engine:
-            self._load_engine(artifacts, limits, kv_cache_free_gpu_memory_fraction)
+            self._load()
 
-    def _load_engine(self, artifacts: dict, limits: dict, kv_cache_free_gpu_memory_fraction: float) -> None:
-        build_dir = self.build_dir
-        import_tensorrt_llm(self.engine_kind)
+    def _load(self) -> None:
+        import_tensorrt_llm()
         why = trtllm_mismatch(self.engine_kind, self.manifest["model"].get("model_type"))
         if why:
-            raise TensorRTLLMUnavailable(f"{build_dir}: {why}")
+            raise TensorRTLLMUnavailable(f"{self.build_dir}: {why}")
+        from tensorrt_llm import LLM
+        from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+
         if self.kind == "encoder-decoder":
-            engines = artifacts.get("engines")
-            if not engines or not (self.build_dir / engines).is_dir():
-                raise ManifestError(f"{build_dir}: no TensorRT engines (the build skipped them; run "
-                                    f"{self.build_dir / 'build_engines.sh'} on a CUDA machine)")
-            from tensorrt_llm.runtime import ModelRunnerCpp
+            self._t5_compat()
+        kwargs, left_out = llm_kwargs(self.options, set(TorchLlmArgs.model_fields))
+        if left_out:
+            log.info("fastjudge: this TensorRT-LLM has no %s; running without them", ", ".join(left_out))
+        self._llm = LLM(model=str(self.checkpoint_dir), tokenizer=str(self.checkpoint_dir), **kwargs)
+        log.info("fastjudge: loaded TensorRT-LLM %s judge %s", self.engine_kind, self.build_dir)
 
-            self._runner = ModelRunnerCpp.from_dir(
-                engine_dir=str(self.build_dir / engines), is_enc_dec=True, max_batch_size=self.max_batch_size,
-                max_input_len=limits["max_input_len"], max_output_len=limits["max_new_tokens"], max_beam_width=1,
-                kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_memory_fraction, cross_kv_cache_fraction=0.5,
-                gather_generation_logits=True)
-        else:
-            from tensorrt_llm import LLM
-            from tensorrt_llm.llmapi import KvCacheConfig
+    def _t5_compat(self) -> None:
+        import inspect
 
-            kv_config, reuse = kv_cache_config(KvCacheConfig, self.manifest["model"].get("model_type"),
-                                               kv_cache_free_gpu_memory_fraction)
-            if not reuse:
-                log.warning("fastjudge: this TensorRT-LLM cannot snapshot Qwen3.5's recurrent state; "
-                            "KV-cache block reuse is off (every prompt is computed in full)")
-            self._llm = LLM(model=str(self.checkpoint_dir), tokenizer=str(self.checkpoint_dir),
-                            kv_cache_config=kv_config,
-                            guided_decoding_backend="xgrammar", max_batch_size=self.max_batch_size,
-                            max_seq_len=int(limits["max_seq_len"]))
-        log.info("fastjudge: loaded TensorRT-LLM %s judge %s", self.engine_kind, build_dir)
+        from tensorrt_llm._torch.models import modeling_t5
+
+        if (self.manifest.get("quantization") or {}).get("algo") == "FP8" and not release_loads_t5_fp8(
+                inspect.getsource(modeling_t5._convert_hf_t5_weights)):
+            raise TensorRTLLMUnavailable(
+                f"{self.build_dir}: this TensorRT-LLM loads T5 checkpoints' weights without FP8 scales "
+                "(tensorrt_llm/_torch/models/modeling_t5.py, _convert_hf_t5_weights); build the Flan-T5 judge "
+                "with --dtype bf16 for TensorRT-LLM (this FP8 checkpoint runs in the torch backend)")
+        config = json.loads((self.checkpoint_dir / "config.json").read_text())
+        self.logit_scale = t5_logit_scale(config, release_rescales_t5_logits(
+            inspect.getsource(modeling_t5.T5ForConditionalGeneration.__init__)))
+        if self.logit_scale != 1.0:
+            log.info("fastjudge: this TensorRT-LLM scales T5 logits by d_model**-0.5 where the checkpoint does "
+                     "not; the backend multiplies them by %.3f", self.logit_scale)
 
     def cost(self, request: Request) -> int:
         return request.num_tokens
 
     def group_key(self, request: Request) -> None:
-        """One group: TensorRT-LLM reuses shared prefixes across any batch itself."""
+        """One group: TensorRT-LLM schedules the batch itself."""
         return None
 
-    # -- execution ------------------------------------------------------------------------------
     def run(self, batch: Sequence[Request]) -> list[Output]:
-        if self._runner is None and self._llm is None:
+        if self._llm is None:
             raise RuntimeError("this TrtllmBackend was opened with load_engine=False")
-        if self.kind == "encoder-decoder":
-            return self._run_t5(batch)
-        return self._run_llm(batch)
+        try:
+            return self._run(batch)
+        except CandidatesMissing as why:
+            if self.choice_from_logits:
+                raise
+            log.warning("fastjudge: %s; Choice requests read the generation logits from now on "
+                        "(a vocabulary-wide row per item)", why)
+            self.choice_from_logits = True
+            return self._run(batch)
 
-    def _run_t5(self, batch) -> list[Output]:
-        import torch
-
-        spec = batch[0].spec
-        if any(type(r.spec) is not type(spec) for r in batch):
-            raise ValueError("a batch must hold one kind of output spec")
-        if not isinstance(spec, (Choice, Text)):
-            raise NotImplementedError(f"{type(spec).__name__} requests are not supported by the Flan-T5 engines")
-        steps = 1 if isinstance(spec, Choice) else spec.max_new_tokens
-        decoder_inputs = [torch.tensor([self.decoder_start_token_id, *r.response_prefix], dtype=torch.int32)
-                          for r in batch]
-        encoder_inputs = [torch.tensor(r.prompt_ids, dtype=torch.int32) for r in batch]
-        out = self._runner.generate(
-            batch_input_ids=decoder_inputs, encoder_input_ids=encoder_inputs,
-            max_new_tokens=steps, end_id=min(self.eos_token_ids), pad_id=self.pad_token_id, num_beams=1,
-            output_generation_logits=True, output_sequence_lengths=True, return_dict=True)
-        logits = _per_row_logits(out["generation_logits"], len(batch))
-        outputs = []
-        for i, r in enumerate(batch):
-            if isinstance(r.spec, Choice):
-                outputs.append(_choice_output(r, logits[i][0]))
-                continue
-            seq = out["output_ids"][i][0].tolist()
-            length = int(out["sequence_lengths"][i][0])
-            gen = seq[len(decoder_inputs[i]):length]
-            outputs.append(_text_output(r, gen, logits[i], self.eos_token_ids))
-        return outputs
-
-    def _run_llm(self, batch) -> list[Output]:
+    def _run(self, batch: Sequence[Request]) -> list[Output]:
         from tensorrt_llm import SamplingParams
+        from tensorrt_llm.llmapi import GuidedDecodingParams
 
         prompts, params = [], []
         for r in batch:
-            prompts.append({"prompt_token_ids": [int(t) for t in r.prompt_ids] + [int(t) for t in r.response_prefix]})
-            params.append(self._sampling(r.spec, SamplingParams))
+            if self.kind == "encoder-decoder" and r.response_prefix:
+                # the LLM API starts T5's decoder from its start token; it takes no decoder prefix
+                raise NotImplementedError("the trtllm backend cannot continue a Flan-T5 decoder prefix "
+                                          "(a rationale's follow-up rating step); use the torch backend")
+            kw = sampling_kwargs(r.spec, self.eos_token_ids, self.logit_scale, self.choice_from_logits)
+            if "guided_decoding" in kw:
+                kw["guided_decoding"] = GuidedDecodingParams(**kw["guided_decoding"])
+            prompts.append({"prompt_token_ids": [int(t) for t in (*r.prompt_ids, *r.response_prefix)]})
+            params.append(SamplingParams(**kw))
         results = self._llm.generate(prompts, params, use_tqdm=False)
         outputs = []
         for r, res in zip(batch, results):
             o = res.outputs[0]
-            logits = None if o.generation_logits is None else _as_steps(o.generation_logits)
             if isinstance(r.spec, Choice):
-                outputs.append(_choice_output(r, logits[0]))
+                outputs.append(choice_from_logits(r, o.generation_logits, self.logit_scale) if self.choice_from_logits
+                               else choice_output(r, o.logprobs[0]))
             else:  # a stop token may or may not be in token_ids; finish_reason says it was reached
-                outputs.append(_text_output(r, list(o.token_ids), logits, self.eos_token_ids,
-                                            stopped=getattr(o, "finish_reason", None) == "stop"))
+                outputs.append(text_output(r, list(o.token_ids), o.generation_logits, self.eos_token_ids,
+                                           stopped=o.finish_reason == "stop", logit_scale=self.logit_scale))
         return outputs
-
-    def _sampling(self, spec, SamplingParams):
-        stop = sorted(self.eos_token_ids)
-        if isinstance(spec, Choice):
-            return SamplingParams(max_tokens=1, top_k=1, return_generation_logits=True, detokenize=False)
-        if isinstance(spec, Text):
-            return SamplingParams(max_tokens=spec.max_new_tokens, top_k=1, stop_token_ids=stop, detokenize=False,
-                                  return_generation_logits=bool(spec.track_ids))
-        if type(spec).__name__ == "Json":  # runtime.grammar.Json
-            from tensorrt_llm.llmapi import GuidedDecodingParams
-
-            return SamplingParams(max_tokens=spec.max_new_tokens, top_k=1, stop_token_ids=stop, detokenize=False,
-                                  guided_decoding=GuidedDecodingParams(grammar=json_grammar_ebnf(spec.schema)))
-        raise NotImplementedError(f"{type(spec).__name__} requests are not supported by the trtllm backend")
-
-
-def json_grammar_ebnf(schema: str) -> str:
-    """The JSON-schema grammar the torch path compiles (``runtime.grammar``: no free whitespace,
-    fixed separators, strict mode), as EBNF text for TensorRT-LLM's xgrammar backend."""
-    import xgrammar as xgr
-
-    from ..runtime.grammar import SEPARATORS
-
-    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=True))
-
-
-def _as_steps(logits) -> np.ndarray:
-    """Generation logits of one sequence as ``[steps, vocab]`` float64 (beam 1)."""
-    import torch
-
-    t = logits if isinstance(logits, torch.Tensor) else torch.as_tensor(np.asarray(logits))
-    return t.float().cpu().reshape(-1, t.shape[-1]).numpy().astype(np.float64)
-
-
-def _per_row_logits(logits, rows: int) -> list[np.ndarray]:
-    """The runner's generation logits (``[batch, beam, steps, vocab]`` tensor, or one tensor per
-    row) as ``[steps, vocab]`` per row."""
-    if isinstance(logits, (list, tuple)):
-        return [_as_steps(x) for x in logits]
-    return [_as_steps(logits[i]) for i in range(rows)]
-
-
-def _choice_output(request: Request, logits: np.ndarray) -> Output:
-    """A Choice read from one step's generation logits, which cover the whole vocabulary
-    anyway: a ``full_vocab`` request's log-probabilities cost one log-sum-exp more."""
-    row = np.asarray(logits, dtype=np.float64)
-    z = row[list(request.spec.token_ids)]
-    logprobs = None
-    if request.spec.full_vocab:
-        top = row.max()
-        logprobs = z - (top + np.log(np.exp(row - top).sum()))
-    return Output(index=request.index, logits=z, probs=choice_probs(z), logprobs=logprobs)
-
-
-def _text_output(request: Request, tokens: list[int], logits: np.ndarray | None, eos: set[int],
-                 stopped: bool = False) -> Output:
-    finished = stopped
-    for k, t in enumerate(tokens):
-        if t in eos:
-            tokens, finished = tokens[:k], True
-            break
-    track = getattr(request.spec, "track_ids", ())
-    tracked = None
-    if track:
-        tracked = (logits[: len(tokens)][:, list(track)] if logits is not None and len(tokens)
-                   else np.zeros((0, len(track))))
-    return Output(index=request.index, token_ids=[int(t) for t in tokens], finished=finished, tracked_logits=tracked)

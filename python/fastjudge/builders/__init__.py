@@ -1,13 +1,13 @@
-"""Builders of FP8 judges for TensorRT-LLM, installed as ``fastjudge.builders``.
+"""Builders of judges for TensorRT-LLM's LLM API, installed as ``fastjudge.builders``.
 
 ``fastjudge build flan-t5`` and ``fastjudge build qwen3.5`` (``cli.py``) quantize a judge
-checkpoint to FP8 with NVIDIA ModelOpt on judge prompts, write an FP8 checkpoint the torch
-backend and TensorRT-LLM load, build TensorRT-LLM engines where TensorRT-LLM and a GPU are
-present, report the FP8 judge's agreement with the source judge, and record everything in
-``fastjudge-engine.json``.
+checkpoint to FP8 with NVIDIA ModelOpt on judge prompts (or keep it in BF16), write the
+checkpoint the torch backend and TensorRT-LLM's LLM API load, the LLM-API options file, report
+the judge's agreement with the source judge, and record everything in ``fastjudge-engine.json``.
 
 Modules: ``calibration`` (prompts), ``quantize`` (ModelOpt), ``fp8_export`` (Hugging Face layout
-FP8 checkpoints), ``agreement`` (the report), ``manifest``, ``pipeline`` (the shared steps),
+checkpoints), ``llm_options`` (the options file), ``agreement`` (the report), ``manifest``,
+``pipeline`` (the shared steps),
 ``flan_t5`` and ``qwen3_5`` (the two builds), ``vision_onnx`` (the Qwen3.5 vision tower), ``cli``.
 """
 

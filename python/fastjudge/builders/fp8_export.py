@@ -1,4 +1,4 @@
-"""Writing FP8 checkpoints in the Hugging Face layout.
+"""Writing the checkpoint of a build in the Hugging Face layout: FP8 (ModelOpt) or BF16.
 
 The layout is ModelOpt's unified Hugging Face FP8 checkpoint, which TensorRT-LLM's LLM API loads
 (its ``hf_quant_config.json`` reader, ``FP8QDQLinearMethod``) and which fastjudge's torch
@@ -7,7 +7,8 @@ backend loads dequantized (``fastjudge/backends/fp8.py``): for every quantized l
 ``<m>.input_scale`` (amax / 448), ``<k>.k_scale`` / ``<v>.v_scale`` on the K and V projections of
 attention layers with an FP8 KV cache, every other tensor as in the source checkpoint, and the
 quantization declared in ``hf_quant_config.json`` and in ``config.json`` ``quantization_config``.
-Tensor names are the source checkpoint's own, so the result loads wherever the source did.
+Tensor names are the source checkpoint's own, so the result loads wherever the source did. A BF16
+build (``--dtype bf16``) writes the source tensors in bfloat16 and no quantization.
 """
 
 from __future__ import annotations
@@ -90,7 +91,25 @@ def quant_declarations(kv_cache: bool, exclude_modules: Sequence[str], producer:
 def write_fp8_checkpoint(source_dir: str | os.PathLike, out_dir: str | os.PathLike, state: Mapping[str, torch.Tensor],
                          kv_cache: bool, exclude_modules: Sequence[str], producer: dict) -> Path:
     """Write ``state`` (from :func:`fp8_state`) as a checkpoint directory next to the source's
-    config, tokenizer and preprocessing files."""
+    config, tokenizer and preprocessing files, its quantization declared."""
+    hf_quant, inline = quant_declarations(kv_cache, exclude_modules, producer)
+    out = _write(source_dir, out_dir, state, {"quantization_config": inline})
+    (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
+    return out
+
+
+def bf16_state(source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The source checkpoint's tensors with every floating-point one in bfloat16."""
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in source.items()}
+
+
+def write_bf16_checkpoint(source_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                          state: Mapping[str, torch.Tensor]) -> Path:
+    """Write ``state`` (from :func:`bf16_state`): no quantization, ``torch_dtype`` bfloat16."""
+    return _write(source_dir, out_dir, state, {"torch_dtype": "bfloat16"})
+
+
+def _write(source_dir, out_dir, state: Mapping[str, torch.Tensor], config_updates: dict) -> Path:
     from safetensors.torch import save_file
 
     src, out = Path(source_dir), Path(out_dir)
@@ -98,14 +117,15 @@ def write_fp8_checkpoint(source_dir: str | os.PathLike, out_dir: str | os.PathLi
     for name in SIDE_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
-    for stale in out.glob("*.safetensors*"):
-        stale.unlink()
+    for stale in [*out.glob("*.safetensors*"), out / "hf_quant_config.json"]:
+        stale.unlink(missing_ok=True)
     save_file(dict(state), str(out / WEIGHT_FILE), metadata={"format": "pt"})
-    hf_quant, inline = quant_declarations(kv_cache, exclude_modules, producer)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = inline
+    config.pop("quantization_config", None)
+    if "dtype" in config and "torch_dtype" in config_updates:  # transformers 5 names it dtype
+        config["dtype"] = config_updates["torch_dtype"]
+    config.update(config_updates)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
     return out
 
 

@@ -10,7 +10,8 @@ Written by every build into its output directory. Sections:
   (after " So rating="), for decoder-only judges ``yes_no_token_ids`` (the holistic judge's
   first answer token) and ``decision_token_ids`` (VisExMEM's, after its decision prefix), and
   ``answer_contexts``, where each set is read, so a loader re-derives them knowing no judge;
-* ``limits``: engine limits chosen for the judge (input length, batch size, decoder length);
+* ``limits``: the LLM-API limits chosen for the judge (input and sequence length, batch size,
+  token budget, generated tokens; ``llm_options.py``);
 * ``calibration``: the source, item counts and the sha256 of the calibration and held-out
   prompts;
 * ``agreement``: the agreement report (``agreement.py``);

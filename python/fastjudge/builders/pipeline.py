@@ -1,13 +1,15 @@
-"""The steps every FP8 judge build takes, in order; ``flan_t5.py`` and ``qwen3_5.py`` call them.
+"""The steps every judge build takes, in order; ``flan_t5.py`` and ``qwen3_5.py`` call them.
 
-1. open the source judge (torch backend, reference dtype) and build calibration and held-out
+1. open the source judge (torch backend, calibration dtype) and build calibration and held-out
    prompts with it;
 2. score the held-out items with it;
-3. load the transformers model, score the held-out items (reference), calibrate FP8 with
-   ModelOpt on the calibration prompts, score them again fake-quantized (``agreement.py``);
-4. write the FP8 checkpoint(s) from the calibrated ranges;
-5. score the held-out items with the torch backend on the written FP8 checkpoint;
-6. the model-specific stages (TensorRT-LLM engines, ONNX), then the manifest.
+3. FP8 (the default): load the transformers model, score the held-out items (reference),
+   calibrate FP8 with ModelOpt on the calibration prompts, score them again fake-quantized
+   (``agreement.py``), write the FP8 checkpoint from the calibrated ranges; BF16 (``--dtype
+   bf16``): write the source tensors in bfloat16;
+4. score the held-out items with the torch backend on the written checkpoint;
+5. the model-specific stages (ONNX), then the LLM-API options file (``llm_options.py``) and the
+   manifest (:func:`finish`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from . import DEFAULT_HELDOUT_FRACTION, DEFAULT_MIN_AGREEMENT, DEFAULT_ONNX_OPSET
 from . import agreement as agr
 from .calibration import CalibrationSet, judge_prompts, load_examples, prompts_sha256, split_examples
+from .llm_options import DEFAULT_KV_CACHE_FRACTION, llm_options, write_llm_options
 from .quantize import BuildError, collect_amax, modelopt_version, quantize_fp8, tie_fused_ranges
 
 log = logging.getLogger("fastjudge")
@@ -43,13 +46,13 @@ class BuildOptions:
     rationale: bool = False
     max_new_tokens: int = 100
     device: str = "auto"
-    dtype: str = "bfloat16"  # reference judge and calibration compute dtype
+    precision: str = "fp8"  # the checkpoint written: "fp8" (ModelOpt) or "bf16" (no quantization)
+    calib_dtype: str = "bfloat16"  # reference judge and calibration compute dtype
     kv_fp8: bool = True
     min_agreement: float = DEFAULT_MIN_AGREEMENT
     max_batch_size: int = 64
     max_input_len: int | None = None
-    engine_dtype: str = "bfloat16"
-    skip_engines: bool = False
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     onnx: bool = True
     onnx_opset: int = DEFAULT_ONNX_OPSET
 
@@ -58,7 +61,7 @@ def resolve(opts: BuildOptions) -> tuple[torch.device, torch.dtype]:
     from fastjudge.backends.loading import resolve_device, resolve_dtype
 
     device = resolve_device(opts.device)
-    return device, resolve_dtype(opts.dtype, device)
+    return device, resolve_dtype(opts.calib_dtype, device)
 
 
 def open_judge(backend, opts: BuildOptions):
@@ -146,21 +149,34 @@ def quantize_and_compare(judge, model, heldout, forward_loop: Callable, opts: Bu
     linears, kv = collect_amax(model)
     entry = agr.agreement_entry(
         reference, fp8, opts.min_agreement, "FP8 judge (ModelOpt fake quantization) vs reference",
-        {"reference": f"transformers {type(model).__name__}, {opts.dtype}, {device_label}",
+        {"reference": f"transformers {type(model).__name__}, {opts.calib_dtype}, {device_label}",
          "candidate": "same model with ModelOpt FP8 fake quantization (E4M3 weights and activations"
                       + (", FP8 K/V" if opts.kv_fp8 else "") + ")"})
     return linears, kv, entry
 
 
-def compare_checkpoint(reference_results, backend_cls, fp8_dir: Path, heldout, opts: BuildOptions,
-                       device, dtype) -> dict:
-    """The torch backend on the written FP8 checkpoint against the torch backend on the source."""
-    backend = backend_cls(fp8_dir, device=str(device), dtype=dtype)
+def compare_checkpoint(reference_results, backend_cls, ckpt_dir: Path, heldout, opts: BuildOptions,
+                       device, dtype) -> tuple[str, dict]:
+    """The torch backend on the written checkpoint against the torch backend on the source.
+    Returns the report's key and entry; a BF16 build's entry carries the threshold (it has no
+    fake-quantization entry)."""
+    backend = backend_cls(ckpt_dir, device=str(device), dtype=dtype)
     results = agr.score(open_judge(backend, opts), heldout)
-    return agr.agreement_entry(
-        reference_results, results, None, "FP8 checkpoint through the torch backend",
-        {"reference": f"fastjudge torch backend, source checkpoint, {opts.dtype}",
-         "candidate": "fastjudge torch backend, FP8 checkpoint (weights dequantized, activations unquantized)"})
+    fp8 = opts.precision == "fp8"
+    entry = agr.agreement_entry(
+        reference_results, results, None if fp8 else opts.min_agreement,
+        f"{opts.precision.upper()} checkpoint through the torch backend",
+        {"reference": f"fastjudge torch backend, source checkpoint, {opts.calib_dtype}",
+         "candidate": (f"fastjudge torch backend, FP8 checkpoint (weights dequantized to {opts.calib_dtype}, "
+                       "activations unquantized)" if fp8 else
+                       f"fastjudge torch backend, BF16 checkpoint computed in {opts.calib_dtype}")})
+    return f"{opts.precision}_checkpoint_torch", entry
+
+
+def gating_entry(agreement: dict) -> dict:
+    """The agreement entry the threshold applies to: FP8 fake quantization, else the BF16
+    checkpoint."""
+    return agreement.get("fp8") or agreement["bf16_checkpoint_torch"]
 
 
 def producer() -> dict:
@@ -173,25 +189,48 @@ def rel(path: Path | None, root: Path) -> str | None:
     return None if path is None else os.path.relpath(path, root)
 
 
-def cuda_and_trtllm(needs_trtllm_build: bool = False, kind: str | None = None,
-                    model_type: str | None = None) -> str | None:
-    """None when TensorRT-LLM stages can run here, else why not. Only the TensorRT-backend
-    engines (Flan-T5) are built with the ``trtllm-build`` command; the Qwen3.5 path goes through
-    the LLM API, which needs the importable package alone. With ``kind``, the installed release
-    must also serve that judge (``backends.trtllm.trtllm_mismatch``, which names the extra)."""
-    import importlib.util
-    import shutil
-
-    from ..backends.trtllm import _install_hint, trtllm_mismatch
+def trtllm_here(kind: str, model_type: str | None = None) -> str | None:
+    """None when this machine can run the build in TensorRT-LLM, else why not (the installed
+    release is checked by ``backends.trtllm.trtllm_mismatch``)."""
+    from ..backends.trtllm import trtllm_mismatch
 
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return f"TensorRT-LLM is not installed ({_install_hint(kind)})"
-    if kind is not None:
-        why = trtllm_mismatch(kind, model_type)
-        if why:
-            return why
-    if needs_trtllm_build and shutil.which("trtllm-build") is None:
-        return "trtllm-build is not on PATH"
-    return None
+    return trtllm_mismatch(kind, model_type)
+
+
+def finish(out: Path, opts: BuildOptions, kind: str, model: dict, quantization: dict, judge: dict, lim: dict,
+           calibration: dict, report: dict, artifacts: dict, stages: dict) -> dict:
+    """Write the LLM-API options file and the manifest; returns the manifest."""
+    from .manifest import new_manifest, write_manifest
+
+    options_path = write_llm_options(out, llm_options(kind, model.get("model_type"), lim, opts.kv_cache_fraction))
+    why = trtllm_here(kind, model.get("model_type"))
+    stages["trtllm"] = ({"status": "not run at build time",
+                         "reason": "the LLM API loads the checkpoint with the options file and compiles at load"}
+                        if why is None else {"status": "skipped", "reason": why})
+    if why:
+        print(f"fastjudge build: TensorRT-LLM not available here ({why}); {out} loads in TensorRT-LLM's LLM API "
+              "on a CUDA machine (backend='trtllm'), its checkpoint in the torch backend anywhere.")
+    manifest = new_manifest(model=model, quantization=quantization, judge=judge, limits=lim,
+                            calibration=calibration, agreement=report,
+                            artifacts={**artifacts, "llm_options": rel(options_path, out)}, stages=stages)
+    path = write_manifest(out, manifest)
+    print(f"fastjudge build: wrote {path}")
+    return manifest
+
+
+def quantization_section(opts: BuildOptions, exclude: Sequence[str] = ()) -> dict:
+    if opts.precision == "bf16":
+        return {"algo": None, "dtype": "bfloat16", "calibration_dtype": opts.calib_dtype, "tool": producer()}
+    return {"algo": "FP8", "weights": "float8_e4m3fn, per-tensor scale",
+            "activations": "float8_e4m3fn, static per-tensor scale",
+            "kv_cache": "FP8" if opts.kv_fp8 else None, "excluded_modules": list(exclude),
+            "calibration_dtype": opts.calib_dtype, "tool": producer()}
+
+
+def write_bf16(opts: BuildOptions, out: Path) -> Path:
+    """A BF16 build's checkpoint: the source tensors in bfloat16, no quantization."""
+    from .fp8_export import bf16_state, read_checkpoint, write_bf16_checkpoint
+
+    return write_bf16_checkpoint(opts.model, out / "checkpoint", bf16_state(read_checkpoint(opts.model)))

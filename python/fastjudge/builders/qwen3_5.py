@@ -1,11 +1,13 @@
-"""``fastjudge build qwen3.5``: an FP8 Qwen3.5 judge (text or vision-language; Qwen3 too) for
+"""``fastjudge build qwen3.5``: a Qwen3.5 judge (text or vision-language; Qwen3 too) for
 TensorRT-LLM's LLM API.
 
 Output directory::
 
     fastjudge-engine.json   the manifest (manifest.py)
-    checkpoint/             FP8 checkpoint, Hugging Face layout: what TensorRT-LLM's LLM API loads
-                            (``LLM(model="OUT/checkpoint")``) and the torch backend loads too
+    checkpoint/             Hugging Face checkpoint, FP8 (or BF16 with ``--dtype bf16``): what
+                            TensorRT-LLM's LLM API loads (``LLM(model="OUT/checkpoint")``) and the
+                            torch backend loads too
+    llm_api_options.yaml    the LLM-API options (``llm_options.py``)
     vision.onnx, .json      the vision tower in ONNX and its input description (VL checkpoints)
 
 The checkpoint is ModelOpt's Hugging Face FP8 format (``fp8_export.py``): TensorRT-LLM reads the
@@ -16,8 +18,11 @@ scale. Left in the checkpoint dtype: embeddings, LM head, the vision tower, and 
 DeltaNet layers ``conv1d``, ``in_proj_a``/``in_proj_b`` (ModelOpt's FP8 config) and
 ``in_proj_qkv``/``in_proj_z``: TensorRT-LLM's Qwen3.5 weight mapper packs these two into one
 grouped ``in_proj_qkvz`` tensor and splits scale tensors by rows, which a per-tensor scalar scale
-does not survive. No engine is built: the LLM API compiles the model when it loads the
-checkpoint.
+does not survive (NVIDIA/TensorRT-LLM
+``tensorrt_llm/_torch/models/checkpoints/hf/qwen3_5_weight_mapper.py``, v1.3.0rc22 to v1.4.0rc1).
+The vision tower is left out of the quantization (it keeps the checkpoint's dtype). No
+engine is built: the LLM API compiles the model (torch.compile, CUDA graphs) when it loads the
+checkpoint with the options file.
 
 Calibration runs LAVE prompts through the chat template (as the torch backend formats them)
 and, for VL checkpoints with ``--images``, image-caption prompts with their images.
@@ -32,9 +37,10 @@ import torch
 from . import agreement as agr
 from .calibration import image_prompts, load_image_captions
 from .fp8_export import excluded_linears, fp8_state, read_checkpoint, write_fp8_checkpoint
-from .manifest import judge_token_ids, lave_template, new_manifest, write_manifest
-from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, cuda_and_trtllm,
-                       open_source, producer, quantize_and_compare, rel)
+from .llm_options import limits as llm_limits
+from .manifest import judge_token_ids, lave_template
+from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, finish, open_source,
+                       producer, quantization_section, quantize_and_compare, rel, write_bf16)
 from .quantize import BuildError
 
 log = logging.getLogger("fastjudge")
@@ -83,11 +89,12 @@ def fused_groups(model) -> list[list[str]]:
 
 
 def limits(opts: BuildOptions, longest_prompt: int, backend) -> dict:
+    """Prompts up to the longest calibration/held-out prompt plus headroom (rounded to 256, at
+    most the model's limit); room for ``--max-new-tokens`` generated tokens even for a
+    score-only LAVE judge, since the same model serves generating judges (rationales,
+    VisExMEM's JSON stages)."""
     max_input = opts.max_input_len or min(backend.max_input_tokens, int(-(-(longest_prompt + 256) // 256) * 256))
-    new = opts.max_new_tokens if opts.rationale else 1
-    return {"max_input_len": max_input, "max_batch_size": opts.max_batch_size,
-            "max_seq_len": max_input + max(new, opts.max_new_tokens), "max_new_tokens": new,
-            "longest_calibration_prompt": longest_prompt}
+    return llm_limits(max_input, opts.max_new_tokens, opts.max_batch_size, longest_prompt)
 
 
 def build(opts: BuildOptions) -> dict:
@@ -100,28 +107,31 @@ def build(opts: BuildOptions) -> dict:
     if opts.images and not multimodal:
         raise BuildError("--images needs a vision-language (Qwen3_5ForConditionalGeneration) checkpoint")
     out, device, dtype, base, judge, prompts = open_source(opts, TorchQwenBackend)
-    pairs = load_image_captions(opts.images) if opts.images else []
+    pairs = load_image_captions(opts.images) if opts.images and opts.precision == "fp8" else []
     images = image_prompts(base, opts.model, pairs) if pairs else []
     ref_results = agr.score(judge, prompts.data.heldout)
-
-    model = hf_model(opts.model, model_type, dtype).to(device).eval()
-    linears, kv, fp8_entry = quantize_and_compare(
-        judge, model, prompts.data.heldout, calibration_loop(prompts.calibration, images, cfg.get("image_token_id")),
-        opts, encoder_decoder=False, exclude=EXCLUDE if model_type != "qwen3" else (), fused=fused_groups(model),
-        device_label=str(device))
-    exclude = excluded_linears(model, linears, collapse=("model.visual.",))
-    del model
-
-    source = read_checkpoint(opts.model)
-    kv_names = {attn: (f"{attn}.k_proj", f"{attn}.v_proj", k, v) for attn, (k, v) in kv.items()}
-    ckpt_dir = write_fp8_checkpoint(opts.model, out / "checkpoint", fp8_state(source, linears, kv_names),
-                                    opts.kv_fp8, exclude, producer())
-    del source
-    ckpt_entry = compare_checkpoint(ref_results, TorchQwenBackend, ckpt_dir, prompts.data.heldout, opts, device, dtype)
-    report = {"fp8": fp8_entry, "fp8_checkpoint_torch": ckpt_entry}
+    report, exclude = {}, []
+    if opts.precision == "fp8":
+        model = hf_model(opts.model, model_type, dtype).to(device).eval()
+        linears, kv, report["fp8"] = quantize_and_compare(
+            judge, model, prompts.data.heldout,
+            calibration_loop(prompts.calibration, images, cfg.get("image_token_id")), opts, encoder_decoder=False,
+            exclude=EXCLUDE if model_type != "qwen3" else (), fused=fused_groups(model), device_label=str(device))
+        exclude = excluded_linears(model, linears, collapse=("model.visual.",))
+        del model
+        source = read_checkpoint(opts.model)
+        kv_names = {attn: (f"{attn}.k_proj", f"{attn}.v_proj", k, v) for attn, (k, v) in kv.items()}
+        ckpt_dir = write_fp8_checkpoint(opts.model, out / "checkpoint", fp8_state(source, linears, kv_names),
+                                        opts.kv_fp8, exclude, producer())
+        del source
+    else:
+        ckpt_dir = write_bf16(opts, out)
+    key, report[key] = compare_checkpoint(ref_results, TorchQwenBackend, ckpt_dir, prompts.data.heldout, opts,
+                                          device, dtype)
     print("fastjudge build: agreement on held-out items\n" + agr.format_report(report))
 
-    stages = {"quantize": "done", "export": "done", "agreement": "done"}
+    stages = {"quantize": "done" if opts.precision == "fp8" else "not requested (--dtype bf16)",
+              "export": "done", "agreement": "done"}
     onnx_info, onnx_path = None, None
     if multimodal and opts.onnx:
         from .vision_onnx import export_vision_onnx
@@ -129,29 +139,15 @@ def build(opts: BuildOptions) -> dict:
         onnx_path = out / "vision.onnx"
         onnx_info = export_vision_onnx(opts.model, onnx_path, opset=opts.onnx_opset)
         stages["vision_onnx"] = "done"
-    why = cuda_and_trtllm(kind=MODEL_KIND, model_type=model_type)
-    stages["trtllm"] = ({"status": "not run at build time",
-                         "reason": "the LLM API loads OUT/checkpoint directly and compiles at load time"}
-                        if why is None else {"status": "skipped", "reason": why})
-    if why:
-        print(f"fastjudge build: TensorRT-LLM stages skipped: {why}. {ckpt_dir} loads in TensorRT-LLM's LLM API "
-              "on a CUDA machine (fastjudge backend='trtllm').")
-    manifest = new_manifest(
+    return finish(
+        out, opts, MODEL_KIND,
         model={"kind": MODEL_KIND, "model_type": model_type,
                "architecture": (cfg.get("architectures") or [type(base).__name__])[0],
                "source": str(opts.model), "multimodal": multimodal,
                "eos_token_ids": sorted(base.codec.eos_token_ids), "pad_token_id": base.codec.pad_token_id},
-        quantization={"algo": "FP8", "weights": "float8_e4m3fn, per-tensor scale",
-                      "activations": "float8_e4m3fn, static per-tensor scale",
-                      "kv_cache": "FP8" if opts.kv_fp8 else None, "excluded_modules": exclude,
-                      "calibration_dtype": opts.dtype, "tool": producer()},
-        judge={**lave_template(judge), **judge_token_ids(base.codec)},
-        limits=limits(opts, prompts.longest, base),
-        calibration=calibration_section(prompts, opts, [p.key for p in images], images=len(images)),
-        agreement=report,
+        quantization=quantization_section(opts, exclude), judge={**lave_template(judge), **judge_token_ids(base.codec)},
+        lim=limits(opts, prompts.longest, base),
+        calibration=calibration_section(prompts, opts, [p.key for p in images], images=len(images)), report=report,
         artifacts={"checkpoint": rel(ckpt_dir, out), "tokenizer": rel(ckpt_dir, out),
                    "vision_onnx": rel(onnx_path, out), "vision_onnx_info": onnx_info},
         stages=stages)
-    path = write_manifest(out, manifest)
-    print(f"fastjudge build: wrote {path}")
-    return manifest
