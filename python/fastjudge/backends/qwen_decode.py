@@ -150,7 +150,7 @@ class _Chooser:
 def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence, cache: SlotCache,
                   prefill: Callable[[Sequence[Request], SlotCache, int], torch.Tensor],
                   eos_token_ids: set[int], jump_forward: bool = False, mask=None,
-                  stats: dict | None = None) -> tuple[list[Output], int]:
+                  stats: dict | None = None, compiled=None) -> tuple[list[Output], int]:
     """Greedy decoding of ``batch`` (one Text/Json spec). ``matchers``: per row, a grammar
     matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``cache``: the
     static cache; its slot count is the most rows decoding at once, the others joining as rows
@@ -158,7 +158,7 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
     ``first_slot ..`` and returns their final prompt hidden states [n, d]. ``stats``: counters
     ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
     jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
-    Returns the outputs and the number of tokens run through the model."""
+    ``compiled``: the compiled step function (``QwenModel.step``). Returns the outputs and the number of tokens run through the model."""
     spec = batch[0].spec
     stats = {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats
     track_ids = getattr(spec, "track_ids", ())
@@ -189,7 +189,7 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
         stats["decode_steps"] += 1
         width = max(counts)
         tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds]).to(hidden.device)
-        out = model.step(tokens, counts, cache.window(0, len(live)))
+        out = model.step(tokens, counts, cache.window(0, len(live)), compiled=compiled)
         last = torch.tensor(counts).to(out.device) - 1
         hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
         if track_ids and width > 1:

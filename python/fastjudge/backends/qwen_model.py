@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
+from .compiled import row_bucket, width_bucket
 from .fp8 import Fp8Weight, fuse, linear, projection_weight
 from .loading import CheckpointError, check_shapes
 from .qwen_shape import QwenShape
@@ -360,7 +361,7 @@ class QwenModel(torch.nn.Module):
             return choice_logits(hidden, self.final_norm, self.lm_head, rows, eps=self.s.eps)
         return F.linear(rms(hidden, self.final_norm, self.s.eps), self.lm_head).float()
 
-    def step(self, tokens: torch.Tensor, counts, cache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, counts, cache, compiled=None) -> torch.Tensor:
         """A decoding step of every row of ``cache`` (a ``qwen_slots.SlotCache`` or a window of
         one): row ``b`` of ``tokens`` [B, k] holds ``counts[b]`` new tokens (a host sequence),
         right-padded; returns hidden states [B, k, d] (pad positions meaningless) and advances
@@ -369,18 +370,41 @@ class QwenModel(torch.nn.Module):
         themselves; pad tokens never reach a row's state: their K/V go to the scratch column
         past every real position and their DeltaNet steps are masked to the identity. A
         one-token step is the same pass with k = 1; k tokens equal k one-token steps (to float
-        rounding)."""
+        rounding).
+
+        ``compiled`` (a ``compiled.CompiledFunction`` of :meth:`step_core`): the step runs
+        compiled on a shape bucket -- rows padded to a bucket with rows that feed nothing (free
+        slots of the pool), tokens to a power-of-two width, keys over the whole capacity -- so
+        that a handful of shapes serve every step."""
+        B, k = tokens.shape
+        padded = cache.widen(row_bucket(B)) if compiled is not None else None
+        if padded is None:  # eager: keys up to the furthest live extent (host lengths, no sync)
+            n = torch.tensor(counts, dtype=torch.long).to(tokens.device, non_blocking=True)
+            width = int(max(cache.held[b] + c for b, c in enumerate(counts))) if B else 0
+            x = self.step_core(tokens, n, cache.lengths, cache.positions, cache.layers, cache.capacity, width)
+        else:
+            rows, wide = padded.slots, width_bucket(k)
+            full = tokens.new_zeros(rows, wide)
+            full[:B, :k] = tokens
+            n = torch.tensor(list(counts) + [0] * (rows - B), dtype=torch.long).to(tokens.device, non_blocking=True)
+            x = compiled((rows, wide, cache.capacity), full, n, padded.lengths, padded.positions, padded.layers,
+                         cache.capacity, cache.capacity)[:B, :k]
+        cache.held += np.asarray(counts, dtype=np.int64)
+        return x
+
+    def step_core(self, tokens: torch.Tensor, n: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
+                  layers: list, capacity: int, width: int) -> torch.Tensor:
+        """:meth:`step` on tensors alone (what a compiler takes): ``n`` [B] the counts,
+        ``lengths`` / ``positions`` [B] and ``layers`` the cache rows (updated in place),
+        ``capacity`` the scratch column, ``width`` the keys read."""
         s = self.s
         B, k = tokens.shape
         device = tokens.device
-        n = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
-        # keys any row reads: up to the furthest live extent (host-side lengths, no sync)
-        width = int(max(cache.held[b] + c for b, c in enumerate(counts))) if B else 0
         steps = torch.arange(k, device=device)
         x = F.embedding(tokens, self.embed)
         real = steps[None, :] < n[:, None]
-        where = torch.where(real, cache.lengths[:, None] + steps, cache.capacity)  # [B, k] K/V column
-        rope = self._rope((cache.positions[:, None] + steps).expand(3, B, k), x.dtype)
+        where = torch.where(real, lengths[:, None] + steps, capacity)  # [B, k] K/V column
+        rope = self._rope((positions[:, None] + steps).expand(3, B, k), x.dtype)
         hide = None
         if "full_attention" in s.layer_types:
             # additive mask (a float mask keeps SDPA on its fused CPU kernel; a boolean one
@@ -393,20 +417,19 @@ class QwenModel(torch.nn.Module):
             h = rms(x, layer.in_norm, s.eps)
             if layer.kind == "full_attention":
                 q, kk, v, gate = self._qkv(h, layer, rope)
-                kb, vb = cache.layers[i]
+                kb, vb = layers[i]
                 kb[rows, :, where] = kk.transpose(1, 2)
                 vb[rows, :, where] = v.transpose(1, 2)
                 o = F.scaled_dot_product_attention(q, kb[:, :, :width], vb[:, :, :width], attn_mask=hide,
                                                    enable_gqa=s.kv_heads != s.heads)
                 h = self._attention_out(o, gate, layer)
             else:
-                conv, recurrent = cache.layers[i]
+                conv, recurrent = layers[i]
                 h, (new_conv, new_recurrent) = self._delta_net(h, layer, (conv, recurrent), True, counts=n)
                 conv.copy_(new_conv)
                 recurrent.copy_(new_recurrent)
             x = x + h
             x = x + self._mlp(x, layer)
-        cache.lengths += n
-        cache.positions += n
-        cache.held += np.asarray(counts, dtype=np.int64)
+        lengths += n
+        positions += n
         return x

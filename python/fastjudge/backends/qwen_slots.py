@@ -67,6 +67,7 @@ class SlotCache:
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.held = np.zeros(slots, dtype=np.int64)
+        self._pool, self._start = self, 0
 
     @property
     def slots(self) -> int:
@@ -80,7 +81,15 @@ class SlotCache:
         view.layers = [(a[start:stop], b[start:stop]) for a, b in self.layers]
         view.lengths, view.positions = self.lengths[start:stop], self.positions[start:stop]
         view.held = self.held[start:stop]
+        view._pool, view._start = self._pool, self._start + start
         return view
+
+    def widen(self, slots: int) -> "SlotCache | None":
+        """This window grown to ``slots`` slots of the same pool (the added ones free), or None
+        where the pool ends first."""
+        if self._start + slots > self._pool.slots:
+            return None
+        return self._pool.window(self._start, self._start + slots)
 
     def load(self, slot: int, state) -> None:
         """A prefix state (``qwen_model.PrefixState`` of one row) into ``slot``."""

@@ -32,6 +32,7 @@ from ..codec import open_codec
 from ..kernels.choice_head import choice_head
 from ..runtime.requests import Choice, Image, Output, Request, Text, choice_probs
 from .caches import ImageEmbeddingCache, prefix_cache_key
+from .compiled import CompiledFunction, compile_enabled, round_capacity, row_bucket, width_bucket
 from .loading import load_state_dict, place_checkpoint
 from .qwen_decode import decode_greedy
 from .qwen_model import PrefixState, QwenModel, QwenShape
@@ -53,13 +54,16 @@ class TorchQwenBackend:
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, fp8_gemm: bool | None = None,
-                 jump_forward: bool = True, max_decode_rows: int | None = None):
+                 jump_forward: bool = True, max_decode_rows: int | None = None, compile: str = "auto"):
         """``fp8_gemm``: run an FP8 checkpoint's quantized projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
         with FP8 tensor cores (compute capability 8.9+). ``jump_forward``: accept the tokens a
         grammar forces without a model step each (exact; see ``qwen_decode``); off, every
         token takes its own step. ``max_decode_rows``: the most rows of a batch decoding at
-        once, the others joining as rows finish (default: all rows of the batch)."""
+        once, the others joining as rows finish (default: all rows of the batch). ``compile``:
+        ``"on"`` / ``"off"`` / ``"auto"`` (on for CUDA): the decoding step and the score-only
+        forward run through ``torch.compile`` on shape buckets, CUDA graphs on CUDA (see
+        ``compiled``)."""
         from ..runtime.prefix_cache import PrefixCache
 
         cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, QWEN_MODEL_TYPES, "a Qwen3/3.5 model",
@@ -81,6 +85,12 @@ class TorchQwenBackend:
         if max_decode_rows is not None and max_decode_rows < 1:
             raise ValueError(f"max_decode_rows must be positive, got {max_decode_rows}")
         self.max_decode_rows = max_decode_rows
+        self.compile = compile
+        self._compiled_step = self._compiled_forward = None
+        if compile_enabled(compile, self.device):
+            self._compiled_step = CompiledFunction(self.model.step_core, self.device, "the Qwen decoding step")
+            self._compiled_forward = CompiledFunction(self.model.forward, self.device, "the Qwen score-only forward",
+                                                      dynamic=None)
         self.reset_decode_stats()
         log.info("fastjudge: loaded %s judge %s on %s (%s)", self.shape.arch, model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
@@ -92,6 +102,11 @@ class TorchQwenBackend:
         self.vision = QwenVision(cfg, state, self.device, self.dtype)
         self.image_token_id = cfg["image_token_id"]
         self._image_embeds = ImageEmbeddingCache(DEFAULT_IMAGE_CACHE_BYTES)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling (and recording CUDA graphs) so far."""
+        return sum(f.seconds for f in (self._compiled_step, self._compiled_forward) if f is not None)
 
     def reset_decode_stats(self) -> None:
         """Zero :attr:`decode_stats`: cumulative ``tokens_computed`` (tokens chosen from logits),
@@ -257,6 +272,14 @@ class TorchQwenBackend:
             ids[i, : len(x)] = torch.from_numpy(x)
         ids = ids.to(self.device)
         flat = [im for ims in images for im in ims]
+        if self._compiled_forward is not None and not flat and not save:
+            # text rows, states not kept: compiled, right-padded to a power-of-two width
+            # (causal: padding after a row's last token never reaches it)
+            wide = torch.full((len(rows), width_bucket(S)), self.codec.pad_token_id, dtype=torch.long,
+                              device=self.device)
+            wide[:, :S] = ids
+            hidden, _ = self._compiled_forward(("forward", len(rows), wide.shape[1]), wide, state)
+            return hidden[:, :S], None
         start = state.next_position if state is not None else 0
         return self.model.forward(ids, state, save=save, image_embeds=self._embed(flat),
                                   image_mask=ids == self.image_token_id if flat else None,
@@ -314,6 +337,8 @@ class TorchQwenBackend:
         matchers = [self._matcher(r.spec) for r in batch]
         slots = min(self.max_decode_rows or len(batch), len(batch))
         capacity = max(r.num_tokens + r.spec.max_new_tokens for r in batch)
+        if self._compiled_step is not None:  # room for the shape buckets
+            slots, capacity = row_bucket(slots), round_capacity(capacity)
         cache = SlotCache(self.shape, slots, capacity, self.device, self.dtype)
         mask = None
         if matchers[0] is not None:
@@ -321,7 +346,7 @@ class TorchQwenBackend:
         outputs, decoded = decode_greedy(self.model, batch, matchers, cache,
                                          lambda rows, cache, start: self._prefill_suffixes(rows, states, cache, start),
                                          self.codec.eos_token_ids, jump_forward=self.jump_forward, mask=mask,
-                                         stats=self.decode_stats)
+                                         stats=self.decode_stats, compiled=self._compiled_step)
         self.tokens_computed += decoded
         return outputs
 
@@ -343,7 +368,8 @@ class TorchQwenBackend:
             ids = torch.full((len(batch), max(counts)), self.codec.pad_token_id, dtype=torch.long)
             for i, (row, _) in enumerate(suffixes):
                 ids[i, : len(row)] = torch.from_numpy(row)
-            hidden = self.model.step(ids.to(self.device), counts, cache.window(start, start + len(batch)))
+            hidden = self.model.step(ids.to(self.device), counts, cache.window(start, start + len(batch)),
+                                     compiled=self._compiled_step)
             self.tokens_computed += sum(counts)
             return hidden[torch.arange(len(batch), device=self.device), torch.tensor(counts, device=self.device) - 1]
         last = []
