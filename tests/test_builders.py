@@ -657,6 +657,25 @@ def _fake_quant_backend(source, opts, encoder_decoder):
     return agr.TransformersChoiceBackend(model, base, encoder_decoder), prompts.data.heldout
 
 
+def test_fp8_weight_is_a_module_that_keeps_its_dtypes():
+    """``Fp8Weight`` registers its FP8 data and scales as buffers: a model holding it lists them
+    in its state dict and moves them with it, and a dtype conversion of the model leaves them
+    FP8 and float32 (what the FP8 GEMM reads)."""
+    from fastjudge.backends.fp8 import Fp8Weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=g)
+    s, sx = e4m3_scale(w.abs().max()), torch.tensor(0.01)
+    model = torch.nn.Sequential(Fp8Weight(quantize_e4m3(w, s), s, sx))
+    assert set(model.state_dict()) == {"0.weight", "0.weight_scale", "0.input_scale"}
+    model.to(torch.bfloat16)
+    layer = model[0]
+    assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.dtype == torch.float32
+    assert layer.shape == (16, 32)
+    x = torch.randn(3, 32, generator=g)
+    assert torch.allclose(layer(x), fp8_linear_reference(x, layer.weight, s, sx), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 GEMMs need an Ada or Hopper GPU")
 def test_scaled_mm_on_gpu():
@@ -686,12 +705,16 @@ def test_fp8_gemm_path_on_the_fp8_checkpoint(kind, request):
     gemm = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=True)
     plain = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=False)
 
-    def layers(backend):
+    def projections(backend):
+        """Every layer's weights (a layer is a module, whose FP8 weights are submodules, or a
+        dict of tensors)."""
         w = backend.model.w
-        return w.encoder if kind == "flan-t5" else w.layers
+        layers = w.encoder if kind == "flan-t5" else w.layers
+        return [v for layer in layers
+                for v in (layer.children() if isinstance(layer, torch.nn.Module) else layer.values())]
 
-    fp8 = [v for layer in layers(gemm) for v in layer.values() if isinstance(v, Fp8Weight)]
-    assert fp8 and not any(isinstance(v, Fp8Weight) for layer in layers(plain) for v in layer.values())
+    fp8 = [v for v in projections(gemm) if isinstance(v, Fp8Weight)]
+    assert fp8 and not any(isinstance(v, Fp8Weight) for v in projections(plain))
     w = fp8[0]
     x = torch.randn(5, w.shape[1])
     assert torch.allclose(w(x), fp8_linear_reference(x, w.weight, w.weight_scale, w.input_scale),
