@@ -97,8 +97,7 @@ def step(model: T5Model, slots: Slots, self_mask: torch.Tensor) -> torch.Tensor:
     s, b = model.s, slots.live
     h, dk = s.num_heads, s.d_kv
     dev = slots.mem.device
-    token = torch.tensor(slots.token, device=dev)
-    pos = torch.tensor(slots.pos, device=dev)
+    token, pos = torch.tensor([slots.token, slots.pos], device=dev)  # one host->device copy
     rows = torch.arange(b, device=dev)
     width = max(slots.pos) + 1  # decoder positions any live row reads
     # each row's query position: its bias row, -inf past itself
