@@ -240,7 +240,7 @@ class GroupedTower:
 class QwenVision(torch.nn.Module):
     """The checkpoint's vision tower as a ``torch.nn.Module``: transformers' tower module,
     registered as ``model`` (its parameters and buffers are this module's: ``state_dict``,
-    ``.to(device)``, hooks), loaded by our code; ``forward`` is :meth:`encode`."""
+    ``.to(device)``, ``register_forward_hook``), loaded by our code; ``forward`` is :meth:`encode`."""
 
     def __init__(self, config: dict, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
         super().__init__()
