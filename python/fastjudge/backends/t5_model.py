@@ -118,8 +118,8 @@ class T5Block(torch.nn.Module):
 
 class T5Weights(torch.nn.Module):
     """The checkpoint's tensors, reshaped for the engine's fused layout, as registered parameters
-    (``state_dict``, ``.to(device)``, forward callbacks and compilers see them). A state with FP8 weights
-    (``load_state_dict(keep_fp8=True)``) keeps the encoder's projections FP8
+    (``state_dict``, ``.to(device)``, forward callbacks and compilers see them). A state with FP8
+    weights (``load_state_dict(keep_fp8=True)``) keeps the encoder's projections FP8
     (:class:`fp8.Fp8Weight` modules, run as FP8 GEMMs: the encoder is where the FLOPs are); the
     decoder step reads its cross-attention weights directly (reassociated), so decoder weights
     are dequantized."""
