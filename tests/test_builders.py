@@ -600,6 +600,25 @@ def _fake_quant_backend(source, opts, encoder_decoder):
     return agr.TransformersChoiceBackend(model, base, encoder_decoder), prompts.data.heldout
 
 
+def test_fp8_weight_is_a_module_that_keeps_its_dtypes():
+    """``Fp8Weight`` registers its FP8 data and scales as buffers: a model holding it lists them
+    in its state dict and moves them with it, and a dtype conversion of the model leaves them
+    FP8 and float32 (what the FP8 GEMM reads)."""
+    from fastjudge.backends.fp8 import Fp8Weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=g)
+    s, sx = e4m3_scale(w.abs().max()), torch.tensor(0.01)
+    model = torch.nn.Sequential(Fp8Weight(quantize_e4m3(w, s), s, sx))
+    assert set(model.state_dict()) == {"0.weight", "0.weight_scale", "0.input_scale"}
+    model.to(torch.bfloat16)
+    layer = model[0]
+    assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.dtype == torch.float32
+    assert layer.shape == (16, 32)
+    x = torch.randn(3, 32, generator=g)
+    assert torch.allclose(layer(x), fp8_linear_reference(x, layer.weight, s, sx), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 GEMMs need an Ada or Hopper GPU")
 def test_scaled_mm_on_gpu():
@@ -630,10 +649,7 @@ def test_fp8_gemm_path_on_the_fp8_checkpoint(kind, request):
     plain = cls(ckpt, device="cpu", dtype="float32", fp8_gemm=False)
 
     def fp8_weights(backend):
-        model = backend.model
-        if isinstance(model, torch.nn.Module):
-            return [m for m in model.modules() if isinstance(m, Fp8Weight)]
-        return [v for layer in model.w.encoder for v in layer.values() if isinstance(v, Fp8Weight)]
+        return [m for m in backend.model.modules() if isinstance(m, Fp8Weight)]
 
     fp8 = fp8_weights(gemm)
     assert fp8 and not fp8_weights(plain)

@@ -81,6 +81,24 @@ def test_vision_encode_matches_transformers(setup):
 
 
 
+def test_vision_is_a_module_with_the_checkpoint_weights(setup):
+    """``QwenVision`` registers the tower's parameters: its state dict holds every vision tensor
+    of the checkpoint under the same names (``model.`` for ``model.visual.``) and values, and
+    calling the module is ``encode``."""
+    from safetensors.torch import load_file
+
+    s = setup
+    vision = s["vision"]
+    assert isinstance(vision, torch.nn.Module)
+    raw = {k[len("model.visual."):]: v for f in s["dir"].glob("*.safetensors")
+           for k, v in load_file(str(f)).items() if k.startswith("model.visual.")}
+    state = {k[len("model."):]: v for k, v in vision.state_dict().items()}
+    assert raw and set(state) == set(raw)
+    assert all(torch.equal(state[k], raw[k].float()) for k in raw)
+    assert vision.device == torch.device("cpu") and vision.dtype == torch.float32
+    torch.testing.assert_close(vision(s["pv"], s["grid"]), vision.encode(s["pv"], s["grid"]), rtol=0, atol=0)
+
+
 def test_several_images_of_mixed_sizes_match_transformers(setup, monkeypatch):
     """``QwenVision.encode_images`` (our ``GroupedTower``: frames of one grid size attend as one
     batched call, pixels never concatenated) against transformers'

@@ -191,8 +191,8 @@ def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions)
     for b, n in enumerate(lengths):
         m = enc[start:start + n]
         start += n
-        k = (m @ layer["x_k"].T).view(n, h, dk).transpose(0, 1)  # [h, n, dk]
-        v = (m @ layer["x_v"].T).view(n, h, dk).transpose(0, 1)
+        k = (m @ layer.x_k.T).view(n, h, dk).transpose(0, 1)  # [h, n, dk]
+        v = (m @ layer.x_v.T).view(n, h, dk).transpose(0, 1)
         q = xq[b].transpose(0, 1)  # [h, P, dk]
         want = (torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v).transpose(0, 1).reshape(positions, h * dk)
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
@@ -202,3 +202,35 @@ def test_no_tracking(varied, prompts, padded):
     backend = TorchT5Backend(varied, device="cpu", dtype="float32", max_decode_rows=3)
     for out, (ids, _, _) in zip(run_text(backend, prompts), padded):
         assert out.token_ids == ids and out.tracked_logits is None
+
+
+def test_model_is_a_module_with_registered_weights(t5_backend, t5_tied_dir):
+    """The fused layout's weights are registered (state dict, ``.to``), one entry per fused
+    projection, a tied head shares the embedding parameter, and the model's outputs follow a
+    copy of its state dict into a fresh model."""
+    model = t5_backend.model
+    assert isinstance(model, torch.nn.Module) and isinstance(model.w, torch.nn.Module)
+    names = dict(model.named_parameters())
+    s = model.s
+    assert names["w.encoder.0.qkv"].shape == (3 * s.num_heads * s.d_kv, s.d_model)
+    assert names["w.decoder.0.wi"].shape[0] == 2 * names["w.decoder.0.wo"].shape[1]  # gated FF: one GEMM
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not any(k.startswith("_") for k in model.state_dict())  # bias caches are not state
+    tied = TorchT5Backend(t5_tied_dir, device="cpu", dtype="float32").model
+    assert tied.w.lm_head is tied.w.embed
+
+    twin = copy_of(model)
+    ids = torch.arange(10, 30)
+    torch.testing.assert_close(twin.encode(ids, [12, 8]), model.encode(ids, [12, 8]), rtol=0, atol=0)
+
+
+def copy_of(model):
+    """A deep copy of ``model`` with zeroed weights, then loaded from its state dict."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    twin.load_state_dict(model.state_dict())
+    return twin

@@ -132,22 +132,35 @@ def fp8_gemm_supported(device: torch.device) -> bool:
 
 
 class Fp8Weight(torch.nn.Module):
-    """A linear layer's FP8 weight ``[out, in]`` with its per-tensor scales (registered
-    buffers), applied by :func:`fp8_linear` (the model code calls :func:`linear` for every
-    projection)."""
+    """A linear layer's FP8 weight ``[out, in]`` with its per-tensor scales, applied by
+    :func:`fp8_linear` (the model code calls :func:`linear` for every projection). The weight and
+    scales are buffers, so a model holding this module moves them with ``.to(device)`` and lists
+    them in its ``state_dict``; a dtype conversion of the model leaves them alone (FP8 data and
+    float32 scales are what the FP8 GEMM reads)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float().reshape(()))
         self.register_buffer("input_scale", input_scale)
-        self.shape = weight.shape
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, out_dtype=x.dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_e4m3(self.weight, self.weight_scale, dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to / .cuda / .half convert every floating buffer, FP8 included: keep only the
+        # move to another device, never a change of dtype.
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[name] = buf.to(fn(buf).device)
+        return self
 
 
 def projection_weight(state: dict[str, torch.Tensor], key: str, device, dtype):

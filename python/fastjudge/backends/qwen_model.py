@@ -6,8 +6,8 @@ prefix state, logits, batched decoding steps of one or several tokens per row); 
 Every operation is causal (attention with a causal mask, causal depthwise conv, the chunked delta
 rule), so what follows a row's last token never reaches that token's output.
 
-The Gated DeltaNet math (chunked and recurrent gated delta rule) is transformers' reference
-implementation, called as a function; the engine owns batching, masking, state and heads.
+The Gated DeltaNet math (chunked and recurrent gated delta rule) is ``gated_delta``; this module
+owns batching, masking, state and heads.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fastjudge.kernels.choice_head import choice_logits
 
 from .compiled import row_bucket, width_bucket
 from .fp8 import Fp8Weight, fuse, linear, projection_weight
+from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .loading import CheckpointError, check_shapes
 from .qwen_shape import QwenShape
 
@@ -31,14 +32,6 @@ SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a wi
 ONE_CHUNK_STEPS = 64
 DELTA_CHUNK = 32
 RECURRENT_EXTEND_STEPS = 3  # multi-token decoding steps up to this long use the recurrent rule
-
-
-def _delta_rule():
-    """transformers' reference gated-delta-rule functions (chunked for prefill, recurrent for
-    one-token steps)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    return m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule
 
 
 def _weight(value) -> torch.nn.Module | torch.nn.Parameter:
@@ -179,7 +172,7 @@ class QwenModel(torch.nn.Module):
         self.lm_head = self.embed if lm_head is None else torch.nn.Parameter(lm_head, requires_grad=False)
         self.register_buffer("final_norm", final_norm)
         self.layers = torch.nn.ModuleList(layers)
-        self.chunk_rule, self.step_rule = _delta_rule() if shape.hybrid else (None, None)
+        self.chunk_rule, self.step_rule = chunk_gated_delta_rule, recurrent_gated_delta_rule
         rd = shape.rotary_dim
         self.register_buffer("inv_freq", 1.0 / (shape.rope_theta ** (
             torch.arange(0, rd, 2, dtype=torch.float32, device=embed.device) / rd)), persistent=False)

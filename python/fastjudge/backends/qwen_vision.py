@@ -1,10 +1,11 @@
 """Images for the Qwen3.5 judge: the vision tower and multimodal rotary positions.
 
-- ``QwenVision``: transformers' ``Qwen3_5VisionModel`` (patch embedding, learned position grid,
-  vision blocks, 2x2 patch merger) built from the checkpoint's ``vision_config`` and loaded with
-  its ``model.visual.*`` tensors. Its patch embedding is a ``Conv3d`` whose kernel equals its
-  stride: each patch row meets the kernel exactly once, so it runs as the matmul it is
-  (:class:`PatchEmbedLinear`, same weights; about 4x faster than the convolution on CPU).
+- ``QwenVision``: a ``torch.nn.Module`` holding transformers' ``Qwen3_5VisionModel`` (patch
+  embedding, learned position grid, vision blocks, 2x2 patch merger) built from the checkpoint's
+  ``vision_config`` and loaded with its ``model.visual.*`` tensors. Its patch embedding is a
+  ``Conv3d`` whose kernel equals its stride: each patch row meets the kernel exactly once, so it
+  runs as the matmul it is (:class:`PatchEmbedLinear`, same weights; about 4x faster than the
+  convolution on CPU).
   ``encode`` returns the merged embeddings that replace the ``<|image_pad|>`` tokens, one row
   per pad token -- the ``pooler_output`` of transformers' ``get_image_features``. Qwen3.5 has
   no DeepStack features (Qwen3-VL injects intermediate vision features into early decoder
@@ -236,10 +237,13 @@ class GroupedTower:
         return hit
 
 
-class QwenVision:
-    """The checkpoint's vision tower (transformers' module, our weight loading)."""
+class QwenVision(torch.nn.Module):
+    """The checkpoint's vision tower as a ``torch.nn.Module``: transformers' tower module,
+    registered as ``model`` (its parameters and buffers are this module's: ``state_dict``,
+    ``.to(device)``, ``register_forward_hook``), loaded by our code; ``forward`` is :meth:`encode`."""
 
     def __init__(self, config: dict, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
+        super().__init__()
         from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
@@ -252,7 +256,6 @@ class QwenVision:
             raise CheckpointError("vision_config uses DeepStack features (Qwen3-VL); not supported")
         vcfg["model_type"] = "qwen3_5_vision"
         self.config = Qwen3_5VisionConfig(**vcfg)
-        self.device, self.dtype = torch.device(device), dtype
         model = Qwen3_5VisionModel(self.config)  # non-persistent buffers (rotary) computed here
         weights = {k[len(VISION_PREFIX):]: v for k, v in state.items() if k.startswith(VISION_PREFIX)}
         if not weights:
@@ -263,7 +266,7 @@ class QwenVision:
             raise CheckpointError(f"vision tensors do not match the vision config: missing {sorted(missing)[:5]}, "
                                   f"unexpected {sorted(unexpected)[:5]}")
         model.load_state_dict(weights, strict=True)
-        model = model.to(device=self.device)
+        model = model.to(device=torch.device(device))
         for p in model.parameters():  # buffers (rotary inverse frequencies) stay float32
             p.data = p.data.to(dtype)
         if PatchEmbedLinear.applies_to(model.patch_embed.proj):  # any other conv stays a conv
@@ -271,6 +274,25 @@ class QwenVision:
         self.model = model.eval()
         self.spatial_merge_size = self.config.spatial_merge_size
         self._tower = GroupedTower(model) if GroupedTower.available(model) else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tower's weights are (images are moved there)."""
+        return self.model.patch_embed.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (images are cast to it)."""
+        return self.model.patch_embed.proj.weight.dtype
+
+    def _apply(self, fn, recurse=True):
+        # the grouped forward's per-grid tables were computed on the old device and dtype
+        if getattr(self, "_tower", None) is not None:
+            self._tower._tables.clear()
+        return super()._apply(fn, recurse)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.encode(pixel_values, grid_thw)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, device: str = "auto", dtype=None,

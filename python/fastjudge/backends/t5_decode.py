@@ -97,8 +97,7 @@ def step(model: T5Model, slots: Slots, self_mask: torch.Tensor) -> torch.Tensor:
     s, b = model.s, slots.live
     h, dk = s.num_heads, s.d_kv
     dev = slots.mem.device
-    token = torch.tensor(slots.token, device=dev)
-    pos = torch.tensor(slots.pos, device=dev)
+    token, pos = torch.tensor([slots.token, slots.pos], device=dev)  # one host->device copy
     rows = torch.arange(b, device=dev)
     width = max(slots.pos) + 1  # decoder positions any live row reads
     # each row's query position: its bias row, -inf past itself
@@ -108,13 +107,13 @@ def step(model: T5Model, slots: Slots, self_mask: torch.Tensor) -> torch.Tensor:
     self_kv = slots.self_kv[:b, :, :, :, :width]
     x = F.embedding(token, model.w.embed)[:, None, :]  # [b, 1, d]
     for li, layer in enumerate(model.w.decoder):
-        qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"]).view(b, 3, h, dk)
+        qkv = F.linear(rms_norm(x, layer.norm, s.eps), layer.qkv).view(b, 3, h, dk)
         slots.self_kv[rows, li, :, :, pos] = qkv[:, 1:]  # this step's K and V at each row's position
         o = F.scaled_dot_product_attention(qkv[:, 0, :, None], self_kv[:, li, 0], self_kv[:, li, 1],
                                            attn_mask=mask, scale=1.0)
-        x = x + F.linear(o.reshape(b, 1, h * dk), layer["o"])
-        xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(b, 1, h, dk)
-        x = x + F.linear(model.cross_attention(xq, layer, mem, key_mask), layer["x_o"])
+        x = x + F.linear(o.reshape(b, 1, h * dk), layer.o)
+        xq = F.linear(rms_norm(x, layer.x_norm, s.eps), layer.x_q).view(b, 1, h, dk)
+        x = x + F.linear(model.cross_attention(xq, layer, mem, key_mask), layer.x_o)
         x = model.feed_forward(x, layer)
     return model._logits_rows(x[:, 0], None)
 

@@ -99,14 +99,33 @@ def key_bias(lengths: Sequence[int], width: int, dtype, device) -> torch.Tensor:
         .masked_fill(keys >= n, float("-inf")).view(len(lengths), 1, 1, width)
 
 
-class T5Weights:
-    """The checkpoint's tensors, reshaped for the engine's fused layout. A state with FP8
+def _registered(w):
+    """A weight as a module attribute that registers: FP8 weights are modules (their data and
+    scales buffers), every other tensor a frozen parameter."""
+    return w if isinstance(w, torch.nn.Module) else torch.nn.Parameter(w, requires_grad=False)
+
+
+class T5Block(torch.nn.Module):
+    """One encoder or decoder block's weights, by role: ``norm``/``qkv``/``o`` (self-attention),
+    ``x_norm``/``x_q``/``x_k``/``x_v``/``x_o`` (decoder cross-attention), ``ff_norm``/``wi``/``wo``
+    (feed-forward; ``wi`` holds both gated inputs)."""
+
+    def __init__(self, weights: dict):
+        super().__init__()
+        for name, w in weights.items():
+            setattr(self, name, _registered(w))
+
+
+class T5Weights(torch.nn.Module):
+    """The checkpoint's tensors, reshaped for the engine's fused layout, as registered parameters
+    (``state_dict``, ``.to(device)``, forward callbacks and compilers see them). A state with FP8
     weights (``load_state_dict(keep_fp8=True)``) keeps the encoder's projections FP8
-    (:class:`fp8.Fp8Weight`, run as FP8 GEMMs: the encoder is where the FLOPs are); the decoder
-    step reads its cross-attention weights directly (reassociated), so decoder weights are
-    dequantized."""
+    (:class:`fp8.Fp8Weight` modules, run as FP8 GEMMs: the encoder is where the FLOPs are); the
+    decoder step reads its cross-attention weights directly (reassociated), so decoder weights
+    are dequantized."""
 
     def __init__(self, state: dict[str, torch.Tensor], shape: T5Shape, device, dtype):
+        super().__init__()
         check_shapes(state, shape.tensor_shapes())
 
         def dense(name: str):
@@ -119,12 +138,15 @@ class T5Weights:
             return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
 
         self.shape = shape
-        self.embed = take("shared.weight")
-        self.lm_head = take("lm_head.weight") if "lm_head.weight" in state else self.embed
-        self.enc_bias_table = take("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-        self.dec_bias_table = take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-        self.enc_final_norm = take("encoder.final_layer_norm.weight")
-        self.dec_final_norm = take("decoder.final_layer_norm.weight")
+        self.embed = _registered(take("shared.weight"))
+        # a tied head is the embedding parameter itself, registered under both names
+        self.lm_head = _registered(take("lm_head.weight")) if "lm_head.weight" in state else self.embed
+        self.enc_bias_table = _registered(
+            take("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
+        self.dec_bias_table = _registered(
+            take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
+        self.enc_final_norm = _registered(take("encoder.final_layer_norm.weight"))
+        self.dec_final_norm = _registered(take("decoder.final_layer_norm.weight"))
 
         def ff(prefix: str, get) -> dict:
             if shape.gated:
@@ -144,29 +166,27 @@ class T5Weights:
             return {"x_norm": take(f"{prefix}.layer_norm.weight"),
                     **{f"x_{n}": w for n, w in names.items()}}
 
-        self.encoder = [{**self_attn(f"encoder.block.{i}.layer.0", dense),
-                         **ff(f"encoder.block.{i}.layer.1", dense)}
-                        for i in range(shape.num_layers)]
-        self.decoder = [{**self_attn(f"decoder.block.{i}.layer.0", take),
-                         **cross_attn(f"decoder.block.{i}.layer.1"),
-                         **ff(f"decoder.block.{i}.layer.2", take)}
-                        for i in range(shape.num_decoder_layers)]
-        # Per-head views of cross-attention projections for the reassociated cross-attention.
-        h, dk, d = shape.num_heads, shape.d_kv, shape.d_model
-        for layer in self.decoder:
-            layer["x_k_heads"] = layer["x_k"].view(h, dk, d)
-            layer["x_v_heads"] = layer["x_v"].view(h, dk, d)
+        self.encoder = torch.nn.ModuleList(
+            T5Block({**self_attn(f"encoder.block.{i}.layer.0", dense), **ff(f"encoder.block.{i}.layer.1", dense)})
+            for i in range(shape.num_layers))
+        self.decoder = torch.nn.ModuleList(
+            T5Block({**self_attn(f"decoder.block.{i}.layer.0", take),
+                     **cross_attn(f"decoder.block.{i}.layer.1"),
+                     **ff(f"decoder.block.{i}.layer.2", take)})
+            for i in range(shape.num_decoder_layers))
 
 
-class T5Model:
-    """Forward passes over :class:`T5Weights`; stateless apart from cached position biases."""
+class T5Model(torch.nn.Module):
+    """Forward passes over :class:`T5Weights` (registered as ``w``); stateless apart from the
+    cached position biases (non-persistent buffers: they follow the model's device)."""
 
     def __init__(self, weights: T5Weights):
+        super().__init__()
         self.w = weights
         self.s = weights.shape
         self.act = activation(self.s.act)
-        self._enc_bias = torch.empty(0)
-        self._dec_bias = torch.empty(0)
+        self.register_buffer("_enc_bias", torch.empty(0, device=weights.embed.device), persistent=False)
+        self.register_buffer("_dec_bias", torch.empty(0, device=weights.embed.device), persistent=False)
 
     # -- position bias -------------------------------------------------------------------
     def _bias(self, table: torch.Tensor, length: int, bidirectional: bool) -> torch.Tensor:
@@ -188,14 +208,14 @@ class T5Model:
         return self._dec_bias[:, :length, :length]
 
     # -- blocks ------------------------------------------------------------------------------
-    def feed_forward(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
-        h = linear(rms_norm(x, layer["ff_norm"], self.s.eps), layer["wi"])
+    def feed_forward(self, x: torch.Tensor, layer: T5Block) -> torch.Tensor:
+        h = linear(rms_norm(x, layer.ff_norm, self.s.eps), layer.wi)
         if self.s.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate).mul_(up)  # in place: one pass and no extra [T, d_ff] buffer
         else:
             h = self.act(h)
-        return x + linear(h, layer["wo"])
+        return x + linear(h, layer.wo)
 
     def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
@@ -206,7 +226,7 @@ class T5Model:
         bias = self.encoder_bias(max(lengths))
         starts = np.concatenate([[0], np.cumsum(lengths)])
         for layer in self.w.encoder:
-            qkv = linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])  # [T, 3*inner]
+            qkv = linear(rms_norm(x, layer.norm, s.eps), layer.qkv)  # [T, 3*inner]
             out = torch.empty(x.shape[0], inner, dtype=x.dtype, device=x.device)
             for i, n in enumerate(lengths):
                 a, b = int(starts[i]), int(starts[i + 1])
@@ -215,7 +235,7 @@ class T5Model:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0),
                                                    scale=1.0)
                 out[a:b].view(n, h, dk).copy_(o[0].transpose(0, 1))
-            x = x + linear(out, layer["o"])
+            x = x + linear(out, layer.o)
             x = self.feed_forward(x, layer)
         return rms_norm(x, self.w.enc_final_norm, s.eps)
 
@@ -229,18 +249,18 @@ class T5Model:
         x = rms_norm(hidden, self.w.dec_final_norm, self.s.eps) * scale
         return F.linear(x, self.w.lm_head).float()
 
-    def cross_attention(self, xq: torch.Tensor, layer: dict, mem: torch.Tensor,
+    def cross_attention(self, xq: torch.Tensor, layer: T5Block, mem: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
         """Cross-attention output [B, P, heads * d_kv] (before ``o``) of the projected queries
         ``xq`` [B, P, heads, d_kv] over encoder states ``mem`` [B, L, d] (``bias`` [B, 1, 1, L]
         masks padded keys), reassociated: no encoder token is projected to K or V."""
         B, P, h, dk = xq.shape
         d = mem.shape[-1]
-        q = torch.einsum("bphk,hkd->bhpd", xq, layer["x_k_heads"]).reshape(B, 1, h * P, d)
+        q = torch.einsum("bphk,hkd->bhpd", xq, layer.x_k.view(h, dk, d)).reshape(B, 1, h * P, d)
         kv = mem.unsqueeze(1)  # one head whose keys and values are the encoder states
         # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
         ctx = F.scaled_dot_product_attention(q, kv, kv, attn_mask=bias, scale=1.0)
-        return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), layer["x_v_heads"]).reshape(B, P, h * dk)
+        return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), layer.x_v.view(h, dk, d)).reshape(B, P, h * dk)
 
     def decode_choice(self, enc: torch.Tensor, lengths: Sequence[int],
                       decoder_ids: list[list[int]], candidates: torch.Tensor | None) -> torch.Tensor:
@@ -263,12 +283,12 @@ class T5Model:
         mem, key_mask = pad_rows(enc, lengths)  # [B, L, d], [B, 1, 1, L]
         for layer in self.w.decoder:
             # causal self-attention over the (short) decoder prefix
-            qkv = F.linear(rms_norm(x, layer["norm"], s.eps), layer["qkv"])
+            qkv = F.linear(rms_norm(x, layer.norm, s.eps), layer.qkv)
             q, k, v = qkv.view(B, P, 3, h, dk).permute(2, 0, 3, 1, 4)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask, scale=1.0)
-            x = x + F.linear(o.transpose(1, 2).reshape(B, P, h * dk), layer["o"])
-            xq = F.linear(rms_norm(x, layer["x_norm"], s.eps), layer["x_q"]).view(B, P, h, dk)
-            x = x + F.linear(self.cross_attention(xq, layer, mem, key_mask), layer["x_o"])
+            x = x + F.linear(o.transpose(1, 2).reshape(B, P, h * dk), layer.o)
+            xq = F.linear(rms_norm(x, layer.x_norm, s.eps), layer.x_q).view(B, P, h, dk)
+            x = x + F.linear(self.cross_attention(xq, layer, mem, key_mask), layer.x_o)
             x = self.feed_forward(x, layer)
         final = x[torch.arange(B, device=x.device), last]  # [B, d]
         return self._logits_rows(final, candidates)
