@@ -12,16 +12,9 @@ copy whatever its row count. Two paths:
 * **T5 rationale** -- LAVE with a rationale on the tiny Flan-T5-shaped checkpoint: greedy text
   decoding of N items.
 
-Only the decoding loop is counted: the events inside the decode function's windows less those
-inside its prefill windows (the prompt suffixes and the vision tower run once per row, not per
-step), divided by the decode steps. Counted per step:
-
-* ``syncs``: ``aten::_local_scalar_dense`` / ``aten::item`` events plus the engine's labelled
-  device-to-host copies (``fastjudge::to_host``; on a CPU a ``.cpu()`` has no aten event of its
-  own, so the engine labels the one copy it makes per step);
-* ``aten ops``: top-level aten ops (those not called from inside another aten op), the kernel
-  launches a GPU would see;
-* ``ms``: wall time per step (this CPU's, compute included).
+Only the decoding loop is counted (``fastjudge.bench.step_profile``): host syncs (scalar reads
+and the engine's labelled copies to the host), top-level aten ops and wall time per decode step,
+the prompts' own work (prefill, encoder, vision tower) left out.
 
 Target for a GPU-shaped step: at most 2 syncs per step whatever the row count, and aten ops per
 step independent of the row count (within 10 %).
@@ -33,71 +26,16 @@ step independent of the row count (within 10 %).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+
+from fastjudge.bench.step_profile import profile_decoding
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-SYNC_EVENTS = {"aten::_local_scalar_dense", "aten::item", "fastjudge::to_host"}
-DECODE_LABEL, PREFILL_LABEL = "bench::decode", "bench::prefill"
-
-
-@contextlib.contextmanager
-def labelled(owner, name: str, label: str):
-    """``owner.name`` (a function or method) wrapped in a profiler range ``label`` while inside."""
-    original = getattr(owner, name)
-
-    def wrapped(*args, **kwargs):
-        with record_function(label):
-            return original(*args, **kwargs)
-
-    setattr(owner, name, wrapped)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def windows(events, label: str) -> list[tuple[float, float]]:
-    return [(e.time_range.start, e.time_range.end) for e in events if e.name == label]
-
-
-def inside(t: float, spans) -> bool:
-    return any(a <= t <= b for a, b in spans)
-
-
-def count(events, steps: int) -> dict:
-    """Per-step syncs and top-level aten ops inside the decode windows, outside prefill."""
-    decode, prefill = windows(events, DECODE_LABEL), windows(events, PREFILL_LABEL)
-    syncs = ops = 0
-    for e in events:
-        t = e.time_range.start
-        if not inside(t, decode) or inside(t, prefill):
-            continue
-        if e.name in SYNC_EVENTS:
-            syncs += 1
-        parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        if e.name.startswith("aten::") and parent is None:
-            ops += 1
-    wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill)
-    return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, ms=wall / 1000 / steps)
-
-
-def profiled(run, patches) -> list:
-    with contextlib.ExitStack() as stack:
-        for owner, name, label in patches:
-            stack.enter_context(labelled(owner, name, label))
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run()
-    return prof.events()
 
 
 # -- Qwen JSON: VisExMEM decomposition ----------------------------------------------------------
@@ -113,10 +51,9 @@ def qwen_path(model_dir: Path, rows: int) -> dict:
     judge._decompose(list(items))  # warm-up: grammar compiled, image embeddings cached
     items, _ = judge.prepare(make_examples(rows, 448, 336))
     judge.backend.reset_decode_stats()
-    events = profiled(lambda: judge._decompose(list(items)),
-                      [(torch_qwen, "decode_greedy", DECODE_LABEL),
-                       (torch_qwen.TorchQwenBackend, "_prefill_suffixes", PREFILL_LABEL)])
-    return count(events, judge.backend.decode_stats["decode_steps"])
+    return profile_decoding(lambda: judge._decompose(list(items)), (torch_qwen, "decode_greedy"),
+                            [(torch_qwen.TorchQwenBackend, "_prefill_suffixes")],
+                            lambda: judge.backend.decode_stats["decode_steps"])
 
 
 # -- T5 rationale -------------------------------------------------------------------------------
@@ -139,12 +76,10 @@ def t5_path(model_dir: Path, rows: int) -> dict:
 
     t5_decode.step = counted_step
     try:
-        events = profiled(lambda: judge.score(examples),
-                          [(torch_t5, "decode_greedy", DECODE_LABEL),
-                           (t5_decode.T5Model, "encode", PREFILL_LABEL)])
+        return profile_decoding(lambda: judge.score(examples), (torch_t5, "decode_greedy"),
+                                [(t5_decode.T5Model, "encode")], lambda: len(steps))
     finally:
         t5_decode.step = original
-    return count(events, len(steps))
 
 
 def main(argv=None) -> int:

@@ -37,18 +37,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from ..runtime.requests import Output, Request
+from .host_copy import to_host
 from .qwen_model import QwenModel
 from .qwen_slots import SlotCache
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host: the one device-to-host copy of a decoding step (labelled for the
-    profiler, where a CPU tensor's copy has no event of its own)."""
-    with record_function("fastjudge::to_host"):
-        return t.cpu()
 
 
 @dataclass

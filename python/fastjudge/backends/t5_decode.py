@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .host_copy import to_host
 from .t5_model import T5Model, key_bias, rms_norm
 
 
@@ -122,7 +123,7 @@ def _pick(logits: torch.Tensor, track: torch.Tensor | None) -> list[list[float]]
     """Per row: [greedy token, tracked logits...], in one transfer to the host (token ids are
     exact in float32: vocabularies are far below 2**24)."""
     token = logits.argmax(-1, keepdim=True).to(logits.dtype)
-    return torch.cat([token, logits[:, track]] if track is not None else [token], 1).tolist()
+    return to_host(torch.cat([token, logits[:, track]] if track is not None else [token], 1)).tolist()
 
 
 def decode_greedy(model: T5Model, prompts: Sequence[np.ndarray], max_new_tokens: int,

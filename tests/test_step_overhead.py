@@ -1,0 +1,56 @@
+"""A decoding step is shaped for the GPU: at most two host synchronisations and the same aten
+ops whatever the row count (within 10 %), counted with ``torch.profiler`` through
+``bench.step_profile`` -- the Qwen JSON path (grammar masks, jump-forward) and the T5 rationale
+path (tracked logits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from fastjudge.backends import t5_decode, torch_qwen, torch_t5  # noqa: E402
+from fastjudge.bench.step_profile import profile_decoding  # noqa: E402
+from fastjudge.runtime.requests import Request, Text  # noqa: E402
+from test_jump_forward import adversarial_biases, backend, biased, json_spec, qwen_dir, requests_for  # noqa: E402,F401
+
+
+def qwen_profile(backend, rows: int) -> dict:
+    reqs = requests_for(json_spec("boxes"), n=rows, seed=5)
+    backend.run(reqs)  # warm-up: the grammar compiled
+    backend.reset_decode_stats()
+    with biased(backend, adversarial_biases(backend)["noise"]):
+        return profile_decoding(lambda: backend.run(reqs), (torch_qwen, "decode_greedy"),
+                                [(torch_qwen.TorchQwenBackend, "_prefill_suffixes")],
+                                lambda: backend.decode_stats["decode_steps"])
+
+
+def test_qwen_json_step_costs_the_same_at_any_row_count(backend):
+    one, many = qwen_profile(backend, 1), qwen_profile(backend, 6)
+    assert one["syncs"] <= 2 and many["syncs"] <= 2
+    assert abs(many["ops"] - one["ops"]) <= 0.1 * one["ops"]
+
+
+def t5_profile(t5_backend, rows: int) -> dict:
+    rng = np.random.default_rng(rows)
+    reqs = [Request(i, rng.integers(5, 900, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]
+    steps = []
+    original = t5_decode.step
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return original(*args, **kwargs)
+
+    t5_decode.step = counted
+    try:
+        return profile_decoding(lambda: t5_backend.run(reqs), (torch_t5, "decode_greedy"),
+                                [(t5_decode.T5Model, "encode")], lambda: len(steps))
+    finally:
+        t5_decode.step = original
+
+
+def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend):
+    one, many = t5_profile(t5_backend, 1), t5_profile(t5_backend, 6)
+    assert one["syncs"] <= 2 and many["syncs"] <= 2
+    assert abs(many["ops"] - one["ops"]) <= 0.1 * one["ops"]
