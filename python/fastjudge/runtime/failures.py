@@ -20,8 +20,8 @@ the server, the asyncio API).
   pause doubling from ``backoff_s``; then :class:`SystemFailure`.
 * **Any other exception**: retried the same way; if it persists, the items run again in halves
   (no more pauses) to find the items it belongs to. Items that fail alone are item errors only
-  when some item of the batch scored: when none did, no item explains the failure, and it is a
-  :class:`SystemFailure`.
+  when other items scored in those runs: when none did, no item explains the failure, and it is
+  a :class:`SystemFailure` (so a batch of one item whose failure persists is one too).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class _Run:
                 return
             if kind == OUT_OF_MEMORY:
                 free_device_memory()
-                log.warning("out of memory on %d items; running them in halves", len(indices))
+                log.warning("out of memory on %d item(s); running them in halves", len(indices))
                 if len(indices) == 1:
                     yield self._out_of_memory(indices[0], message)
                     return
@@ -218,7 +218,7 @@ class _Run:
             if attempt < self.policy.retries:
                 pause = self.policy.backoff_s * 2 ** attempt
                 attempt += 1
-                log.warning("%s on %d items; retry %d of %d in %.1f s", message, len(indices),
+                log.warning("%s on %d item(s); retry %d of %d in %.1f s", message, len(indices),
                             attempt, self.policy.retries, pause)
                 self.policy.sleep(pause)
                 continue
@@ -229,8 +229,9 @@ class _Run:
 
     def _isolate(self, indices: list[int], message: str, scale: float) -> Iterator:
         """The items in halves, down to single ones, without pauses: those that fail alone are
-        item errors if some item scored, else the failure is the system's."""
+        item errors if some other item scored meanwhile, else the failure is the system's."""
         alone: list[tuple[int, str]] = []
+        scored_before = self.scored
         parts = [indices]
         while parts:
             part = parts.pop()
@@ -253,7 +254,7 @@ class _Run:
             elif rest:
                 half = (len(rest) + 1) // 2
                 parts += [rest[half:], rest[:half]]
-        if alone and not self.scored:
+        if alone and self.scored == scored_before:
             raise SystemFailure(f"{message} (after {self.policy.retries} retries; it persisted "
                                 f"on every item alone)")
         for index, reason in alone:
