@@ -334,3 +334,108 @@ def test_async_api_raises_system_failures_and_recovers(t5_backend):
         batcher.close()
     assert [r.error for r in results] == [None] * 3
     assert batcher.system_failures == 1
+
+
+# -- the server ---------------------------------------------------------------------------------
+def served(judge, **options):
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    from fastjudge.serve import create_app
+
+    return TestClient(create_app(judge, timeout_s=60, retries=1, **options))
+
+
+def test_server_answers_503_never_a_reward_and_recovers(t5_backend):
+    """A CUDA error on every call: /get_reward, /v1/score (plain and streamed) answer 503 with
+    Retry-After, never 200 with reward_on_error; /health counts the failures; once the device
+    works again the same requests are scored; one OOM is absorbed by splitting the batch."""
+    faulty = FaultyBackend(t5_backend, errors=10**6, message=CUDA_ERROR)
+    item = {"question": "What color is the kite?", "references": ["red", "red"],
+            "prediction": "red"}
+    with served(LaveJudge(faulty), reward_on_error=-7.0) as c:
+        assert c.get("/health").json()["system_failures"] == 0
+        r = c.post("/get_reward", json={"query": [json.dumps(item)] * 3})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert "CUDA error" in r.json()["error"] and "rewards" not in r.json()
+        r = c.post("/v1/score", json={"items": [item, item]})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        lines = c.post("/v1/score?stream=1", json={"items": [item]}).text.splitlines()
+        assert len(lines) == 1 and "CUDA error" in json.loads(lines[0])["error"]
+        health = c.get("/health").json()
+        assert health["status"] == "ok" and health["system_failures"] == 3
+        assert "CUDA error" in health["last_system_failure"]["error"]
+        assert c.get("/metrics").text.count('status="503"') >= 1
+
+        faulty.errors = 0  # the device recovers
+        r = c.post("/get_reward", json={"query": [json.dumps(item)] * 3})
+        assert r.status_code == 200 and r.json()["errors"] == [None] * 3
+        assert -7.0 not in r.json()["rewards"]
+        expected = LaveJudge(t5_backend).score([VQAExample(item["question"], item["references"],
+                                                           item["prediction"])])[0].score
+        assert r.json()["rewards"] == [expected] * 3
+
+        faulty.oom_on_calls = {faulty.calls + 1}  # the next call runs out of memory once
+        r = c.post("/v1/score", json={"items": [item, item]})
+        assert r.status_code == 200
+        assert [x["score"] for x in r.json()["results"]] == [expected] * 2
+        assert c.get("/health").json()["system_failures"] == 3
+
+
+def test_openai_route_answers_an_openai_503(vl_dir):
+    """/v1/chat/completions: the error object the openai client reads (``InternalServerError``
+    after its retries, which wait Retry-After), then a normal completion."""
+    real = backends.load_backend(str(vl_dir), device="cpu", dtype="float32")
+    faulty = FaultyBackend(real, errors=10**6, message=CUDA_ERROR)
+    body = {"model": "judge", "max_tokens": 3,
+            "messages": [{"role": "user", "content": "Is 'ski' right for 'skiing'?"}]}
+    with served(LaveJudge(faulty)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "service_unavailable"
+        assert "CUDA error" in error["message"] and error["param"] is None
+        faulty.errors = 0
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+# -- Ray -----------------------------------------------------------------------------------------
+def test_ray_rescore_oom_and_a_dead_device(t5_dir, clean_rows, tmp_path):
+    """Each Ray actor builds its judge on a FaultyBackend (the fault plan travels with the
+    judge's factory): an OOM once costs no row; a CUDA error on every call stops the job with
+    exit 75 and no error row; the rerun without faults finishes with the clean run's results."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    from functools import partial
+
+    from fastjudge.io.ray_pool import RayPool
+    from fastjudge.testing.faults import faulty_lave_judge
+
+    inp = jsonl_input(tmp_path / "in.jsonl", items(24))
+    spec = get_judge("lave")
+    pool = RayPool(workers=1, cpus_per_worker=1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        def rescore(out, **faults):
+            build = partial(faulty_lave_judge, str(t5_dir), faults,
+                            {"device": "cpu", "dtype": "float32",
+                             "max_batch_tokens": BATCH_TOKENS})
+            return run_job("rescore", spec, build, str(inp), str(out), chunk_size=8,
+                           progress=False, pool=pool, backoff_s=0.01, retries=1)
+
+        once = tmp_path / "once.jsonl"
+        assert rescore(once, oom_on_calls={2}) == EXIT_OK
+        assert_same_results(read_rows(once), clean_rows)
+
+        dead = tmp_path / "dead.jsonl"
+        assert rescore(dead, errors=10**6, errors_from=2, message=CUDA_ERROR) == \
+            EXIT_SYSTEM_FAILURE
+        first = read_rows(dead)
+        assert_no_system_rows(first)
+        assert len(first) < 24
+        assert rescore(dead) == EXIT_OK
+        assert_same_results(read_rows(dead), clean_rows)
+    finally:
+        ray.shutdown()
