@@ -25,8 +25,9 @@ from fastjudge.testing.faults import CUDA_ERROR, FaultyBackend
 
 from conftest import read_rows, write_lines
 
-BATCH_TOKENS = 2000  # a few items per backend call with the tiny checkpoint's prompts
-CPU = ("--device", "cpu", "--dtype", "float32", "--no-progress")
+BATCH_TOKENS = 1100  # about 4 items per backend call (one-shot prompts of ~265 tokens)
+SHOTS = 1  # short prompts keep the tests fast
+CPU = ("--device", "cpu", "--dtype", "float32", "--no-progress", "--num-shots", str(SHOTS))
 SYSTEM_WORDS = ("out of memory", "cuda error", "fault injected")
 
 
@@ -67,7 +68,8 @@ def clean_rows(t5_backend, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clean")
     inp, out = jsonl_input(tmp / "in.jsonl", items(24)), tmp / "out.jsonl"
     spec = get_judge("lave")
-    code = run_job("lave", spec, lambda: LaveJudge(t5_backend, max_batch_tokens=BATCH_TOKENS),
+    code = run_job("lave", spec, lambda: LaveJudge(t5_backend, max_batch_tokens=BATCH_TOKENS,
+                                                   num_shots=SHOTS),
                    str(inp), str(out), chunk_size=1024, progress=False)
     assert code == EXIT_OK
     return read_rows(out)
@@ -75,7 +77,8 @@ def clean_rows(t5_backend, tmp_path_factory):
 
 def job(backend, inp, out, **options):
     spec = get_judge("lave")
-    return run_job("lave", spec, lambda: LaveJudge(backend, max_batch_tokens=BATCH_TOKENS),
+    return run_job("lave", spec, lambda: LaveJudge(backend, max_batch_tokens=BATCH_TOKENS,
+                                                   num_shots=SHOTS),
                    str(inp), str(out), chunk_size=1024, progress=False, backoff_s=0.01,
                    **options)
 
@@ -129,7 +132,7 @@ def test_item_that_alone_runs_out_of_memory_is_an_item_error(t5_backend, clean_r
     rows = items(24)
     rows[5]["question"] = "What is shown in this long picture " + "and this " * 60 + "?"
     inp, out = jsonl_input(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
-    judge = LaveJudge(t5_backend)
+    judge = LaveJudge(t5_backend, num_shots=SHOTS)
     longest_other = max(judge.item_tokens(VQAExample(r["question"], r["references"],
                                                      r["prediction"]))
                         for i, r in enumerate(rows) if i != 5)
@@ -190,7 +193,7 @@ class OneBadItem:
 def test_an_exception_one_item_explains_is_that_items_row(t5_backend, clean_rows, tmp_path):
     spec = get_judge("lave")
     inp, out = jsonl_input(tmp_path / "in.jsonl", items(24)), tmp_path / "out.jsonl"
-    code = run_job("lave", spec, lambda: OneBadItem(LaveJudge(t5_backend), "q7"), str(inp),
+    code = run_job("lave", spec, lambda: OneBadItem(LaveJudge(t5_backend, num_shots=SHOTS), "q7"), str(inp),
                    str(out), chunk_size=1024, progress=False, backoff_s=0.01)
     assert code == EXIT_ITEM_ERRORS
     got = by_id(read_rows(out))
@@ -421,7 +424,7 @@ def test_ray_rescore_oom_and_a_dead_device(t5_dir, clean_rows, tmp_path):
         def rescore(out, **faults):
             build = partial(faulty_lave_judge, str(t5_dir), faults,
                             {"device": "cpu", "dtype": "float32",
-                             "max_batch_tokens": BATCH_TOKENS})
+                             "max_batch_tokens": BATCH_TOKENS, "num_shots": SHOTS})
             return run_job("rescore", spec, build, str(inp), str(out), chunk_size=8,
                            progress=False, pool=pool, backoff_s=0.01, retries=1)
 

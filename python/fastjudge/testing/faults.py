@@ -73,12 +73,13 @@ class FaultyBackend:
 
 def faulty_lave_judge(model_dir: str, faults: dict, options: dict | None = None):
     """A :class:`~fastjudge.LaveJudge` on ``model_dir`` whose backend is a
-    :class:`FaultyBackend` with ``faults``; picklable as a ``functools.partial``, so that Ray
+    :class:`FaultyBackend` with ``faults`` (``options``: the backend's ``device`` / ``dtype``,
+    the judge's ``max_batch_tokens`` / ``num_shots``); picklable as a ``functools.partial``, so that Ray
     actors build their judge with it (``run_job(..., build_judge=partial(faulty_lave_judge,
     ...))``)."""
     from ..backends import load_backend
     from ..judges.lave import LaveJudge
 
     options = dict(options or {})
-    judge_options = {k: options.pop(k) for k in ("max_batch_tokens",) if k in options}
+    judge_options = {k: options.pop(k) for k in ("max_batch_tokens", "num_shots") if k in options}
     return LaveJudge(FaultyBackend(load_backend(model_dir, **options), **faults), **judge_options)
