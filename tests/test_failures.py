@@ -20,7 +20,8 @@ from fastjudge.cli import main
 from fastjudge.io.jobs import (EXIT_ITEM_ERRORS, EXIT_OK, EXIT_SYSTEM_FAILURE,
                                EXIT_TOO_MANY_ERRORS, run_job)
 from fastjudge.judges.registry import get_judge
-from fastjudge.runtime.failures import (DEVICE, OTHER, OUT_OF_MEMORY, SystemFailure, classify)
+from fastjudge.runtime.failures import (DEVICE, OTHER, OUT_OF_MEMORY, SystemFailure, classify,
+                                        prompt_tokens)
 from fastjudge.testing.faults import CUDA_ERROR, FaultyBackend
 
 from conftest import read_rows, write_lines
@@ -133,11 +134,9 @@ def test_item_that_alone_runs_out_of_memory_is_an_item_error(t5_backend, clean_r
     rows[5]["question"] = "What is shown in this long picture " + "and this " * 60 + "?"
     inp, out = jsonl_input(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     judge = LaveJudge(t5_backend, num_shots=SHOTS)
-    longest_other = max(judge.item_tokens(VQAExample(r["question"], r["references"],
-                                                     r["prediction"]))
-                        for i, r in enumerate(rows) if i != 5)
-    size = judge.item_tokens(VQAExample(rows[5]["question"], rows[5]["references"],
-                                        rows[5]["prediction"]))
+    tokens = [prompt_tokens(judge, VQAExample(r["question"], r["references"], r["prediction"]))
+              for r in rows]
+    size, longest_other = tokens[5], max(tokens[:5] + tokens[6:])
     assert size > longest_other
     faulty = FaultyBackend(t5_backend, oom_above_tokens=longest_other)
     assert job(faulty, inp, out) == EXIT_ITEM_ERRORS

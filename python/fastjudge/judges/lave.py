@@ -398,8 +398,3 @@ class LaveJudge(Judge):
 
     def _run(self, requests: Sequence[Request]) -> Iterator[list[Output]]:
         return run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size)
-
-    def item_tokens(self, example: VQAExample) -> int:
-        """The prompt tokens of ``example``: the size an item that runs out of memory alone is
-        reported with (:mod:`fastjudge.runtime.failures`)."""
-        return len(self.codec.encode(*self._prompt_parts(example)).ids)

@@ -26,6 +26,7 @@ the server, the asyncio API).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import logging
@@ -147,19 +148,37 @@ def scaled_budget(judge, scale: float):
             setattr(j, name, value)
 
 
+def prompt_tokens(judge, example) -> int | None:
+    """The prompt tokens of ``example`` where the judge (or one it wraps) builds text prompts
+    (``build_prompt`` and a ``codec``), else None."""
+    for j in _judges(judge):
+        build, codec = getattr(j, "build_prompt", None), getattr(j, "codec", None)
+        if build is not None and codec is not None:
+            try:
+                return len(codec.encode_prompt(build(example)))
+            except Exception:  # noqa: BLE001 - a size is a courtesy; the error stands without
+                return None
+    return None
+
+
 def item_size(judge, example) -> str:
     """How big an item is, for the error of one that runs out of memory alone: its prompt
-    tokens where a judge can count them (``item_tokens``), else its text's characters."""
-    for j in _judges(judge):
-        count = getattr(j, "item_tokens", None)
-        if count is not None:
-            try:
-                return f"{count(example)} prompt tokens"
-            except Exception:  # noqa: BLE001 - a size is a courtesy; the error stands without
-                break
+    tokens where they can be counted, else its text's characters."""
+    tokens = prompt_tokens(judge, example)
+    if tokens is not None:
+        return f"{tokens} prompt tokens"
     fields = dataclasses.astuple(example) if dataclasses.is_dataclass(example) else (example,)
     chars = sum(len(x) for x in fields if isinstance(x, str))
     return f"{chars} characters of text"
+
+
+def _with_index(result, index: int):
+    """A copy of ``result`` (a dataclass or any object with attributes) with ``index``."""
+    if dataclasses.is_dataclass(result):
+        return dataclasses.replace(result, index=index)
+    result = copy.copy(result)
+    result.index = index
+    return result
 
 
 class _Run:
@@ -179,7 +198,7 @@ class _Run:
                     finished.add(original)
                     if getattr(r, "error", None) is None:
                         self.scored += 1
-                    yield r if original == r.index else dataclasses.replace(r, index=original)
+                    yield r if original == r.index else _with_index(r, original)
         except Exception as bad:  # noqa: BLE001 - sorted by classify()
             return bad
         return None
