@@ -21,7 +21,8 @@ the server, the asyncio API).
 * **Any other exception**: retried the same way; if it persists, the items run again in halves
   (no more pauses) to find the items it belongs to. Items that fail alone are item errors only
   when other items scored in those runs: when none did, no item explains the failure, and it is
-  a :class:`SystemFailure` (so a batch of one item whose failure persists is one too).
+  a :class:`SystemFailure` (so a batch of one item whose failure persists is one too, and so
+  is a failure on :data:`GIVE_UP_ALONE` items alone before any item scores).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ _DEVICE_WORDS = ("cuda error", "cuda driver", "cublas_status", "cudnn_status", "
 _DEAD_WORKER_TYPES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
                       "WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "ObjectLostError",
                       "RaySystemError", "LocalRayletDiedError"}
+
+
+# Narrowing a persistent failure down stops once this many items failed alone and none scored:
+# a backend that fails on everything would otherwise cost two calls per item.
+GIVE_UP_ALONE = 4
 
 
 class SystemFailure(RuntimeError):
@@ -270,12 +276,14 @@ class _Run:
                     continue
             if len(rest) == 1:
                 alone.append((rest[0], reason))
+                if len(alone) >= GIVE_UP_ALONE and self.scored == scored_before:
+                    break  # item after item fails and none scores: not the items' fault
             elif rest:
                 half = (len(rest) + 1) // 2
                 parts += [rest[half:], rest[:half]]
         if alone and self.scored == scored_before:
-            raise SystemFailure(f"{message} (after {self.policy.retries} retries; it persisted "
-                                f"on every item alone)")
+            raise SystemFailure(f"{message} (after {self.policy.retries} retries; then on "
+                                f"{len(alone)} item(s) run alone, with none scored)")
         for index, reason in alone:
             yield self._failed_alone(index, reason)
 
