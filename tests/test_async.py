@@ -182,27 +182,37 @@ def test_bounded_queue_raises_queue_full(lave_judge):
 
 
 def test_model_failure_fails_only_that_batch(lave_judge):
+    """A failure that outlasts the retries fails that batch's callers with SystemFailure (never
+    a result); a transient one is retried; the worker serves the next batch either way."""
+    from fastjudge.runtime.failures import SystemFailure
+
     class Flaky:
         max_batch_tokens = lave_judge.max_batch_tokens
-        fail = True
+        fail = 2
 
         def stream(self, examples):
             if self.fail:
-                self.fail = False
-                raise RuntimeError("boom")
+                self.fail -= 1
+                raise RuntimeError("CUDA error: boom")
             return lave_judge.stream(examples)
 
-    batcher = AsyncBatcher(Flaky(), max_wait_ms=0)
+    flaky = Flaky()
+    batcher = AsyncBatcher(flaky, max_wait_ms=0, retries=1, backoff_s=0.01)
 
     async def main():
-        with pytest.raises(RuntimeError, match="boom"):
+        with pytest.raises(SystemFailure, match="boom"):
             await batcher.score(sample_examples(2))
-        return await batcher.score(sample_examples(2))
+        after_failure = await batcher.score(sample_examples(2))
+        flaky.fail = 1  # once: the retry cures it
+        return after_failure, await batcher.score(sample_examples(2))
 
     try:
-        assert len(asyncio.run(main())) == 2
+        after_failure, retried = asyncio.run(main())
     finally:
         batcher.close()
+    assert len(after_failure) == len(retried) == 2
+    assert all(r.error is None for r in after_failure + retried)
+    assert batcher.system_failures == 1
 
 
 # -- RL adapters -------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def mixed_input(tmp_path):
 
 def test_lave_mixed_input(t5_dir, mixed_input, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    assert lave(t5_dir, mixed_input, out) == 0
+    assert lave(t5_dir, mixed_input, out) == 3  # exit 3: some rows are item errors
     rows = read_rows(out)
     assert len(rows) == 7  # one per non-blank input line
     by_id = {str(r["id"]): r for r in rows}
@@ -91,7 +91,7 @@ def test_lave_matches_library(t5_dir, t5_backend, mixed_input, tmp_path):
     from fastjudge import LaveJudge, VQAExample
 
     out = tmp_path / "out.jsonl"
-    assert lave(t5_dir, mixed_input, out) == 0
+    assert lave(t5_dir, mixed_input, out) == 3  # exit 3: some rows are item errors
     by_id = {str(r["id"]): r for r in read_rows(out)}
     results = LaveJudge(t5_backend).score(
         [VQAExample(v["question"], v["references"], v["prediction"]) for v in VALID])
@@ -103,7 +103,7 @@ def test_lave_matches_library(t5_dir, t5_backend, mixed_input, tmp_path):
 
 def test_resume(t5_dir, mixed_input, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    assert lave(t5_dir, mixed_input, out) == 0
+    assert lave(t5_dir, mixed_input, out) == 3  # exit 3: some rows are item errors
     first = out.read_bytes()
     rows = read_rows(out)
 
@@ -117,7 +117,7 @@ def test_resume(t5_dir, mixed_input, tmp_path, capsys):
     partial = json.dumps(rows[-1])[:25]
     out.write_text("".join(json.dumps(r) + "\n" for r in kept) + partial, encoding="utf-8")
     capsys.readouterr()
-    assert lave(t5_dir, mixed_input, out, "--chunk-size", "2") == 0
+    assert lave(t5_dir, mixed_input, out, "--chunk-size", "2") == 3  # exit 3: some rows are item errors
     err = capsys.readouterr().err
     assert "partial" in err
     assert "3 items (4 already done)" in err

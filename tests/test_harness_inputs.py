@@ -55,7 +55,7 @@ def test_lmms_eval_samples_end_to_end(t5_dir, tmp_path):
                                 "prediction": "x"}) + "\n")
     assert detect_format(str(ours)) == "jsonl"
     out = tmp_path / "out.jsonl"
-    assert rescore(t5_dir, path, out) == 0
+    assert rescore(t5_dir, path, out) == 3  # exit 3: a row is an item error
     by_id = {str(r["id"]): r for r in read_rows(out)}
     assert by_id["0"]["question"] == "What color is the bus?"
     assert by_id["0"]["references"] == ["red", "red", "orange"]
@@ -77,7 +77,7 @@ def test_lmms_eval_current_writer_layout(t5_dir, tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     assert detect_format(str(path)) == "lmms-eval"
     out = tmp_path / "out.jsonl"
-    assert rescore(t5_dir, path, out) == 0
+    assert rescore(t5_dir, path, out) == 3  # exit 3: a row is an item error
     by_id = {str(r["id"]): r for r in read_rows(out)}
     assert by_id["7"]["question"] == "What color is the bus?"
     assert by_id["7"]["references"] == ["red", "red", "orange"]

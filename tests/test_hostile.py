@@ -103,7 +103,7 @@ def test_bomb_is_one_error_row_in_visexmem_job(vl_dir, pairs, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     argv = ["visexmem", "--model", str(vl_dir), "--input", str(pairs), "--output", str(out), *CPU,
             "--no-explain", "--max-claims", "2", "--max-claim-chars", "30"]
-    assert main(argv) == 0
+    assert main(argv) == 3  # exit 3: a row is an item error
     rows = {r["id"]: r for r in read_rows(out)}
     assert rows["bomb"]["error"].startswith(
         f"line 1: invalid example: {tmp_path / 'bomb.png'} refused as a decompression bomb: ")
@@ -117,12 +117,12 @@ def test_pixel_budget_flag_and_holistic_rescore(vl_dir, pairs, tmp_path):
     ``--max-image-pixels`` refuses a real image over the budget, by its header."""
     out = tmp_path / "out.jsonl"
     argv = ["rescore", "--judge", "holistic", "--model", str(vl_dir), "--input", str(pairs), *CPU]
-    assert main([*argv, "--output", str(out)]) == 0
+    assert main([*argv, "--output", str(out)]) == 3  # exit 3: a row is an item error
     rows = {r["id"]: r for r in read_rows(out)}
     assert "refused as a decompression bomb" in rows["bomb"]["error"]
     assert rows["good"]["error"] is None and 0 <= rows["good"]["score"] <= 1
     strict = tmp_path / "strict.jsonl"
-    assert main([*argv, "--output", str(strict), "--max-image-pixels", "3071"]) == 0
+    assert main([*argv, "--output", str(strict), "--max-image-pixels", "3071"]) == 3
     rows = {r["id"]: r for r in read_rows(strict)}
     assert rows["good"]["error"] == ("line 2: invalid example: image is 64x48 = 3072 pixels, above "
                                      "the pixel budget of 3071 (max_image_pixels); not decoded")
@@ -160,7 +160,7 @@ def test_long_prediction_is_refused_before_tokenizing(t5_dir, tmp_path, capsys):
         json.dumps({"id": "b", **GOOD, "prediction": "orange"})])
     out = tmp_path / "out.jsonl"
     assert main(["lave", "--model", str(t5_dir), "--input", str(inp), "--output", str(out), *CPU,
-                 "--num-shots", "0", "--max-input-tokens", "1024"]) == 0
+                 "--num-shots", "0", "--max-input-tokens", "1024"]) == 3  # an item error
     rows = {r["id"]: r for r in read_rows(out)}
     chars = len(GOOD["question"]) + len("red " * 750_000)  # the prediction and the rest of the prompt
     assert rows["long"]["error"].startswith("line 2: invalid example: text is ")
@@ -218,12 +218,12 @@ def test_repeated_ids_one_rule_resumed_or_not(tmp_path, capsys):
     inp = write_lines(tmp_path / "in.jsonl", _vqa_lines())
     out = tmp_path / "out.jsonl"
     argv = ["vqa-acc", "--input", str(inp), "--no-progress", "--output", str(out)]
-    assert main(argv) == 0
+    assert main(argv) == 3  # exit 3: the repeats are error rows
     full = read_rows(out)
     _check_repeat_rule(full)
     for k in range(len(full)):
         out.write_text("".join(json.dumps(r) + "\n" for r in full[:k]))
-        assert main(argv) == 0
+        assert main(argv) == (3 if any(r["error"] for r in full[k:]) else 0)
         resumed = read_rows(out)
         assert resumed[:k] == full[:k]
         assert sorted(map(json.dumps, resumed)) == sorted(map(json.dumps, full)), k
@@ -240,18 +240,18 @@ def test_repeated_ids_in_lave_and_parquet_jobs(t5_dir, tmp_path):
     lines += ['{"id": "broken"', json.dumps({"id": "b", **GOOD, "n": 7})]
     inp = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    assert main(["lave", "--model", str(t5_dir), "--input", str(inp), "--output", str(out), *CPU]) == 0
+    assert main(["lave", "--model", str(t5_dir), "--input", str(inp), "--output", str(out), *CPU]) == 3
     _check_repeat_rule(read_rows(out))
     # rescore to Parquet, resumed after its first part: the same rows
     parts = tmp_path / "out.parquet"
     argv = ["rescore", "--model", str(t5_dir), "--input", str(inp), "--output", str(parts), *CPU,
             "--rows-per-part", "3"]
-    assert main(argv) == 0
+    assert main(argv) == 3
     full = read_parquet_rows(parts)
     _check_repeat_rule(full)
     for extra in sorted(parts.glob("part-*.parquet"))[1:]:
         extra.unlink()
-    assert main(argv) == 0
+    assert main(argv) == (3 if any(r["error"] for r in full[3:]) else 0)
     resumed = read_parquet_rows(parts)
     assert resumed[:3] == full[:3]
     key = lambda r: (str(r["id"]), r["n"] or 0)  # noqa: E731

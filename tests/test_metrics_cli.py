@@ -46,7 +46,7 @@ def mixed_input(tmp_path):
 
 def test_vqa_acc_mixed_input(mixed_input, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    assert vqa_acc(mixed_input, out) == 0
+    assert vqa_acc(mixed_input, out) == 3  # exit 3: some rows are item errors
     rows = read_rows(out)
     by_id = {str(r["id"]): r for r in rows}
     assert len(rows) == len(by_id) == 9
@@ -83,7 +83,7 @@ def test_vqa_acc_mixed_input(mixed_input, tmp_path, capsys):
 
 def test_vqa_acc_options(mixed_input, tmp_path):
     out = tmp_path / "out.jsonl"
-    assert vqa_acc(mixed_input, out, "--normalize", "always", "--single-reference", "exact") == 0
+    assert vqa_acc(mixed_input, out, "--normalize", "always", "--single-reference", "exact") == 3
     by_id = {str(r["id"]): r for r in read_rows(out)}
     assert by_id["q3"]["vqa_accuracy"] == 1.0
     assert by_id["4"]["vqa_accuracy"] == 1.0
@@ -91,7 +91,7 @@ def test_vqa_acc_options(mixed_input, tmp_path):
 
 def test_vqa_acc_resume(mixed_input, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    assert vqa_acc(mixed_input, out) == 0
+    assert vqa_acc(mixed_input, out) == 3
     first = out.read_bytes()
     rows = read_rows(out)
     assert vqa_acc(mixed_input, out) == 0
@@ -101,7 +101,7 @@ def test_vqa_acc_resume(mixed_input, tmp_path, capsys):
     kept = [r for r in rows if str(r["id"]) not in ("q2", "line-4", "4")]
     partial = json.dumps(rows[-1])[:20]
     out.write_text("".join(json.dumps(r) + "\n" for r in kept) + partial, encoding="utf-8")
-    assert vqa_acc(mixed_input, out) == 0
+    assert vqa_acc(mixed_input, out) == 3  # line-4 is written again: an item error
     err = capsys.readouterr().err
     assert "partial" in err and "3 items (6 already done)" in err
     final = read_rows(out)

@@ -259,7 +259,7 @@ def test_visexmem_cli_resumable(tmp_path, vl_dir):
     assert [r["id"] for r in first] == ["a", "b"] and all(r["error"] is None for r in first)
     assert all(r["claims"] and r["explanation"] is None for r in first)
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert main(argv) == 0
+    assert main(argv) == 3  # exit 3: a row is an item error
     second = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in second] == ["a", "b", "c"] and second[:2] == first
     assert "not found" in second[2]["error"]
@@ -291,7 +291,7 @@ def test_served_over_http_and_rescored(tmp_path, judge, vl_dir):
     src.write_text(json.dumps({"id": "a", "image": "a.png", "text": "A cup."}) + "\n"
                    + json.dumps({"id": "b", "image": "missing.png", "text": "A cup."}) + "\n")
     assert main(["rescore", "--judge", "holistic", "--model", str(vl_dir), "--input", str(src),
-                 "--output", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
+                 "--output", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 3  # exit 3: a row is an item error
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert 0 <= rows["a"]["score"] <= 1 and rows["a"]["decision"] in ("yes", "no")
     assert "not found" in rows["b"]["error"]

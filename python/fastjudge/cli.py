@@ -110,11 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_judge_job(args, judge_name: str) -> int:
     """``fastjudge lave`` / ``visexmem``: the shared file job with a registered judge."""
-    from .io.jobs import run_job
+    from .io.jobs import job_options, run_job
 
     spec = get_judge(judge_name)
     return run_job(judge_name, spec, lambda: spec.factory(args), args.input, args.output,
-                   chunk_size=args.chunk_size, progress=not args.no_progress)
+                   chunk_size=args.chunk_size, progress=not args.no_progress,
+                   **job_options(args))
 
 
 def main(argv=None) -> int:

@@ -6,8 +6,9 @@ cluster, resumably.
 
 The job is :func:`fastjudge.io.jobs.run_job`, as for ``fastjudge lave``: JSONL or Parquet in
 and out, one output row per input line/row (for lave the rows ``fastjudge lave`` writes),
-per-item error rows, resumption by id. The judge's options come from its declaration in
-:mod:`fastjudge.judges.registry`.
+per-item error rows, resumption by id, the same failure handling and exit codes (``--retries``,
+``--max-errors``, ``--retry-errors``; docs/jobs.md). The judge's options come from its
+declaration in :mod:`fastjudge.judges.registry`.
 
 With ``--ray`` this process reads the input, filters done ids and writes the output; the
 scoring runs in a Ray Data ``map_batches`` over an actor pool of ``--num-workers`` actors
@@ -15,7 +16,9 @@ scoring runs in a Ray Data ``map_batches`` over an actor pool of ``--num-workers
 batches of up to ``--chunk-size`` items. The input must fit in this process's memory, and
 ``--model`` must be a path every Ray node can read. Rows arrive, and are written, in the order
 batches finish; as a set they equal the single-process output (probabilities agree to float
-rounding: batch composition changes the summation order).
+rounding: batch composition changes the summation order). Each actor handles out of memory and
+retries as one process does; a system failure it cannot cure fails its batch, and the job then
+stops as one process does (exit 75; rerunning resumes).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 from functools import partial
 
 from .io.harness_formats import FORMATS
-from .io.jobs import add_job_arguments, run_job
+from .io.jobs import add_job_arguments, job_options, run_job
 from .io.ray_pool import RayPool
 from .judges.registry import JUDGES, add_judge_options, get_judge
 
@@ -40,7 +43,7 @@ def run_rescore(args) -> int:
     return run_job("rescore", spec, partial(spec.factory, args), args.input, args.output,
                    chunk_size=args.chunk_size, progress=not args.no_progress,
                    rows_per_part=args.rows_per_part, pool=pool,
-                   input_format=getattr(args, "input_format", "auto"))
+                   input_format=getattr(args, "input_format", "auto"), **job_options(args))
 
 
 def add_rescore_parser(sub) -> None:

@@ -7,9 +7,19 @@ of Parquet part files.
 
 Rows: every input line/row gives exactly one output row: the input fields (the id resolved,
 ``line-N`` when absent) and the result fields. An item that cannot be scored (malformed JSON,
-not an object, rejected when made an example or by the judge, or on a batch the judge failed
-on) gets an error row: result fields null and ``error`` naming its line. A job never fails
-because of an item.
+not an object, rejected when made an example or by the judge, or failing alone where the items
+around it score) gets an error row: result fields null and ``error`` naming its line. A job
+never fails because of an item.
+
+Failures of the system are never rows (:mod:`fastjudge.runtime.failures`): out of memory splits
+the batch down to single items (one that still runs out of memory alone is an item error naming
+its size); any other failure is retried ``retries`` times with a short pause, and then stops the
+job: the rows finished so far are written, the unfinished items are not, and the same command
+resumes them. Exit codes (docs/jobs.md): :data:`EXIT_OK`, :data:`EXIT_ITEM_ERRORS`,
+:data:`EXIT_TOO_MANY_ERRORS`, :data:`EXIT_SYSTEM_FAILURE`, :data:`EXIT_INTERRUPTED`.
+``max_errors`` stops a job whose item errors pass it. ``retry_errors`` first removes the rows
+of an existing output whose item has an error (:mod:`.retry_errors`), so that the job scores
+them again.
 
 Repeated ids: each id is scored once, at its first line; every later line with the same id
 gets an error row naming that first line (``line 7: id 'a' repeats line 3; each id is scored
@@ -35,19 +45,22 @@ a *judge* whose ``stream(examples)`` yields results carrying ``index`` (into ``e
 
 from __future__ import annotations
 
+import argparse
 import sys
-import time
 from collections import Counter
 from functools import partial
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .jsonl import STDOUT, InputLine, ResumableWriter, read_jsonl
+from ..runtime.failures import FailedItem, RetryPolicy, SystemFailure, resilient_stream
+from .job_output import (EXIT_INTERRUPTED, EXIT_ITEM_ERRORS, EXIT_OK,  # noqa: F401 (re-exported)
+                         EXIT_SYSTEM_FAILURE, EXIT_TOO_MANY_ERRORS, JobOutput, TooManyErrors)
+from .jsonl import STDOUT, InputLine, read_jsonl
 from .parquet import is_parquet
 from .ray_pool import WorkerFailure, score_on_ray
+from .retry_errors import drop_error_rows, finish_dropping
 
-PROGRESS_EVERY = 256  # rows per progress-bar update: cheap even at 100k+ rows/s
 
 
 # -- input -----------------------------------------------------------------------------------
@@ -133,19 +146,17 @@ def prepare(spec, lines: Iterable[InputLine]) -> tuple[list[dict], list[tuple[In
     return rows, todo
 
 
-def score_examples(judge, spec, examples: Sequence) -> Iterator[tuple[int, dict]]:
-    """(index into ``examples``, result fields) for every example, as results finish. If the
-    judge fails (e.g. out of memory), the examples it had not finished get that error."""
-    finished = set()
-    try:
-        for r in judge.stream(examples):
-            finished.add(r.index)
+def score_examples(judge, spec, examples: Sequence,
+                   policy: RetryPolicy | None = None) -> Iterator[tuple[int, dict]]:
+    """(index into ``examples``, result fields) for every example, as results finish, the judge
+    run by :func:`fastjudge.runtime.failures.resilient_stream`: raises
+    :class:`~fastjudge.runtime.failures.SystemFailure` (never an item's row) when retrying
+    does not help."""
+    for r in resilient_stream(judge, examples, policy):
+        if isinstance(r, FailedItem):
+            yield r.index, _failed(spec, r.error)
+        else:
             yield r.index, spec.fields_of(r)
-    except Exception as bad:  # noqa: BLE001
-        message = f"{type(bad).__name__}: {bad}"
-        for i in range(len(examples)):
-            if i not in finished:
-                yield i, _failed(spec, message)
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -154,16 +165,17 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
         yield chunk
 
 
-def local_rows(judge, spec, todo: Sequence, chunk_size: int) -> Iterator[dict]:
+def local_rows(judge, spec, todo: Sequence, chunk_size: int,
+               policy: RetryPolicy | None = None) -> Iterator[dict]:
     """Rows of prepared (line, example) pairs, scored in this process ``chunk_size`` at a
     time."""
     for chunk in _chunks(todo, max(1, chunk_size)):
-        for i, fields in score_examples(judge, spec, [ex for _, ex in chunk]):
+        for i, fields in score_examples(judge, spec, [ex for _, ex in chunk], policy):
             yield make_row(spec, chunk[i][0], fields)
 
 
 def _rows_as_read(judge, spec, fresh: Iterable[tuple[InputLine, int | None]],
-                  chunk_size: int) -> Iterator[dict]:
+                  chunk_size: int, policy: RetryPolicy | None = None) -> Iterator[dict]:
     """Rows of the ``fresh_lines``, read as the job goes: an error row as soon as its line is
     read (a repeat's once its first line's row is out), the items scored ``chunk_size`` at a
     time."""
@@ -184,100 +196,29 @@ def _rows_as_read(judge, spec, fresh: Iterable[tuple[InputLine, int | None]],
         todo.append((line, example))
         pending.add(line.id)
         if len(todo) == chunk_size:
-            yield from local_rows(judge, spec, todo, chunk_size)
+            yield from local_rows(judge, spec, todo, chunk_size, policy)
             yield from waiting
             todo, pending, waiting = [], set(), []
-    yield from local_rows(judge, spec, todo, chunk_size)
+    yield from local_rows(judge, spec, todo, chunk_size, policy)
     yield from waiting
 
 
 def _rows_on_ray(pool, spec, build_judge, fresh: Sequence[tuple[InputLine, int | None]],
-                 chunk_size: int, label: str) -> Iterator[dict]:
+                 chunk_size: int, label: str, policy: RetryPolicy | None = None) -> Iterator[dict]:
     """Rows of the ``fresh_lines``, the items scored on Ray; repeats last, after every first
     line's row."""
     done_rows, todo = prepare(spec, [line for line, first in fresh if first is None])
-    scored = score_on_ray(pool, partial(_judge_scorer, spec, build_judge),
+    scored = score_on_ray(pool, partial(_judge_scorer, spec, build_judge, policy),
                           [ex for _, ex in todo], chunk_size, label)
     yield from done_rows
     yield from (make_row(spec, todo[i][0], fields) for i, fields in scored)
     yield from (repeat_row(spec, line, first) for line, first in fresh if first is not None)
 
 
-def _judge_scorer(spec, build_judge: Callable[[], Any]):
-    """A Ray actor's scorer: the judge is built once, in the actor."""
-    return partial(score_examples, build_judge(), spec)
-
-
-# -- output ----------------------------------------------------------------------------------
-class JobOutput:
-    """Where a job's rows go: the resumable writer, the progress bar and the summary.
-    ``means`` maps numeric result fields to the label of their mean in the summary."""
-
-    def __init__(self, name: str, output: str, means: dict[str, str], progress: bool = True,
-                 writer=None):
-        """``writer``: where rows go (``done``: rows per id already there, ``notes``: repairs
-        made to the output, ``write``, ``close``); default a :class:`ResumableWriter` on
-        ``output``."""
-        from tqdm import tqdm
-
-        self.name = name
-        self.output = output
-        self.means = means
-        self.writer = writer if writer is not None else ResumableWriter(output)
-        for note in self.writer.notes:
-            print(f"fastjudge: {note}", file=sys.stderr)
-        self.already_done = sum(self.writer.done.values())
-        self.progress = tqdm(unit="item", disable=not progress, file=sys.stderr, desc=name,
-                             mininterval=0.5)
-        self.items = self.errors = self._pending = 0
-        self.sums = dict.fromkeys(means, 0.0)
-        self.start = time.perf_counter()
-
-    @property
-    def done(self) -> Counter:
-        return self.writer.done
-
-    def set_total(self, total: int) -> None:
-        self.progress.total = total
-        self.progress.refresh()
-
-    def emit(self, row: dict) -> None:
-        self.writer.write(row)
-        self.items += 1
-        if row.get("error"):
-            self.errors += 1
-        else:
-            for field in self.sums:
-                self.sums[field] += row[field]
-        self._pending += 1
-        if self._pending >= PROGRESS_EVERY:
-            self._flush_progress()
-
-    def _flush_progress(self) -> None:
-        self.progress.update(self._pending)
-        self._pending = 0
-
-    def _close(self) -> None:
-        self._flush_progress()
-        self.progress.close()
-        self.writer.close()
-
-    def interrupted(self) -> int:
-        self._close()
-        resume = "" if getattr(self.writer, "stream", False) else "; rerun the same command to resume"
-        print(f"\nfastjudge: interrupted after {self.items} items{resume}.", file=sys.stderr)
-        return 130
-
-    def finish(self) -> int:
-        self._close()
-        elapsed = time.perf_counter() - self.start
-        scored = self.items - self.errors
-        means = ", ".join(f"{label} {self.sums[f] / scored:.4f}" if scored else f"{label} n/a"
-                          for f, label in self.means.items())
-        print(f"fastjudge {self.name}: {self.items} items ({self.already_done} already done), "
-              f"{self.errors} errors, {means}, {self.items / max(elapsed, 1e-9):.1f} items/s "
-              f"-> {self.output}", file=sys.stderr)
-        return 0
+def _judge_scorer(spec, build_judge: Callable[[], Any], policy: RetryPolicy | None = None):
+    """A Ray actor's scorer: the judge is built once, in the actor. A system failure there
+    fails the actor's batch, and so the Ray job (:class:`.ray_pool.WorkerFailure`)."""
+    return partial(score_examples, build_judge(), spec, policy=policy)
 
 
 def open_writer(spec, output: str, lines: Sequence[InputLine], rows_per_part: int):
@@ -294,10 +235,38 @@ def open_writer(spec, output: str, lines: Sequence[InputLine], rows_per_part: in
 
 
 # -- the job ---------------------------------------------------------------------------------
+def max_errors_value(text: str) -> float:
+    """``--max-errors``: a count (``20``) or a fraction of the job's items (``0.05``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0 or (value >= 1 and value != int(value)):
+        raise argparse.ArgumentTypeError("a count (0, 1, 2, ...) or a fraction below 1 (0.05)")
+    return int(value) if value >= 1 or value == 0 else value
+
+
+def error_ceiling(max_errors: float | None, items: int) -> int | None:
+    """The most item errors a job of ``items`` items takes (``max_errors``: a count, or a
+    fraction in (0, 1) of the items)."""
+    if max_errors is None:
+        return None
+    if 0 < max_errors < 1:
+        return int(max_errors * items)
+    return int(max_errors)
+
+
+def job_options(args) -> dict:
+    """The keyword arguments of :func:`run_job` that :func:`add_job_arguments` adds."""
+    return {"retries": args.retries, "max_errors": args.max_errors,
+            "retry_errors": args.retry_errors}
+
+
 def add_job_arguments(parser, input_help: str, output_help: str, chunk_size: int | None = None,
                       chunk_help: str | None = None) -> None:
     """A file job's command-line arguments: ``--input``, ``--output``, ``--chunk-size`` (when
-    the command has a ``chunk_size`` default) and ``--no-progress``."""
+    the command has a ``chunk_size`` default), ``--no-progress`` and the failure handling
+    (``--retries``, ``--max-errors``, ``--retry-errors``; see :func:`job_options`)."""
     parser.add_argument("--input", required=True, help=input_help)
     parser.add_argument("--output", required=True,
                         help=f"{output_help}. '{STDOUT}': standard output, as are pipes and "
@@ -305,47 +274,69 @@ def add_job_arguments(parser, input_help: str, output_help: str, chunk_size: int
     if chunk_size is not None:
         parser.add_argument("--chunk-size", type=int, default=chunk_size, help=chunk_help)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="times a batch that failed (a CUDA error, a backend exception) runs "
+                             "again after a short pause before the job stops with exit 75 "
+                             "(out of memory instead splits the batch; default 2)")
+    parser.add_argument("--max-errors", type=max_errors_value, default=None, metavar="N",
+                        help="stop with exit 4 once more than N items (or, for N below 1, that "
+                             "fraction of the items) are error rows (default: no limit; "
+                             "exit 3 says some rows are errors)")
+    parser.add_argument("--retry-errors", action="store_true",
+                        help="score again the items whose rows in the existing output are "
+                             "errors, replacing those rows")
 
 
 def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
             output_path: str, *, chunk_size: int, progress: bool = True,
             rows_per_part: int = 10000, pool=None, stream: bool = False,
-            input_format: str = "auto") -> int:
+            input_format: str = "auto", retries: int = 2, backoff_s: float = 0.5,
+            max_errors: float | None = None, retry_errors: bool = False) -> int:
     """Score the file ``input_path`` into ``output_path`` (see the module docstring); returns
-    the exit status (0, or 1 when the Ray workers failed, or 130 on Ctrl-C).
+    the exit status (``EXIT_*``: 0 all scored, 3 some item errors, 4 ``max_errors`` passed,
+    75 a system failure stopped it, 130 Ctrl-C).
+
+    ``retries`` / ``backoff_s``: how a failed batch is retried
+    (:class:`fastjudge.runtime.failures.RetryPolicy`). ``max_errors``: a count, or a fraction
+    in (0, 1) of the job's items. ``retry_errors``: score again the items whose rows in the
+    existing output are errors.
 
     ``build_judge()`` makes the judge: here before the input is read (a bad checkpoint fails
     before any output exists), or, with ``pool`` (a :class:`.ray_pool.RayPool`), once in each
     Ray actor. ``stream``: read the input as the job goes (for cheap items in large files; the
     progress bar then has no total); Parquet output and Ray read it all first anyway.
     """
+    policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
     judge = None if pool is not None else build_judge()
     lines: Iterable[InputLine] = read_input(input_path, input_format)
-    if not stream or pool is not None or is_parquet(output_path):
+    fraction = max_errors is not None and 0 < max_errors < 1  # of a total known up front
+    if not stream or pool is not None or is_parquet(output_path) or fraction:
         lines = list(lines)
+    repaired = finish_dropping(output_path)
+    if retry_errors:
+        repaired.extend(drop_error_rows(output_path))
     job = JobOutput(name, output_path, spec.means, progress,
                     open_writer(spec, output_path, lines, rows_per_part))
+    for note in repaired:
+        print(f"fastjudge: {note}", file=sys.stderr)
     # a snapshot: the rows this run writes must not count as done for the lines still to come
     fresh: Iterable = fresh_lines(lines, Counter(job.done))
     if isinstance(lines, list):
         fresh = list(fresh)
         job.set_total(len(fresh))
-    failure = None
+    job.max_errors = error_ceiling(max_errors, len(fresh) if isinstance(fresh, list) else 0)
     try:
         if pool is None:
-            rows = _rows_as_read(judge, spec, fresh, chunk_size)
+            rows = _rows_as_read(judge, spec, fresh, chunk_size, policy)
         else:
-            rows = _rows_on_ray(pool, spec, build_judge, fresh, chunk_size, f"fastjudge {name}")
-        try:
-            for row in rows:
-                job.emit(row)
-        except WorkerFailure as bad:
-            failure = bad
+            rows = _rows_on_ray(pool, spec, build_judge, fresh, chunk_size, f"fastjudge {name}",
+                                policy)
+        for row in rows:
+            job.emit(row)
     except KeyboardInterrupt:
         return job.interrupted()
-    code = job.finish()
-    if failure is not None:
-        print(f"fastjudge {name}: error: the Ray workers failed ({failure}); the rows written "
-              "so far are kept: rerun the same command to resume", file=sys.stderr)
-        return 1
-    return code
+    except (SystemFailure, WorkerFailure) as failure:
+        return job.stopped(failure)
+    except TooManyErrors:
+        return job.too_many_errors()
+    return job.finish()

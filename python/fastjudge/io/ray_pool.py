@@ -5,6 +5,11 @@ The driver hands the examples to Ray with ``ray.data.from_items`` (rather than
 ``read_json``/``read_parquet``) so that malformed lines, line-numbered ids and the exact input
 fields behave as in one process; the examples must therefore fit in the driver's memory.
 Results arrive in the order batches finish.
+
+Failures: each actor's scorer handles out of memory and retries itself
+(:func:`fastjudge.runtime.failures.resilient_stream`); a failure it cannot cure, or an actor that
+dies, fails the Ray job, raised here as :class:`WorkerFailure`, a system failure: the job stops
+and is resumed by rerunning it, and no item gets an error row for it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ Scorer = Callable[[Sequence], Iterator[tuple[int, dict]]]
 
 
 class WorkerFailure(RuntimeError):
-    """The Ray job itself failed (an actor could not start, a node died, ...)."""
+    """The Ray job itself failed (an actor could not start, a node died, a batch had a system
+    failure its actor's retries did not cure, ...)."""
 
 
 @dataclass(frozen=True)

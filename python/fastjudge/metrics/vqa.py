@@ -444,13 +444,14 @@ def run_vqa_acc(args) -> int:
     ``vqa_accuracy``, ``exact_match``, ``error`` out; resumable by id; summary on stderr, with
     the script's overall accuracy of the items scored in this run. The input is read as the job
     goes (no torch, no model)."""
-    from ..io.jobs import run_job
+    from ..io.jobs import EXIT_ITEM_ERRORS, EXIT_OK, job_options, run_job
 
     job = VqaAccJob(args.normalize, args.single_reference)
     code = run_job("vqa-acc", job, lambda: job, args.input, args.output,
-                   chunk_size=VQA_CHUNK_SIZE, progress=not args.no_progress, stream=True)
+                   chunk_size=VQA_CHUNK_SIZE, progress=not args.no_progress, stream=True,
+                   **job_options(args))
     overall = job.overall.percent()
-    if code == 0 and overall is not None:
+    if code in (EXIT_OK, EXIT_ITEM_ERRORS) and overall is not None:
         print(f"fastjudge vqa-acc overall accuracy (vqaEval.py rounding): {overall:.2f} "
               f"over the {job.overall.count} items scored in this run", file=sys.stderr)
     return code

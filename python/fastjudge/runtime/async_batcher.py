@@ -7,6 +7,13 @@ requests is queued, runs the merged list through ``judge.stream`` (so the C++ pl
 items of different callers together), and resolves each caller's future on its own loop with
 ``loop.call_soon_threadsafe``. Results carry the caller's own ``index``.
 
+Failures (:mod:`.failures`): the worker runs each batch with
+:func:`~.failures.resilient_stream`, so out of memory splits the batch, other failures are
+retried ``retries`` times, and an item that fails alone while others score gets an error result
+(:class:`~.failures.FailedItem`). A failure no item explains reaches each unfinished caller of
+the batch as :class:`~.failures.SystemFailure` (never as a result), is counted in
+``system_failures``, and the worker goes on with the next batch.
+
 Cancelling a caller drops its still-queued items; results of its items already in a running
 batch are discarded. Other callers are never affected. The queue is bounded: a submission that
 would exceed ``max_queue_items`` raises :class:`QueueFullError` and enqueues nothing.
@@ -32,7 +39,9 @@ import time
 from collections import deque
 from typing import AsyncIterator, Iterable, Sequence
 
-__all__ = ["AsyncBatcher", "QueueFullError"]
+from .failures import RetryPolicy, SystemFailure, describe, resilient_stream
+
+__all__ = ["AsyncBatcher", "QueueFullError", "SystemFailure"]
 
 
 class QueueFullError(RuntimeError):
@@ -71,7 +80,7 @@ class AsyncBatcher:
     that have an ``index`` into ``examples`` and ``prompt_tokens`` (``LaveJudge``)."""
 
     def __init__(self, judge, max_wait_ms: float = 5, max_queue_items: int = 10000,
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: int | None = None, retries: int = 2, backoff_s: float = 0.5):
         if max_queue_items < 1:
             raise ValueError("max_queue_items must be >= 1")
         if max_wait_ms < 0:
@@ -86,10 +95,13 @@ class AsyncBatcher:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._avg_tokens = 1024.0  # running estimate of prompt tokens per item
+        self.policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
         # counters (read by the server's /metrics)
         self.items_done = 0
         self.batches_done = 0
         self.running = 0
+        self.system_failures = 0  # batches failed by a system failure
+        self.last_system_failure: tuple[float, str] | None = None  # (time.time(), message)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -209,7 +221,7 @@ class AsyncBatcher:
     def _run(self, batch: list[_Item]) -> None:
         finished = [False] * len(batch)
         try:
-            for r in self.judge.stream([it.example for it in batch]):
+            for r in resilient_stream(self.judge, [it.example for it in batch], self.policy):
                 item = batch[r.index]
                 finished[r.index] = True
                 if getattr(r, "prompt_tokens", 0):
@@ -217,7 +229,10 @@ class AsyncBatcher:
                 self.items_done += 1
                 if not item.future.done():
                     _post(item, dataclasses.replace(r, index=item.index))
-        except Exception as bad:  # a model failure fails this batch's callers, not the worker
+        except Exception as bad:  # fails this batch's unfinished callers, not the worker
+            failure = bad if isinstance(bad, SystemFailure) else SystemFailure(describe(bad))
+            self.system_failures += 1
+            self.last_system_failure = (time.time(), str(failure))
             for item, done in zip(batch, finished):
                 if not done:
-                    _post(item, None, bad)
+                    _post(item, None, failure)

@@ -12,15 +12,23 @@ from typing import Any
 from .. import __version__
 from ..judges.registry import ItemError, get_judge
 from ..runtime.async_batcher import AsyncBatcher, QueueFullError
+from ..runtime.failures import SystemFailure
 from .bodies import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError,
                      load_embedded_json, read_json)
 from .chat_generation import DEFAULT_MAX_COMPLETION_TOKENS, ChatJudge, served_model_id
 from .guards import BearerAuth, JsonErrors
-from .isolation import IsolatingJudge
 from . import openrlhf
 from .openai_routes import openai_routes
 from .metrics import Metrics
 from .openapi import openapi_document
+
+SYSTEM_FAILURE_RETRY_AFTER_S = 5  # the Retry-After of a 503: time for a device to recover
+
+
+def system_failure_message(failure: SystemFailure) -> str:
+    return (f"the judge failed on this request's batch ({failure}); nothing was scored, retry "
+            "the request")
+
 
 EXPECTED_QUERY = '\'{"question": ..., "references": [...], "prediction": ...}\''
 
@@ -40,11 +48,15 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                max_queue: int = 10000, timeout_s: float = 60.0, max_wait_ms: float = 5,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
                reward_on_error: float = 0.0,
-               max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS):
+               max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS, retries: int = 2,
+               retry_after_s: int = SYSTEM_FAILURE_RETRY_AFTER_S):
     """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
     route but ``/health`` needs ``Authorization: Bearer <api_key>``. ``reward_on_error``: the
-    ``/get_reward`` reward of an item the judge rejects (rewards are always numbers).
-    ``max_completion_tokens``: the most tokens one ``/v1/chat/completions`` answer gets."""
+    ``/get_reward`` reward of an item the judge rejects (rewards are always numbers; never
+    given for a system failure, which answers 503). ``max_completion_tokens``: the most tokens
+    one ``/v1/chat/completions`` answer gets. ``retries``: how often a failed batch runs again
+    before its requests get 503 with ``Retry-After: retry_after_s``
+    (:mod:`fastjudge.runtime.failures`)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -53,8 +65,10 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
 
     spec = get_judge(judge_name)
     # chat completions run on the judge's model, so they queue in the judge's own batcher
-    batcher = AsyncBatcher(IsolatingJudge(ChatJudge(judge, max_completion_tokens)),
-                           max_wait_ms=max_wait_ms, max_queue_items=max_queue)
+    # the batcher confines each failure to its item, or answers it as the system's (503)
+    batcher = AsyncBatcher(ChatJudge(judge, max_completion_tokens), max_wait_ms=max_wait_ms,
+                           max_queue_items=max_queue, retries=retries)
+    unavailable = {"Retry-After": str(int(retry_after_s))}
     metrics = Metrics()
     document = openapi_document(spec, __version__, authenticated=bool(api_key))
     # Every result carries the judge's declared fields, also an item that failed alone.
@@ -94,6 +108,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         except asyncio.TimeoutError:
             status = 504
             return error(504, f"request not finished within {timeout_s} s")
+        except SystemFailure as failure:
+            status = 503
+            return error(503, system_failure_message(failure), unavailable)
         finally:
             metrics.observe(path, status, time.monotonic() - start, n_items)
 
@@ -115,6 +132,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                         except asyncio.TimeoutError:
                             yield json.dumps({"error": f"timeout: request not finished within "
                                                        f"{timeout_s} s"}) + "\n"
+                            return
+                        except SystemFailure as failure:  # the answer's 200 is already sent
+                            yield json.dumps({"error": system_failure_message(failure)}) + "\n"
                             return
                         yield json.dumps(result_json(r)) + "\n"
                 finally:
@@ -169,8 +189,12 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         return await handle("/get_reward", request, reward_work)
 
     async def health(request):
+        last = batcher.last_system_failure
         return JSONResponse({"status": "ok", "judge": judge_name,
-                             "queue_depth": batcher.queue_depth})
+                             "queue_depth": batcher.queue_depth,
+                             "system_failures": batcher.system_failures,
+                             "last_system_failure": None if last is None else
+                             {"at": last[0], "error": last[1]}})
 
     async def prom(request):
         return PlainTextResponse(metrics.render(batcher),
@@ -199,7 +223,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                             Route("/metrics", prom, methods=["GET"]),
                             Route("/openapi.json", openapi, methods=["GET"]),
                             *openai_routes(batcher, metrics, served_model_id(judge, judge_name),
-                                           max_body_bytes, body_timeout_s, timeout_s)],
+                                           max_body_bytes, body_timeout_s, timeout_s,
+                                           unavailable)],
                     middleware=middleware, exception_handlers={HTTPException: http_error},
                     lifespan=lifespan)
     app.state.batcher = batcher

@@ -50,12 +50,17 @@ def add_serve_parser(sub) -> None:
                         "(default %(default)g)")
     p.add_argument("--reward-on-error", type=float, default=0.0,
                    help="/get_reward: the reward of an item the judge rejects (default 0.0; "
-                        "OpenRLHF needs a number for every sample)")
+                        "OpenRLHF needs a number for every sample); a system failure answers 503 "
+                        "instead, never this")
     p.add_argument("--max-completion-tokens", type=int, default=DEFAULT_MAX_COMPLETION_TOKENS,
                    help="/v1/chat/completions: the most tokens one answer gets (default "
                         f"{DEFAULT_MAX_COMPLETION_TOKENS}; a request's max_tokens is capped by it)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the batcher waits to fill a batch (default 5)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="times a batch that failed (a CUDA error, a backend exception) runs "
+                        "again after a short pause before its requests get 503 with "
+                        "Retry-After (out of memory instead splits the batch; default 2)")
     add_judge_options(p)
 
 
@@ -97,7 +102,7 @@ def server_config(args):
                      max_queue=args.max_queue, timeout_s=args.timeout_s,
                      max_wait_ms=args.max_wait_ms, body_timeout_s=args.body_timeout_s,
                      api_key=api_key, reward_on_error=args.reward_on_error,
-                     max_completion_tokens=args.max_completion_tokens)
+                     max_completion_tokens=args.max_completion_tokens, retries=args.retries)
     return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                           http=client_deadline_protocol(args.header_timeout_s))
 

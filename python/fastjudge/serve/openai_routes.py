@@ -3,8 +3,9 @@ chat API, for evaluation harnesses that call their judge through one (lmms-eval'
 judge provider, VLMEvalKit's ``--judge-base-url``).
 
 The body limits (size, arrival time, JSON depth, lone surrogates), the queue (429), the
-timeout (504) and the API key are the server's, as on its other routes; errors are OpenAI
-error objects. The model name a request gives is not checked: the server has one model, and
+timeout (504), a system failure (503 with ``Retry-After``, which the openai client library
+retries) and the API key are the server's, as on its other routes; errors are OpenAI error
+objects. The model name a request gives is not checked: the server has one model, and
 harnesses send the name they were configured with (an OpenAI model name by default); answers
 name the served model.
 
@@ -23,6 +24,7 @@ import secrets
 import time
 
 from ..runtime.async_batcher import QueueFullError
+from ..runtime.failures import SystemFailure
 from .bodies import RequestError, read_json
 from .openai_protocol import (OpenAIError, chunk_bodies, completion_body, error_body,
                               models_body, parse_chat_request)
@@ -49,9 +51,11 @@ def check_schema(schema: str) -> None:
 
 
 def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
-                  body_timeout_s: float, timeout_s: float) -> list:
+                  body_timeout_s: float, timeout_s: float,
+                  unavailable: dict | None = None) -> list:
     """The two routes for an app whose ``batcher`` runs a ``ChatJudge``; ``model_id``: the
-    served model's name (None: the judge has no chat model, and completions answer 404)."""
+    served model's name (None: the judge has no chat model, and completions answer 404);
+    ``unavailable``: the headers of a 503 (``Retry-After``)."""
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
@@ -76,6 +80,10 @@ def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
             raise OpenAIError(429, str(full), code="rate_limit_exceeded") from None
         except asyncio.TimeoutError:
             raise OpenAIError(504, f"request not finished within {timeout_s} s") from None
+        except SystemFailure as failure:
+            raise OpenAIError(503, f"the judge failed on this request's batch ({failure}); "
+                                   "retry the request", code="service_unavailable",
+                              headers=unavailable) from None
         if result.error is not None:
             status = 400 if hasattr(result, "code") else 500  # a refused prompt, or a failure
             raise OpenAIError(status, result.error, "messages" if status == 400 else None,

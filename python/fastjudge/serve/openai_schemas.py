@@ -108,6 +108,8 @@ REFUSALS = {
     "422": "a string that is not valid Unicode (a lone surrogate)",
     "429": "the queue is full; retry later",
     "500": "an internal error (logged by the server)",
+    "503": "a system failure after the server's retries (code service_unavailable); retry "
+           "after the Retry-After seconds",
     "504": "not finished within the server's timeout",
 }
 
@@ -133,5 +135,5 @@ def openai_paths(key: tuple) -> dict:
                                                  "server-sent events", "content": {
                 **_json("ChatCompletion"),
                 "text/event-stream": {"schema": _ref("ChatCompletionChunk")}}},
-                **_refusals("400", *key, "404", "408", "413", "422", "429", "500", "504")}}},
+                **_refusals("400", *key, "404", "408", "413", "422", "429", "500", "503", "504")}}},
     }

@@ -70,6 +70,9 @@ REFUSALS = {
     "422": "wrong shapes or types, or a string that is not valid Unicode (a lone surrogate)",
     "429": "more items than the queue can take; retry later",
     "500": "an internal error (logged by the server)",
+    "503": "a system failure (out of memory that splitting did not cure, a CUDA error, a "
+           "backend failure no item explains) after the server's retries; nothing was scored: "
+           "retry after the Retry-After seconds",
     "504": "not finished within the server's timeout",
 }
 
@@ -102,7 +105,7 @@ def openapi_document(spec: JudgeSpec, version: str, authenticated: bool) -> dict
     """The document for a server of judge ``spec``; ``authenticated``: the routes but
     ``/health`` need a bearer key."""
     key = ("401",) if authenticated else ()
-    scoring = ("400", *key, "408", "413", "422", "429", "500", "504")
+    scoring = ("400", *key, "408", "413", "422", "429", "500", "503", "504")
     guarded = (*key, "500")
     paths = {
         "/v1/score": {"post": {
@@ -168,9 +171,18 @@ def openapi_document(spec: JudgeSpec, version: str, authenticated: bool) -> dict
                                "extra_logs": {"type": "object", "properties": {
                                    "error": {"type": "array", "items": {"type": "number"}},
                                    "rating": {"type": "array", "items": {"type": "number"}}}}}},
-        "Health": {"type": "object", "required": ["status", "judge", "queue_depth"],
+        "Health": {"type": "object",
+                   "required": ["status", "judge", "queue_depth", "system_failures",
+                                "last_system_failure"],
                    "properties": {"status": {"const": "ok"}, "judge": {"type": "string"},
-                                  "queue_depth": {"type": "integer"}}},
+                                  "queue_depth": {"type": "integer"},
+                                  "system_failures": {"type": "integer",
+                                                      "description": "batches answered 503"},
+                                  "last_system_failure": {
+                                      "type": ["object", "null"], "required": ["at", "error"],
+                                      "properties": {"at": {"type": "number",
+                                                            "description": "Unix time"},
+                                                     "error": {"type": "string"}}}}},
         **OPENAI_SCHEMAS,
     }
     document = {
