@@ -3,6 +3,8 @@
 Each benchmark runs fastjudge and its baseline in one process on the same device
 (``--device cuda``; float32 without TF32) and checks that both give the same outputs:
 
+* ``bench_compiled.py``: the Qwen decoding step compiled (CUDA graphs per shape bucket) against
+  eager: tokens/s, host syncs and aten ops per step, compile time, identical outputs;
 * ``bench_visexmem_e2e.py``: all five VisExMEM stages against transformers + xgrammar
   (targets: >= 5x items/s; >= 2x on decomposition from jump-forward alone);
 * ``bench_holistic.py``: VQAScore against t2v_metrics' per-sample path (target: >= 10x pairs/s);
@@ -28,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # name, script, arguments on the GPU, arguments in a dry run (CPU); the quickest first, so the
 # end-to-end benchmark, last, gets the time they leave
 BENCHMARKS = (
+    ("compiled", "bench_compiled.py",
+     ["--shape", "mini", "--rows", "1", "16", "64", "--repeats", "3"],
+     ["--shape", "tiny", "--rows", "2", "--max-new-tokens", "12", "--repeats", "1"]),
     ("holistic", "bench_holistic.py",
      ["--shapes", "mini", "--pairs", "32", "--captions", "4", "1", "--repeats", "2"],
      ["--shapes", "tiny", "--pairs", "4", "--captions", "4", "1", "--repeats", "1"]),
@@ -39,7 +44,7 @@ BENCHMARKS = (
      ["--shapes", "tiny", "--items", "1", "--repeats", "1", "--jump-forward", "both"]),
 )
 # the lines of a benchmark's output that carry its result
-RESULT_LINE = re.compile(r"ratio|PASS|FAIL|IDENTICAL|MISMATCH|identical|jump-forward alone|items/s"
+RESULT_LINE = re.compile(r"^(json|text) |ratio|PASS|FAIL|IDENTICAL|MISMATCH|identical|jump-forward alone|items/s"
                          r"|^\s*(tiny|mini|small|decompose|total)\s")
 LEGEND = re.compile(r"^(ratio|max rel dP):")  # the tables' explanations, not results
 

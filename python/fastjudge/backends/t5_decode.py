@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .compiled import row_bucket
 from .host_copy import to_host
 from .t5_model import T5Model, key_bias, rms_norm
 
@@ -93,24 +94,44 @@ class Slots:
         return self._key_mask
 
 
-def step(model: T5Model, slots: Slots, self_mask: torch.Tensor) -> torch.Tensor:
-    """One greedy step of the live rows: full-vocabulary logits [live, V]."""
-    s, b = model.s, slots.live
-    h, dk = s.num_heads, s.d_kv
+def step(model: T5Model, slots: Slots, self_mask: torch.Tensor, compiled=None) -> torch.Tensor:
+    """One greedy step of the live rows: full-vocabulary logits [live, V]. ``compiled`` (a
+    ``compiled.CompiledFunction`` of :func:`step_core`): the step runs compiled on a shape
+    bucket -- rows padded with free slots (at position 0, their own keys only), keys over the
+    whole budget and prompt width -- so that a handful of shapes serve every step."""
+    b = slots.live
     dev = slots.mem.device
-    token, pos = torch.tensor([slots.token, slots.pos], device=dev)  # one host->device copy
-    rows = torch.arange(b, device=dev)
-    width = max(slots.pos) + 1  # decoder positions any live row reads
+    if compiled is None or row_bucket(b) > slots.capacity:
+        token, pos = torch.tensor([slots.token, slots.pos], device=dev)  # one host->device copy
+        width = max(slots.pos) + 1  # decoder positions any live row reads
+        key_mask = slots.key_mask()
+        return step_core(model, token, pos, self_mask, key_mask, slots.mem[:b, : key_mask.shape[-1]],
+                         slots.self_kv[:b], width)
+    rows = row_bucket(b)
+    pad = rows - b
+    token, pos = torch.tensor([slots.token + [0] * pad, slots.pos + [0] * pad], device=dev)
+    key_mask = key_bias(slots.lengths + [1] * pad, slots.mem.shape[1], slots.mem.dtype, dev)
+    width = slots.self_kv.shape[-2]
+    return compiled((rows, width, slots.mem.shape[1]), model, token, pos, self_mask, key_mask, slots.mem[:rows],
+                    slots.self_kv[:rows], width)[:b]
+
+
+def step_core(model: T5Model, token: torch.Tensor, pos: torch.Tensor, self_mask: torch.Tensor,
+              key_mask: torch.Tensor, mem: torch.Tensor, self_kv: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`step` on tensors alone (what a compiler takes): ``token`` / ``pos`` [b] each row's
+    input and position, ``key_mask`` [b, 1, 1, L] over ``mem`` [b, L, d], ``self_kv`` the rows'
+    K/V (written at ``pos`` in place), ``width`` the decoder positions read."""
+    s, b = model.s, token.shape[0]
+    h, dk = s.num_heads, s.d_kv
+    rows = torch.arange(b, device=token.device)
     # each row's query position: its bias row, -inf past itself
     mask = self_mask[:, pos, :width].transpose(0, 1).unsqueeze(2)  # [b, H, 1, width]
-    key_mask = slots.key_mask()
-    mem = slots.mem[:b, : key_mask.shape[-1]]
-    self_kv = slots.self_kv[:b, :, :, :, :width]
+    kv = self_kv[..., :width, :]
     x = F.embedding(token, model.w.embed)[:, None, :]  # [b, 1, d]
     for li, layer in enumerate(model.w.decoder):
         qkv = F.linear(rms_norm(x, layer.norm, s.eps), layer.qkv).view(b, 3, h, dk)
-        slots.self_kv[rows, li, :, :, pos] = qkv[:, 1:]  # this step's K and V at each row's position
-        o = F.scaled_dot_product_attention(qkv[:, 0, :, None], self_kv[:, li, 0], self_kv[:, li, 1],
+        self_kv[rows, li, :, :, pos] = qkv[:, 1:]  # this step's K and V at each row's position
+        o = F.scaled_dot_product_attention(qkv[:, 0, :, None], kv[:, li, 0], kv[:, li, 1],
                                            attn_mask=mask, scale=1.0)
         x = x + F.linear(o.reshape(b, 1, h * dk), layer.o)
         xq = F.linear(rms_norm(x, layer.x_norm, s.eps), layer.x_q).view(b, 1, h, dk)
@@ -127,11 +148,12 @@ def _pick(logits: torch.Tensor, track: torch.Tensor | None) -> list[list[float]]
 
 
 def decode_greedy(model: T5Model, prompts: Sequence[np.ndarray], max_new_tokens: int,
-                  track: torch.Tensor | None, max_rows: int, encode_tokens: int):
+                  track: torch.Tensor | None, max_rows: int, encode_tokens: int, compiled=None):
     """Greedy decoding of ``prompts`` (token ids per row) until EOS or ``max_new_tokens``.
 
     At most ``max_rows`` rows decode at a time; rows are encoded in packs of about
-    ``encode_tokens`` tokens as room frees up. Returns per row: generated ids (EOS excluded),
+    ``encode_tokens`` tokens as room frees up. ``compiled``: the compiled step function
+    (:func:`step`). Returns per row: generated ids (EOS excluded),
     whether EOS ended it, and the tracked logits [steps, K] of every kept step (None without
     ``track``)."""
     s = model.s
@@ -167,18 +189,20 @@ def decode_greedy(model: T5Model, prompts: Sequence[np.ndarray], max_new_tokens:
         starts = np.concatenate([[0], np.cumsum(lengths)])
         ready.extend((i, enc[int(starts[k]):int(starts[k + 1])]) for k, i in enumerate(pack))
 
-    slots = Slots(model, max(1, min(max_rows, n_rows)), max(len(p) for p in prompts), max_new_tokens, dev)
+    rows = max(1, min(max_rows, n_rows))
+    slots = Slots(model, row_bucket(rows) if compiled is not None else rows, max(len(p) for p in prompts),
+                  max_new_tokens, dev)
     bias = model.decoder_bias(max_new_tokens)
     causal = torch.ones(max_new_tokens, max_new_tokens, dtype=torch.bool, device=dev).tril()
     self_mask = bias.masked_fill(~causal, float("-inf"))  # [H, budget, budget]
     while todo or ready or slots.live:
-        while todo and len(ready) < slots.capacity - slots.live:
+        while todo and len(ready) < rows - slots.live:
             encode_more()
-        joining = [ready.popleft() for _ in range(min(len(ready), slots.capacity - slots.live))]
+        joining = [ready.popleft() for _ in range(min(len(ready), rows - slots.live))]
         if joining:
             slots.add(model, [i for i, _ in joining], [st for _, st in joining], start)
         done = []
-        for j, picked in enumerate(_pick(step(model, slots, self_mask), track)):
+        for j, picked in enumerate(_pick(step(model, slots, self_mask, compiled), track)):
             row = slots.rows[j]
             if take(row, picked):
                 done.append(j)

@@ -263,24 +263,34 @@ class T5Model(torch.nn.Module):
         return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), layer.x_v.view(h, dk, d)).reshape(B, P, h * dk)
 
     def decode_choice(self, enc: torch.Tensor, lengths: Sequence[int],
-                      decoder_ids: list[list[int]], candidates: torch.Tensor | None) -> torch.Tensor:
+                      decoder_ids: list[list[int]], candidates: torch.Tensor | None, compiled=None) -> torch.Tensor:
         """Candidate logits [B, K] at the last decoder position of each row (``candidates``
         None: full-vocabulary logits [B, V]).
 
         ``decoder_ids`` start with the decoder start token; rows may differ in length (right
-        padding; causal attention keeps padding out of real positions).
+        padding; causal attention keeps padding out of real positions). ``compiled``: a
+        ``compiled.CompiledFunction`` of :meth:`choice_core` to run it with.
         """
-        s = self.s
-        h, dk = s.num_heads, s.d_kv
-        B = len(decoder_ids)
         P = max(len(r) for r in decoder_ids)
         ids = torch.tensor([[*r, *[0] * (P - len(r))] for r in decoder_ids], device=enc.device)
         last = torch.tensor([len(r) - 1 for r in decoder_ids], device=enc.device)
+        mem, key_mask = pad_rows(enc, lengths)  # [B, L, d], [B, 1, 1, L]
+        self.decoder_bias(P)  # the bias table grown here, outside any compiled code
+        if compiled is not None:
+            return compiled(("choice", *ids.shape, mem.shape[1]), ids, last, mem, key_mask, candidates)
+        return self.choice_core(ids, last, mem, key_mask, candidates)
+
+    def choice_core(self, ids: torch.Tensor, last: torch.Tensor, mem: torch.Tensor, key_mask: torch.Tensor,
+                    candidates: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`decode_choice` on tensors alone: decoder ``ids`` [B, P] read at ``last`` [B],
+        encoder states ``mem`` [B, L, d] under ``key_mask``."""
+        s = self.s
+        h, dk = s.num_heads, s.d_kv
+        B, P = ids.shape
         x = F.embedding(ids, self.w.embed)  # [B, P, d]
         self_bias = self.decoder_bias(P).unsqueeze(0)
-        causal = torch.ones(P, P, dtype=torch.bool, device=enc.device).tril()
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
         self_mask = self_bias.masked_fill(~causal, float("-inf"))
-        mem, key_mask = pad_rows(enc, lengths)  # [B, L, d], [B, 1, 1, L]
         for layer in self.w.decoder:
             # causal self-attention over the (short) decoder prefix
             qkv = F.linear(rms_norm(x, layer.norm, s.eps), layer.qkv)

@@ -20,7 +20,8 @@ import torch
 from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, choice_probs
 from .loading import load_state_dict, place_checkpoint
-from .t5_decode import decode_greedy, row_bytes
+from .compiled import CompiledFunction, compile_enabled
+from .t5_decode import decode_greedy, row_bytes, step_core
 from .t5_model import T5Model, T5Shape, T5Weights
 
 log = logging.getLogger("fastjudge")
@@ -36,13 +37,15 @@ class TorchT5Backend:
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
                  fp8_gemm: bool | None = None, decode_cache_bytes: int | None = None,
-                 max_decode_rows: int | None = None):
+                 max_decode_rows: int | None = None, compile: str = "auto"):
         """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
         with FP8 tensor cores (compute capability 8.9+). ``decode_cache_bytes``: the decoding
         state (rows' encoder states and self-attention K/V) that greedy decoding may hold at
         once (default 1 GiB on CPU, 16 GiB on CUDA), which sets how many rows decode together;
-        ``max_decode_rows`` caps those rows (more rows of a batch join as others finish)."""
+        ``max_decode_rows`` caps those rows (more rows of a batch join as others finish).
+        ``compile``: ``"on"`` / ``"off"`` / ``"auto"`` (on for CUDA): the decoder step and the
+        score-only step run through ``torch.compile``, CUDA graphs on CUDA (``compiled``)."""
         cfg, self.device, self.dtype, keep_fp8 = place_checkpoint(model_dir, T5_MODEL_TYPES, "a T5 model",
                                                                   device, dtype, fp8_gemm)
         self.shape = T5Shape.from_config(cfg)
@@ -63,8 +66,21 @@ class TorchT5Backend:
         self.encode_tokens = 65536 if cuda else 8192
         self.decode_cache_bytes = decode_cache_bytes or (2**34 if cuda else 2**30)
         self.max_decode_rows = max_decode_rows
+        self.compile = compile
+        self._compiled_step = self._compiled_choice = None
+        if compile_enabled(compile, self.device):
+            # dynamic=None: the prompt width differs between batches (a dimension seen with two
+            # sizes is compiled once more as symbolic)
+            self._compiled_step = CompiledFunction(step_core, self.device, "the T5 decoder step", dynamic=None)
+            self._compiled_choice = CompiledFunction(self.model.choice_core, self.device, "the T5 score-only step",
+                                                     dynamic=None)
         log.info("fastjudge: loaded T5 judge %s on %s (%s)", model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling (and recording CUDA graphs) so far."""
+        return sum(f.seconds for f in (self._compiled_step, self._compiled_choice) if f is not None)
 
     # -- execution ---------------------------------------------------------------------------
     def cost(self, request: Request) -> int:
@@ -134,7 +150,8 @@ class TorchT5Backend:
             sub_len = [lengths[i] for i in rows]
             dec_ids = [[start, *batch[i].response_prefix] for i in rows]
             cand_t = torch.tensor(cand, device=enc.device)
-            logits = self.model.decode_choice(sub_enc, sub_len, dec_ids, cand_t).cpu().numpy()
+            logits = self.model.decode_choice(sub_enc, sub_len, dec_ids, cand_t,
+                                              compiled=self._compiled_choice).cpu().numpy()
             for row, z in zip(rows, logits):
                 results[row] = Output(index=batch[row].index, logits=z.astype(np.float64),
                                       probs=choice_probs(z))
@@ -151,7 +168,7 @@ class TorchT5Backend:
         tokens, finished, tracked = decode_greedy(
             self.model, prompts, spec.max_new_tokens, track,
             max_rows=self.decode_rows(max(len(p) for p in prompts), spec.max_new_tokens),
-            encode_tokens=self.encode_tokens)
+            encode_tokens=self.encode_tokens, compiled=self._compiled_step)
         return [Output(index=r.index, token_ids=tok, finished=fin,
                        tracked_logits=tr if track is not None else None)
                 for r, tok, fin, tr in zip(batch, tokens, finished, tracked)]
