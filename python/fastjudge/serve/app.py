@@ -52,6 +52,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
     from starlette.routing import Route
 
     spec = get_judge(judge_name)
+    # /get_reward labels may name image files, read only under the judge's --image-root
+    image_root = getattr(judge, "image_root", None)
     # chat completions run on the judge's model, so they queue in the judge's own batcher
     batcher = AsyncBatcher(IsolatingJudge(ChatJudge(judge, max_completion_tokens)),
                            max_wait_ms=max_wait_ms, max_queue_items=max_queue)
@@ -137,8 +139,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
             for i, (query, prompt, label) in enumerate(samples):
                 where = f"query[{i}]"
                 try:
-                    items.append(spec.parse_item(openrlhf.stock_item(
-                        query, prompt, label, where, text_judge=judge_name == "lave"), where))
+                    items.append(openrlhf.stock_example(spec, query, prompt, label, where,
+                                                        judge_name == "lave", image_root))
                 except ValueError as bad:  # ItemError, or an image that does not decode
                     items.append(bad)
         else:  # each query is an item as a JSON object string
