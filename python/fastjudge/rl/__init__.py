@@ -2,7 +2,8 @@
 
 * :mod:`.trl`: TRL reward functions (LAVE, VisExMEM, holistic), with TRL's logging callables;
 * :mod:`.verl`: verl ``compute_score`` functions (one item, async, batched) over one judge per
-  process, loaded by verl as ``custom_reward_function.path=pkg://fastjudge.rl``;
+  process, loaded by verl as ``custom_reward_function.path=pkg://fastjudge.rl`` (v0.7.0 on) or
+  by the path of the file ``fastjudge/rl/verl_entry.py`` (every release);
 * :mod:`.inputs`: trainer inputs (conversations, reference columns, images) as judge fields.
 """
 
