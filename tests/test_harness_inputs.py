@@ -127,3 +127,64 @@ def test_vlmevalkit_xlsx(t5_dir, tmp_path):
     assert rescore(t5_dir, path, out) == 0
     (row,) = read_rows(out)
     assert str(row["id"]) == "1" and row["references"] == ["tennis", "tennis match"]
+
+
+# -- VLMEvalKit .json predictions (PRED_FORMAT=json) and one index type ----------------------------
+class NumpyEncoder(json.JSONEncoder):
+    """``vlmeval/smp/file.py`` ``NumpyEncoder``: numpy scalars as Python numbers."""
+
+    def default(self, obj):
+        import numpy as np
+
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+        return json.JSONEncoder.default(self, obj)
+
+
+def test_vlmevalkit_json_and_index_type_across_formats(t5_dir, tmp_path):
+    """The prediction file as VLMEvalKit writes it (open-compass/VLMEvalKit commit
+    e8e78f05f3080fe28154f2130321f17951c3be94, ``vlmeval/smp/file.py``): ``dump`` picks the
+    writer by suffix (``get_pred_file_path`` with ``PRED_FORMAT``): ``dump_json`` is
+    ``json.dump(df.to_dict('records'), indent=4, ensure_ascii=False, cls=NumpyEncoder)``,
+    ``dump_tsv`` ``df.to_csv(sep='\\t', index=False, quoting=csv.QUOTE_ALL)``, ``dump_xlsx``
+    ``df.to_excel(index=False)``. A missing answer is pandas' NaN."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("openpyxl")
+    frame = pd.DataFrame({"index": [3, 4, 5],
+                          "question": ["What sport?", "What color?", "How many?"],
+                          "answer": ["['tennis', 'tennis match']", "red", float("nan")],
+                          "prediction": ["tennis", "red", "two"]})
+    paths = {"json": tmp_path / "M_OK-VQA.json", "tsv": tmp_path / "M_OK-VQA.tsv",
+             "xlsx": tmp_path / "M_OK-VQA.xlsx"}
+    with open(paths["json"], "w") as f:
+        json.dump(frame.to_dict("records"), f, indent=4, ensure_ascii=False, cls=NumpyEncoder)
+    frame.to_csv(paths["tsv"], sep="\t", index=False, encoding="utf-8", quoting=csv.QUOTE_ALL)
+    frame.to_excel(paths["xlsx"], index=False)
+    assert "NaN" in paths["json"].read_text() and paths["json"].read_text().startswith("[\n    {")
+    outputs = {}
+    for kind, path in paths.items():
+        assert detect_format(str(path)) == "vlmevalkit"
+        out = tmp_path / f"{kind}.jsonl"
+        assert rescore(t5_dir, path, out) == 0
+        outputs[kind] = sorted(read_rows(out), key=lambda r: r["id"])
+    for kind, rows in outputs.items():
+        assert [r["id"] for r in rows] == [3, 4, 5], kind  # ints in every format
+        assert rows[0]["references"] == ["tennis", "tennis match"]
+        assert rows[1]["references"] == ["red"]
+        assert rows[2]["references"] == [] and rows[2]["error"]  # NaN answer: no references
+        assert rows[0]["error"] is None and rows[0]["score"] is not None
+    same = {kind: [{k: v for k, v in r.items() if k != "error"} for r in rows]
+            for kind, rows in outputs.items()}  # errors name the line: a header row counts
+    assert same["json"] == same["tsv"] == same["xlsx"]
+    # a non-numeric index stays text
+    (tmp_path / "M_X.json").write_text(json.dumps([{"index": "a-1", "question": "Q?",
+                                                    "answer": "x", "prediction": "x"}, 7]))
+    out = tmp_path / "x.jsonl"
+    assert rescore(t5_dir, tmp_path / "M_X.json", out) == 0
+    rows = read_rows(out)
+    assert {r["id"] for r in rows} >= {"a-1"}
+    assert any("record 2: not a JSON object" in (r["error"] or "") for r in rows)

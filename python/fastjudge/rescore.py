@@ -65,8 +65,8 @@ def add_rescore_parser(sub) -> None:
                    "written as batches finish")
     p.add_argument("--input-format", default="auto", choices=FORMATS,
                    help="auto (default): JSONL whose first record has doc_id and resps is "
-                        "an lmms-eval sample log, .tsv/.xlsx is a VLMEvalKit prediction "
-                        "file, else JSONL or Parquet by extension (docs/jobs.md)")
+                        "an lmms-eval sample log, .tsv/.xlsx (or a .json array) is a VLMEvalKit "
+                        "prediction file, else JSONL or Parquet by extension (docs/jobs.md)")
     p.add_argument("--rows-per-part", type=int, default=10000,
                    help="Parquet output: rows per part file (a killed run loses at most the "
                         "rows of its unwritten part; default 10000)")

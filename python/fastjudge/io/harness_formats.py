@@ -12,16 +12,22 @@ drops it and keeps ``input``, the prompt the model saw): the question is then th
 non-blank line of ``input``, because lmms-eval's VQA prompts put the question first and the
 task's answer instructions on the lines after it.
 
-VLMEvalKit (``<model>_<dataset>.tsv`` / ``.xlsx``): ``index`` -> id, ``question``,
-``answer`` -> references, ``prediction``. An ``answer`` written as a Python list literal such
-as ``"['a', 'b']"`` is parsed with :func:`ast.literal_eval` (data only: nothing in it is run)
-into one reference per element; any other answer is one reference.
+VLMEvalKit (``<model>_<dataset>.xlsx``, ``.tsv`` or, with ``PRED_FORMAT=json``, ``.json``: an
+indented JSON array of row objects, ``vlmeval/smp/file.py`` ``dump_json``): ``index`` -> id,
+``question``, ``answer`` -> references, ``prediction``. An ``answer`` written as a Python list
+literal such as ``"['a', 'b']"`` is parsed with :func:`ast.literal_eval` (data only: nothing
+in it is run) into one reference per element; any other answer is one reference. ``index`` is
+one type whatever the file: an integer when it is a whole number (``7``, ``"7"``, ``7.0``),
+else its text, so the ids of one dataset's predictions agree across formats (and resumes).
+An empty cell, or a JSON ``NaN`` (pandas' missing value), is a missing value.
 """
 
 from __future__ import annotations
 
 import ast
 import csv
+import json
+import math
 import sys
 from itertools import islice
 from pathlib import Path
@@ -38,6 +44,13 @@ csv.field_size_limit(min(sys.maxsize, MAX_ROW_CHARS + 1))
 
 
 # -- detection -------------------------------------------------------------------------------
+def _starts_array(path: str) -> bool:
+    """Whether the file's first non-blank character opens a JSON array."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
 def _first_jsonl_record(path: str) -> Any:
     with open(path, "rb") as f:
         for raw in islice(f, 64):  # the first non-blank line, bounded
@@ -59,6 +72,8 @@ def detect_format(path: str) -> str:
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".tsv", ".xlsx"):
+        return "vlmevalkit"
+    if suffix == ".json" and p.is_file() and _starts_array(path):
         return "vlmevalkit"
     if suffix in (".parquet", ".pq"):
         return "parquet"
@@ -148,17 +163,58 @@ def _as_references(answer: Any) -> list[str]:
     return refs
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def vlmevalkit_index(value: Any) -> Any:
+    """``index`` as one type across .xlsx (numbers), .tsv (text) and .json (numbers or text):
+    an int when it is a whole number, else its text; a missing value is None."""
+    if _missing(value):
+        return None
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else str(value)
+    text = str(value).strip()
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def vlmevalkit_item(row: dict) -> dict:
+    row = {k: (None if _missing(v) else v) for k, v in row.items()}
     if row.get("prediction") is None:
         raise ValueError("no prediction column value")
     if row.get("question") is None:
         raise ValueError("no question column value")
-    item = {"id": row.get("index"), "question": str(row["question"]),
+    item = {"id": vlmevalkit_index(row.get("index")), "question": str(row["question"]),
             "references": _as_references(row.get("answer")),
             "prediction": str(row["prediction"])}
     if row.get("image"):
         item["image_b64"] = str(row["image"])
     return item
+
+
+def _json_rows(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(record number, record, error) for each element of a VLMEvalKit ``.json`` array. The
+    standard library's parser: pandas writes missing values as ``NaN``, which strict JSON
+    parsers refuse."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            records = json.load(f)
+    except ValueError as bad:  # UnicodeDecodeError included
+        raise ValueError(f"{path}: not a JSON array of prediction rows: {bad}") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: a VLMEvalKit .json prediction file is a JSON array of rows")
+    for number, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            yield number, None, f"record {number}: not a JSON object"
+        else:
+            yield number, record, None
 
 
 def _cells(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
@@ -193,7 +249,8 @@ def _cells(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
 
 
 def read_vlmevalkit(path: str) -> Iterator[InputLine]:
-    for row_no, row, error in _cells(path):
+    rows = _json_rows(path) if path.lower().endswith(".json") else _cells(path)
+    for row_no, row, error in rows:
         if error is not None:
             yield InputLine(row_no, None, error)
             continue
