@@ -51,18 +51,22 @@ PROGRESS_EVERY = 256  # rows per progress-bar update: cheap even at 100k+ rows/s
 
 
 # -- input -----------------------------------------------------------------------------------
-def read_input(path: str, input_format: str = "auto") -> Iterator[InputLine]:
+def read_input(path: str, input_format: str = "auto", references=None) -> Iterator[InputLine]:
     """Every input line (JSONL) or row (Parquet, or a harness output: see
     :mod:`.harness_formats`). Opens the file, and reads its first item, before returning, so a
-    bad path fails before any output is touched."""
+    bad path fails before any output is touched. ``references``: an lmms-eval sample log's
+    :class:`.harness_formats.References`."""
     if Path(path).is_dir():
         raise ValueError(f"{path} is a directory; --input takes one JSONL or Parquet file")
     from . import harness_formats
 
     if input_format == "auto":
         input_format = harness_formats.detect_format(path)
+    if references is not None and input_format != "lmms-eval":
+        raise ValueError(f"--references applies to lmms-eval sample logs; {path} is read as "
+                         f"{input_format}")
     if input_format == "lmms-eval":
-        lines = harness_formats.read_lmms_eval(path)
+        lines = harness_formats.read_lmms_eval(path, references)
     elif input_format == "vlmevalkit":
         lines = harness_formats.read_vlmevalkit(path)
     elif input_format == "parquet" or (input_format != "jsonl" and is_parquet(path)):
@@ -310,7 +314,7 @@ def add_job_arguments(parser, input_help: str, output_help: str, chunk_size: int
 def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
             output_path: str, *, chunk_size: int, progress: bool = True,
             rows_per_part: int = 10000, pool=None, stream: bool = False,
-            input_format: str = "auto") -> int:
+            input_format: str = "auto", references=None) -> int:
     """Score the file ``input_path`` into ``output_path`` (see the module docstring); returns
     the exit status (0, or 1 when the Ray workers failed, or 130 on Ctrl-C).
 
@@ -320,7 +324,7 @@ def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
     progress bar then has no total); Parquet output and Ray read it all first anyway.
     """
     judge = None if pool is not None else build_judge()
-    lines: Iterable[InputLine] = read_input(input_path, input_format)
+    lines: Iterable[InputLine] = read_input(input_path, input_format, references)
     if not stream or pool is not None or is_parquet(output_path):
         lines = list(lines)
     job = JobOutput(name, output_path, spec.means, progress,
