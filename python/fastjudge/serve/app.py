@@ -40,11 +40,13 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                max_queue: int = 10000, timeout_s: float = 60.0, max_wait_ms: float = 5,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
                reward_on_error: float = 0.0,
-               max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS):
+               max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS,
+               image_url_prefixes: tuple[str, ...] = ()):
     """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
     route but ``/health`` needs ``Authorization: Bearer <api_key>``. ``reward_on_error``: the
     ``/get_reward`` reward of an item the judge rejects (rewards are always numbers).
-    ``max_completion_tokens``: the most tokens one ``/v1/chat/completions`` answer gets."""
+    ``max_completion_tokens``: the most tokens one ``/v1/chat/completions`` answer gets;
+    ``image_url_prefixes``: the remote image URLs it fetches (none: ``data:`` URLs only)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -201,7 +203,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                             Route("/metrics", prom, methods=["GET"]),
                             Route("/openapi.json", openapi, methods=["GET"]),
                             *openai_routes(batcher, metrics, served_model_id(judge, judge_name),
-                                           max_body_bytes, body_timeout_s, timeout_s)],
+                                           max_body_bytes, body_timeout_s, timeout_s,
+                                           tuple(image_url_prefixes))],
                     middleware=middleware, exception_handlers={HTTPException: http_error},
                     lifespan=lifespan)
     app.state.batcher = batcher
