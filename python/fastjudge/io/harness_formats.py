@@ -38,11 +38,10 @@ import csv
 import json
 import math
 import sys
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
-
-from dataclasses import dataclass
 
 import orjson
 
