@@ -162,6 +162,14 @@ def test_template_that_rewrites_the_image_placeholder():
     query = prompt.replace("<start_of_image>", "\n\n<start_of_image>" + "<image_soft_token>" * 256
                            + "<end_of_image>\n\n") + "skiing<end_of_turn>"
     assert split_response(query, prompt) == "skiing<end_of_turn>"
+    assert prompt_question(prompt) == "What sport is this?"
+    llama = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat sport is this ?"
+             "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # a tokenizer that decodes with clean_up_tokenization_spaces (" ?" -> "?"): the prompt
+    # text is no prefix of the query, its assistant header is
+    query = llama.replace("this ?", "this?") + "skiing<|eot_id|>"
+    assert split_response(query, llama) == "skiing<|eot_id|>"
+    assert prompt_question(llama) == "What sport is this ?"
 
 
 def test_failed_split_and_empty_label_are_error_rows(client):

@@ -50,6 +50,10 @@ SPECIAL_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|eot_id|>",
 _SPECIAL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 # a Qwen-style chat turn: <|im_start|>role\n text (up to <|im_end|> or the end)
 _TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>|$)", re.S)
+# the user turns of the Llama 3 and Gemma templates
+_USER_TURNS = (_TURN,
+               re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S),
+               re.compile(r"<start_of_turn>(\w+)\n(.*?)(?:<end_of_turn>|$)", re.S))
 #: Tokens a processor repeats once per image patch: a run of them is one image in the prompt.
 MEDIA_PADS = ("<|image_pad|>", "<|video_pad|>", "<image_soft_token>")
 _MEDIA_RUN = re.compile("|".join(f"(?:{re.escape(t)})+" for t in MEDIA_PADS))
@@ -82,8 +86,11 @@ def clean(text: str) -> str:
 
 def prompt_question(prompt: str) -> str:
     """The question a prompt asks: its last user turn when chat-formatted, else the prompt."""
-    users = [content for role, content in _TURN.findall(prompt) if role == "user"]
-    return clean(users[-1] if users else prompt)
+    for turn in _USER_TURNS:
+        users = [content for role, content in turn.findall(prompt) if role == "user"]
+        if users:
+            return clean(users[-1])
+    return clean(prompt)
 
 
 def collapse_media(text: str) -> str:
