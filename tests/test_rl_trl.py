@@ -1,5 +1,6 @@
-"""TRL's calls into fastjudge.rl's reward functions, transcribed from TRL's source (TRL is not
-installed), on tiny random-weight judges.
+"""TRL's calls into fastjudge.rl's reward functions, on tiny random-weight judges: transcribed
+from TRL's source, and (the last test) TRL's own ``_calculate_rewards`` from the installed
+release (the test extra pins TRL 1.x up to 1.9, the source read).
 
 Upstream contracts (``trl/trainer/grpo_trainer.py``):
 - ``GRPOTrainer._calculate_rewards``: a custom reward function is called as
@@ -283,3 +284,46 @@ def test_async_reward_functions_are_awaited_together(lave_judge, visex):
     assert async_logs.flushed_metrics() == sync_logs.flushed_metrics()
     assert threads and set(threads) == {"fastjudge-batcher"}  # not TRL's loop thread
     assert holistic_reward_fn_async(visex).__name__ == "holistic_reward"
+
+
+def test_trl_itself_calculates_the_rewards(lave_judge):
+    """TRL's own ``GRPOTrainer._calculate_rewards`` (the installed release), run on a stand-in
+    trainer holding only what it reads: the sync and the async LAVE rewards give one column
+    each, equal, and log through TRL's own ``_log_completion_extra`` / ``_log_metric``."""
+    trl = pytest.importorskip("trl")
+    import asyncio
+    import threading
+    from collections import defaultdict
+    from types import MethodType, SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from fastjudge.rl import lave_reward_fn, lave_reward_fn_async
+
+    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True), args=SimpleNamespace(report_to=[]),
+                              state=SimpleNamespace(global_step=0), environments=None,
+                              _pending_extra_logs=defaultdict(list),
+                              _pending_metrics=defaultdict(list))
+    for name in ("_log_completion_extra", "_log_metric"):
+        setattr(trainer, name, MethodType(getattr(trl.GRPOTrainer, name), trainer))
+    trainer.reward_funcs = [lave_reward_fn(lave_judge), lave_reward_fn_async(lave_judge)]
+    trainer.reward_processing_classes = [None, None]
+    trainer.reward_func_names = [f.__name__ for f in trainer.reward_funcs]
+    trainer.async_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=trainer.async_loop.run_forever, daemon=True)
+    thread.start()
+    inputs = [{"prompt": [{"role": "user", "content": "What sport?"}], "references": refs}
+              for refs in (["skiing"], [], ["ski", "skiing"])]
+    completions = [said("skiing")] * 3
+    try:
+        rewards = trl.GRPOTrainer._calculate_rewards(
+            trainer, inputs, [x["prompt"] for x in inputs], completions, [[0]] * 3)
+    finally:
+        trainer.async_loop.call_soon_threadsafe(trainer.async_loop.stop)
+        thread.join()
+        trainer.async_loop.close()
+    assert rewards.shape == (3, 2)
+    assert torch.equal(torch.isnan(rewards[:, 0]), torch.isnan(rewards[:, 1]))
+    assert torch.isnan(rewards[1]).all() and torch.equal(rewards[[0, 2], 0], rewards[[0, 2], 1])
+    assert len(trainer._pending_extra_logs["lave_error"]) == 6  # both functions logged
+    assert trainer._pending_metrics["lave/error_rate"] == [pytest.approx(1 / 3)] * 2
