@@ -94,7 +94,7 @@ def image_part(part: dict, at: str, url_prefixes: Sequence[str] = ()) -> ImagePa
         if found["type"] and not found["type"].startswith("image/"):
             raise _bad(f"{at}: the data URL holds {found['type']}, not an image", at)
         try:
-            data = base64.b64decode(found["data"], validate=True)
+            data = base64.b64decode(re.sub(r"\s+", "", found["data"]), validate=True)
         except (binascii.Error, ValueError):
             raise _bad(f"{at}: the data URL's base64 does not decode", at) from None
         return ImagePart(data=data, where=at)
