@@ -248,8 +248,8 @@ def test_verl_compute_score_matches_judge_scores(lave_judge, monkeypatch):
         assert got == expected and all(isinstance(x, float) for x in got)
         assert rl.compute_score("vqav2", items[0].prediction, json.dumps(items[0].references),
                                 {"question": items[0].question})["score"] == expected[0]
-        with pytest.raises(ValueError, match="question"):
-            rl.compute_score("vqav2", "a", ["a"], None)
+        missing = rl.compute_score("vqav2", "a", ["a"], None)  # an error score, not an exception
+        assert missing["error"] == 1.0 and "question" in missing["error_reason"]
         rl.configure(None)
         monkeypatch.delenv("FASTJUDGE_MODEL", raising=False)
         with pytest.raises(RuntimeError, match="FASTJUDGE_MODEL"):

@@ -127,3 +127,144 @@ def test_vlmevalkit_xlsx(t5_dir, tmp_path):
     assert rescore(t5_dir, path, out) == 0
     (row,) = read_rows(out)
     assert str(row["id"]) == "1" and row["references"] == ["tennis", "tennis match"]
+
+
+# -- VLMEvalKit .json predictions (PRED_FORMAT=json) and one index type ----------------------------
+class NumpyEncoder(json.JSONEncoder):
+    """``vlmeval/smp/file.py`` ``NumpyEncoder``: numpy scalars as Python numbers."""
+
+    def default(self, obj):
+        import numpy as np
+
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+        return json.JSONEncoder.default(self, obj)
+
+
+def test_vlmevalkit_json_and_index_type_across_formats(t5_dir, tmp_path):
+    """The prediction file as VLMEvalKit writes it (open-compass/VLMEvalKit commit
+    e8e78f05f3080fe28154f2130321f17951c3be94, ``vlmeval/smp/file.py``): ``dump`` picks the
+    writer by suffix (``get_pred_file_path`` with ``PRED_FORMAT``): ``dump_json`` is
+    ``json.dump(df.to_dict('records'), indent=4, ensure_ascii=False, cls=NumpyEncoder)``,
+    ``dump_tsv`` ``df.to_csv(sep='\\t', index=False, quoting=csv.QUOTE_ALL)``, ``dump_xlsx``
+    ``df.to_excel(index=False)``. A missing answer is pandas' NaN."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("openpyxl")
+    frame = pd.DataFrame({"index": [3, 4, 5],
+                          "question": ["What sport?", "What color?", "How many?"],
+                          "answer": ["['tennis', 'tennis match']", "red", float("nan")],
+                          "prediction": ["tennis", "red", "two"]})
+    paths = {"json": tmp_path / "M_OK-VQA.json", "tsv": tmp_path / "M_OK-VQA.tsv",
+             "xlsx": tmp_path / "M_OK-VQA.xlsx"}
+    with open(paths["json"], "w") as f:
+        json.dump(frame.to_dict("records"), f, indent=4, ensure_ascii=False, cls=NumpyEncoder)
+    frame.to_csv(paths["tsv"], sep="\t", index=False, encoding="utf-8", quoting=csv.QUOTE_ALL)
+    frame.to_excel(paths["xlsx"], index=False)
+    assert "NaN" in paths["json"].read_text() and paths["json"].read_text().startswith("[\n    {")
+    outputs = {}
+    for kind, path in paths.items():
+        assert detect_format(str(path)) == "vlmevalkit"
+        out = tmp_path / f"{kind}.jsonl"
+        assert rescore(t5_dir, path, out) == 0
+        outputs[kind] = sorted(read_rows(out), key=lambda r: r["id"])
+    for kind, rows in outputs.items():
+        assert [r["id"] for r in rows] == [3, 4, 5], kind  # ints in every format
+        assert rows[0]["references"] == ["tennis", "tennis match"]
+        assert rows[1]["references"] == ["red"]
+        assert rows[2]["references"] == [] and rows[2]["error"]  # NaN answer: no references
+        assert rows[0]["error"] is None and rows[0]["score"] is not None
+    same = {kind: [{k: v for k, v in r.items() if k != "error"} for r in rows]
+            for kind, rows in outputs.items()}  # errors name the line: a header row counts
+    assert same["json"] == same["tsv"] == same["xlsx"]
+    # a non-numeric index stays text
+    (tmp_path / "M_X.json").write_text(json.dumps([{"index": "a-1", "question": "Q?",
+                                                    "answer": "x", "prediction": "x"}, 7]))
+    out = tmp_path / "x.jsonl"
+    assert rescore(t5_dir, tmp_path / "M_X.json", out) == 0
+    rows = read_rows(out)
+    assert {r["id"] for r in rows} >= {"a-1"}
+    assert any("record 2: not a JSON object" in (r["error"] or "") for r in rows)
+
+
+# -- lmms-eval references from the task's dataset -----------------------------------------------
+def lmms_eval_written(doc_id: int, doc: dict, target, context: str, response: str) -> dict:
+    """A ``generate_until`` sample as lmms-eval writes it (EvolvingLMMs-Lab/lmms-eval commit
+    75571cfe0fa36ca5ec2e6aa2bb268f9d38295af3): ``lmms_eval/evaluator.py`` ``evaluate`` builds
+    ``{"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", ...}`` (arguments:
+    the request's serializable args, the context first); ``lmms_eval/loggers/
+    evaluation_tracker.py`` ``save_results_samples`` sets ``input = arguments[0]``, unwraps the
+    single-request lists, drops ``resps`` equal to ``filtered_resps``, writes ``str(target)``
+    and drops ``arguments`` and ``doc``."""
+    sample = {"doc_id": doc_id, "doc": doc, "target": target,
+              "arguments": [context, {"max_new_tokens": 16}, doc_id, "vqav2_val", "validation"],
+              "resps": [[response]], "filtered_resps": [response], "exact_match": 0.0}
+    sample["input"] = sample["arguments"][0]
+    sample["resps"] = sample["resps"][0] if len(sample["resps"]) == 1 else sample["resps"]
+    sample["filtered_resps"] = (sample["filtered_resps"][0] if len(sample["filtered_resps"]) == 1
+                                else sample["filtered_resps"])
+    if sample["resps"] == sample["filtered_resps"]:
+        sample.pop("resps")
+    elif isinstance(sample["resps"], list) and len(sample["resps"]) == 1 \
+            and sample["resps"][0] == sample["filtered_resps"]:
+        sample.pop("resps")
+    sample["target"] = str(sample["target"])
+    sample.pop("arguments")
+    sample.pop("doc")
+    return sample
+
+
+def vqav2_doc_to_target(doc: dict):
+    """``lmms_eval/api/task.py`` ``ConfigurableTask.doc_to_target`` for vqav2's YAML
+    ``doc_to_target: "answer"`` on a dataset without that column: the string is rendered as a
+    template of the doc, giving ``"answer"`` itself."""
+    return doc["answer"] if "answer" in doc else "answer"
+
+
+def test_lmms_eval_references_from_the_dataset(t5_dir, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = [{"question_id": 100 + i, "question": q,
+             "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": k + 1}
+                         for k, a in enumerate(answers)], "image": b"\x89PNG..."}
+            for i, (q, answers) in enumerate([("What color is the bus?", ["red"] * 7 + ["orange"] * 3),
+                                              ("How many dogs?", ["2"] * 9 + ["two"])])]
+    pre_prompt = "Look at the picture carefully.\n"  # a task's pre_prompt: line 1 is not the question
+    samples = [lmms_eval_written(i, {k: v for k, v in d.items() if k != "image"},
+                                 vqav2_doc_to_target(d),
+                                 f"{pre_prompt}{d['question']}\nAnswer the question using a single "
+                                 "word or phrase.", resp) for i, (d, resp) in enumerate(zip(docs, ["red", "2"]))]
+    assert samples[0]["target"] == "answer" and "doc" not in samples[0]
+    log = tmp_path / "20261204_samples_vqav2_val.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    # without the dataset, the literal field name is refused, not judged as the answer
+    out = tmp_path / "plain.jsonl"
+    assert rescore(t5_dir, log, out) == 0
+    assert all("name of a field" in r["error"] and "--references" in r["error"]
+               for r in read_rows(out))
+    # the dataset as Parquet (rows in split order: doc_id is the position) and as JSONL with ids
+    parquet = tmp_path / "vqav2_val.parquet"
+    pq.write_table(pa.Table.from_pylist(docs), parquet)
+    jsonl = tmp_path / "vqav2_val.jsonl"
+    jsonl.write_text("".join(json.dumps({"doc_id": i, **{k: v for k, v in d.items() if k != "image"}})
+                             + "\n" for i, d in reversed(list(enumerate(docs)))))
+    for refs in (parquet, jsonl):
+        out = tmp_path / f"{refs.suffix[1:]}.jsonl"
+        assert rescore(t5_dir, log, out, "--references", str(refs)) == 0
+        by_id = {r["id"]: r for r in read_rows(out)}
+        assert by_id[0]["references"] == ["red"] * 7 + ["orange"] * 3
+        assert by_id[0]["question"] == "What color is the bus?"  # from the dataset, not input
+        assert by_id[1]["references"] == ["2"] * 9 + ["two"] and by_id[1]["error"] is None
+    # a document missing from the file, and a column that does not exist
+    pq.write_table(pa.Table.from_pylist(docs[:1]), parquet)
+    out = tmp_path / "missing.jsonl"
+    assert rescore(t5_dir, log, out, "--references", str(parquet)) == 0
+    by_id = {r["id"]: r for r in read_rows(out)}
+    assert by_id[0]["error"] is None
+    assert "doc_id 1 is not in the --references file" in by_id["line-2"]["error"]
+    assert rescore(t5_dir, log, tmp_path / "nope.jsonl", "--references", str(parquet),
+                   "--references-column", "answer") != 0
+    assert not (tmp_path / "nope.jsonl").exists()

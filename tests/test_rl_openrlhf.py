@@ -1,16 +1,24 @@
 """OpenRLHF's remote reward model against ``/get_reward``, with the payload its executor posts.
 
-Contract transcribed from OpenRLHF ``openrlhf/utils/agent.py``,
-``SingleTurnAgentExecutor._fetch_rewards_via_http`` (``--reward.remote_url``): one sample per
-request, ``{"query": [prompt + response], "prompts": [prompt], "labels": [label]}`` with the
-text decoded with special tokens kept; it reads ``rewards`` (else ``scores``) and the optional
-``extra_logs``, and passes the rewards to ``torch.tensor``.
+Contract transcribed from OpenRLHF v0.11.0 (commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7),
+``openrlhf/utils/agent.py``, ``SingleTurnAgentExecutor.execute`` and
+``_fetch_rewards_via_http`` (``--reward.remote_url``; ``--remote_rm_url`` before v0.10.2): one
+sample per request, ``{"query": [query], "prompts": [prompt], "labels": [label]}`` where
+``query = hf_tokenizer.decode(prompt_token_ids + action_token_ids, skip_special_tokens=False)``;
+``prompt_token_ids`` come from the processor for a vision-language policy
+(``openrlhf/utils/vlm_utils.py``, ``process_prompt_with_images``: each image placeholder
+expanded to one ``<|image_pad|>`` per merged patch), else from the tokenizer, and are cut to
+their last ``max_length - max_tokens`` when longer. The label is ``data[label_key]``, or ``""``
+without a label key (``openrlhf/datasets/prompts_dataset.py``, ``preprocess_data``). The
+executor reads ``rewards`` (else ``scores``) and the optional ``extra_logs``, and passes the
+rewards to ``torch.tensor``.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +28,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from fastjudge.judges.lave import VQAExample  # noqa: E402
 from fastjudge.serve import create_app  # noqa: E402
-from fastjudge.serve.openrlhf import prompt_question  # noqa: E402
+from fastjudge.serve.openrlhf import prompt_question, split_response  # noqa: E402
 
 CHAT_PROMPT = ("<|im_start|>system\nYou answer briefly.<|im_end|>\n"
                "<|im_start|>user\nWhat sport is this?<|im_end|>\n<|im_start|>assistant\n")
@@ -64,7 +72,7 @@ def test_rejected_samples_are_numbers(client):
                                          "labels": ["skiing"]})
     assert r.status_code == 200
     assert torch.tensor(r.json()["rewards"]).tolist() == [-1.0]
-    assert "does not start with its prompt" in r.json()["errors"][0]
+    assert "cannot tell the response from the prompt" in r.json()["errors"][0]
     body, rewards, extra = executor_request(client, CHAT_PROMPT, "skiing", "[]")
     assert rewards.tolist() == [-1.0] and extra["error"].tolist() == [1.0]
     r = client.post("/get_reward", json={"query": ["a", "b"], "prompts": ["a"], "labels": ["x"]})
@@ -74,3 +82,131 @@ def test_rejected_samples_are_numbers(client):
 def test_question_is_the_last_user_turn():
     assert prompt_question(CHAT_PROMPT) == "What sport is this?"
     assert prompt_question("Question: why?\nAnswer:") == "Question: why?\nAnswer:"
+
+
+# -- queries as the executor builds them --------------------------------------------------------
+# What Qwen3.5's chat template writes for OpenRLHF's "<image>What sport is this?" input
+# (prompts_dataset._str_to_content_list -> [{"type": "image"}, {"type": "text", ...}]), with
+# thinking off; the tiny checkpoint's template takes string content only, so it is written out.
+VLM_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What sport is this?"
+              "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.fixture(scope="module")
+def qwen_processor(vl_dir):
+    """The Qwen3-VL processor of the tiny checkpoint (image part only: the video processor
+    needs torchvision, which the test environment does not have, and no video is used)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    tokenizer = AutoTokenizer.from_pretrained(str(vl_dir))
+    images = AutoImageProcessor.from_pretrained(str(vl_dir), backend="pil")
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
+    try:
+        return Qwen3VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def executor_query(tokenizer, prompt_ids: list, response: str) -> str:
+    """``SingleTurnAgentExecutor.execute``: the prompt's and the action's ids decoded with
+    special tokens kept."""
+    action_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(prompt_ids + action_ids, skip_special_tokens=False)
+
+
+def vlm_prompt_ids(processor, prompt: str, size=(80, 64)) -> list:
+    """``vlm_utils.process_prompt_with_images``: the processor's ids of the prompt and its image."""
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (*size[::-1], 3), dtype=np.uint8))
+    out = processor(text=[prompt], images=[image], add_special_tokens=False, return_tensors="pt")
+    return out["input_ids"][0].tolist()
+
+
+def test_vlm_query_with_expanded_image_tokens(client, lave_judge, qwen_processor):
+    tokenizer = qwen_processor.tokenizer
+    query = executor_query(tokenizer, vlm_prompt_ids(qwen_processor, VLM_PROMPT), "skiing<|im_end|>")
+    assert query.count("<|image_pad|>") > 1 and not query.startswith(VLM_PROMPT)
+    assert split_response(query, VLM_PROMPT) == "skiing<|im_end|>"
+    r = client.post("/get_reward", json={"query": [query], "prompts": [VLM_PROMPT],
+                                         "labels": [json.dumps(["skiing", "ski"])]})
+    expected = lave_judge.score([VQAExample("What sport is this?", ["skiing", "ski"], "skiing")])[0]
+    assert r.json()["errors"] == [None]
+    assert r.json()["rewards"] == [pytest.approx(expected.score)]
+
+
+def test_left_truncated_prompts(qwen_processor):
+    """``execute`` keeps ``prompt_token_ids[-max_prompt_length:]``: the query starts inside the
+    prompt, with a chat template and without one."""
+    tokenizer = qwen_processor.tokenizer
+    context = " ".join(f"fact {i} about the picture." for i in range(60))
+    chat = ("<|im_start|>system\nYou answer briefly.<|im_end|>\n<|im_start|>user\n" + context
+            + " What sport is this?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = context + " Question: what sport is this? Answer:"
+    for prompt in (chat, plain):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        max_prompt_length = len(ids) // 3
+        query = executor_query(tokenizer, ids[-max_prompt_length:], " skiing<|im_end|>")
+        assert not query.startswith(prompt)
+        assert split_response(query, prompt).strip() == "skiing<|im_end|>"
+
+
+def test_template_that_rewrites_the_image_placeholder():
+    """Gemma 3's processor writes each ``<start_of_image>`` as a block of soft tokens
+    (``transformers`` ``Gemma3Processor``): the response is the text after the last assistant
+    header (``<start_of_turn>model``)."""
+    prompt = ("<bos><start_of_turn>user\n<start_of_image>What sport is this?<end_of_turn>\n"
+              "<start_of_turn>model\n")
+    query = prompt.replace("<start_of_image>", "\n\n<start_of_image>" + "<image_soft_token>" * 256
+                           + "<end_of_image>\n\n") + "skiing<end_of_turn>"
+    assert split_response(query, prompt) == "skiing<end_of_turn>"
+    assert prompt_question(prompt) == "What sport is this?"
+    llama = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat sport is this ?"
+             "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # a tokenizer that decodes with clean_up_tokenization_spaces (" ?" -> "?"): the prompt
+    # text is no prefix of the query, its assistant header is
+    query = llama.replace("this ?", "this?") + "skiing<|eot_id|>"
+    assert split_response(query, llama) == "skiing<|eot_id|>"
+    assert prompt_question(llama) == "What sport is this ?"
+
+
+def test_failed_split_and_empty_label_are_error_rows(client):
+    prompt = "<|im_start|>user\nWhat sport is this?<|im_end|>\n<|im_start|>assistant\n"
+    r = client.post("/get_reward", json={
+        "query": ["an unrelated text that shares nothing", prompt + "skiing<|im_end|>"],
+        "prompts": ["Question: what sport? Answer:", prompt], "labels": ["skiing", ""]}).json()
+    assert r["rewards"] == [-1.0, -1.0] and r["extra_logs"]["error"] == [1.0, 1.0]
+    assert "query[0]: cannot tell the response from the prompt" in r["errors"][0]
+    assert "query[1]: the label is empty" in r["errors"][1] and "label_key" in r["errors"][1]
+
+
+def test_image_judge_reads_the_labels_image_under_image_root(vl_dir, tmp_path, qwen_processor):
+    """OpenRLHF sends no image bytes: the label names the image (the dataset's image path)."""
+    from PIL import Image
+
+    from fastjudge.judges.holistic import HolisticJudge
+    from fastjudge.judges.visexmem import ImageTextExample
+
+    (tmp_path / "coco").mkdir()
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(tmp_path / "coco" / "1.png")
+    (tmp_path.parent / "outside.png").write_bytes((tmp_path / "coco" / "1.png").read_bytes())
+    tokenizer = qwen_processor.tokenizer
+    query = executor_query(tokenizer, vlm_prompt_ids(qwen_processor, VLM_PROMPT), "a red square<|im_end|>")
+    labels = [json.dumps({"image": "coco/1.png"}), json.dumps({"image": "../outside.png"}),
+              json.dumps({"image": str(tmp_path / "coco" / "1.png")})]
+    judge = HolisticJudge(vl_dir, device="cpu", dtype="float32", image_root=str(tmp_path))
+    expected = judge.score([ImageTextExample(image=str(tmp_path / "coco" / "1.png"),
+                                             text="a red square")])[0].score
+    with TestClient(create_app(judge, "holistic", reward_on_error=-1.0)) as c:
+        r = c.post("/get_reward", json={"query": [query] * 3, "prompts": [VLM_PROMPT] * 3,
+                                        "labels": labels}).json()
+    assert r["rewards"][0] == pytest.approx(expected) and r["errors"][0] is None
+    assert "leaves --image-root" in r["errors"][1]
+    assert "relative to --image-root" in r["errors"][2]
+    judge.image_root = None  # a server started without --image-root reads no files
+    with TestClient(create_app(judge, "holistic", reward_on_error=-1.0)) as c:
+        r = c.post("/get_reward", json={"query": [query], "prompts": [VLM_PROMPT],
+                                        "labels": labels[:1]}).json()
+    assert r["rewards"] == [-1.0] and "--image-root" in r["errors"][0]

@@ -1,5 +1,6 @@
-"""TRL's calls into fastjudge.rl's reward functions, transcribed from TRL's source (TRL is not
-installed), on tiny random-weight judges.
+"""TRL's calls into fastjudge.rl's reward functions, on tiny random-weight judges: transcribed
+from TRL's source, and (the last test) TRL's own ``_calculate_rewards`` from the installed
+release (the test extra pins TRL 1.x up to 1.9, the source read).
 
 Upstream contracts (``trl/trainer/grpo_trainer.py``):
 - ``GRPOTrainer._calculate_rewards``: a custom reward function is called as
@@ -13,6 +14,11 @@ Upstream contracts (``trl/trainer/grpo_trainer.py``):
   sample) and ``GRPOTrainer._log_metric(name, value)`` appends a scalar; at the end of the step
   ``_generate_and_score_completions`` flushes both in sorted-name order, each metric as
   ``torch.tensor(sum(values) / len(values))`` gathered across processes.
+- ``GRPOTrainer._calculate_rewards`` (TRL v1.9.0, commit
+  f2cd57710ae345ea6428ae95363267fcf38a3dc8; async rewards since v0.27.0): a reward function
+  for which ``inspect.iscoroutinefunction`` holds is awaited, with the other async ones, in
+  ``asyncio.gather`` on ``self.async_loop`` (an event loop running in its own thread), through
+  ``asyncio.run_coroutine_threadsafe(...).result()``; the sync ones run before, in turn.
 - ``GRPOTrainer._generate_and_score_completions``: VLM rows carry ``images`` (a list per row)
   or ``image`` (one per row), ``images`` taking precedence; the prompts get the images as
   ``{"type": "image", "image": ...}`` content parts (``trl/data_utils.py``,
@@ -60,6 +66,45 @@ def trl_calculate_rewards(reward_func, inputs: list[dict], completions: list, lo
                          completion_ids=[[0]] * len(completions), **reward_kwargs)
     output = [reward if reward is not None else torch.nan for reward in output]
     return torch.tensor(output, dtype=torch.float32)
+
+
+def trl_calculate_rewards_async(reward_funcs: list, inputs: list[dict], completions: list,
+                                logs: TrlLogs | None) -> torch.Tensor:
+    """``_calculate_rewards`` for async reward functions: gathered on a loop in its own thread."""
+    import asyncio
+    import inspect
+    import threading
+
+    assert all(inspect.iscoroutinefunction(f) for f in reward_funcs)
+    prompts = [x["prompt"] for x in inputs]
+    keys = [key for key in inputs[0] if key not in ["prompt", "completion", "completion_ids"]]
+    reward_kwargs = {key: [example[key] for example in inputs] for key in keys}
+    reward_kwargs["trainer_state"] = object()
+    if logs is not None:
+        reward_kwargs["log_extra"] = logs.log_extra
+        reward_kwargs["log_metric"] = logs.log_metric
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="trl-async-loop", daemon=True)
+    thread.start()
+
+    async def invoke(index, func):
+        output = await func(prompts=prompts, completions=completions,
+                            completion_ids=[[0]] * len(completions), **reward_kwargs)
+        return index, [r if r is not None else torch.nan for r in output]
+
+    async def run_all():
+        return await asyncio.gather(*[invoke(i, f) for i, f in enumerate(reward_funcs)])
+
+    try:
+        results = asyncio.run_coroutine_threadsafe(run_all(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+    rewards = torch.zeros(len(prompts), len(reward_funcs))
+    for i, output in results:
+        rewards[:, i] = torch.tensor(output, dtype=torch.float32)
+    return rewards
 
 
 def assert_rewards(tensor: torch.Tensor, expected: list) -> None:
@@ -202,3 +247,83 @@ def test_holistic_reward_fn_takes_the_images_column(visex):
     assert_rewards(trl_calculate_rewards(reward, rows[:1], completions[:1], None), [expected.score])
     with pytest.raises(ValueError, match="image"):
         reward(prompts=["p"], completions=["A bus."], caption=["x"])
+
+
+# -- async reward functions --------------------------------------------------------------------
+def test_async_reward_functions_are_awaited_together(lave_judge, visex):
+    """Two async rewards on one TRL step, gathered on TRL's loop thread: the same rewards and
+    logs as the sync functions, the model run on the judge's batcher thread."""
+    import threading
+
+    from fastjudge.rl import (holistic_reward_fn_async, lave_reward_fn, lave_reward_fn_async,
+                              visexmem_reward_fn, visexmem_reward_fn_async)
+
+    threads = []
+    inner_stream = lave_judge.stream
+
+    def stream(examples):
+        threads.append(threading.current_thread().name)
+        return inner_stream(examples)
+
+    inputs = [{"prompt": [{"role": "user", "content": "What sport?"}], "references": refs,
+               "image": png(pixels(k))} for k, refs in enumerate((["skiing"], [], ["ski"]))]
+    completions = [said("skiing"), said("skiing"), said("a ski slope")]
+    sync_logs, async_logs = TrlLogs(), TrlLogs()
+    expected = torch.stack([trl_calculate_rewards(f, inputs, completions, sync_logs)
+                            for f in (lave_reward_fn(lave_judge), visexmem_reward_fn(visex))], 1)
+    lave_judge.stream = stream
+    try:
+        got = trl_calculate_rewards_async([lave_reward_fn_async(lave_judge),
+                                           visexmem_reward_fn_async(visex)], inputs, completions,
+                                          async_logs)
+    finally:
+        del lave_judge.stream
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    assert torch.allclose(got.nan_to_num(-9), expected.nan_to_num(-9), rtol=1e-6)
+    assert dict(async_logs.extra) == dict(sync_logs.extra)
+    assert async_logs.flushed_metrics() == sync_logs.flushed_metrics()
+    assert threads and set(threads) == {"fastjudge-batcher"}  # not TRL's loop thread
+    assert holistic_reward_fn_async(visex).__name__ == "holistic_reward"
+
+
+def test_trl_itself_calculates_the_rewards(lave_judge):
+    """TRL's own ``GRPOTrainer._calculate_rewards`` (the installed release), run on a stand-in
+    trainer holding only what it reads: the sync and the async LAVE rewards give one column
+    each, equal, and log through TRL's own ``_log_completion_extra`` / ``_log_metric``."""
+    trl = pytest.importorskip("trl")
+    import asyncio
+    import threading
+    from collections import defaultdict
+    from types import MethodType, SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from fastjudge.rl import lave_reward_fn, lave_reward_fn_async
+
+    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True), args=SimpleNamespace(report_to=[]),
+                              state=SimpleNamespace(global_step=0), environments=None,
+                              _pending_extra_logs=defaultdict(list),
+                              _pending_metrics=defaultdict(list))
+    for name in ("_log_completion_extra", "_log_metric"):
+        setattr(trainer, name, MethodType(getattr(trl.GRPOTrainer, name), trainer))
+    trainer.reward_funcs = [lave_reward_fn(lave_judge), lave_reward_fn_async(lave_judge)]
+    trainer.reward_processing_classes = [None, None]
+    trainer.reward_func_names = [f.__name__ for f in trainer.reward_funcs]
+    trainer.async_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=trainer.async_loop.run_forever, daemon=True)
+    thread.start()
+    inputs = [{"prompt": [{"role": "user", "content": "What sport?"}], "references": refs}
+              for refs in (["skiing"], [], ["ski", "skiing"])]
+    completions = [said("skiing")] * 3
+    try:
+        rewards = trl.GRPOTrainer._calculate_rewards(
+            trainer, inputs, [x["prompt"] for x in inputs], completions, [[0]] * 3)
+    finally:
+        trainer.async_loop.call_soon_threadsafe(trainer.async_loop.stop)
+        thread.join()
+        trainer.async_loop.close()
+    assert rewards.shape == (3, 2)
+    assert torch.equal(torch.isnan(rewards[:, 0]), torch.isnan(rewards[:, 1]))
+    assert torch.isnan(rewards[1]).all() and torch.equal(rewards[[0, 2], 0], rewards[[0, 2], 1])
+    assert len(trainer._pending_extra_logs["lave_error"]) == 6  # both functions logged
+    assert trainer._pending_metrics["lave/error_rate"] == [pytest.approx(1 / 3)] * 2

@@ -1,10 +1,18 @@
 """verl's calls into fastjudge.rl, transcribed from verl's source (verl is not installed), on the
 tiny random-weight Flan-T5 judge.
 
-Upstream contracts:
-- ``verl/utils/import_utils.py``, ``load_module`` / ``load_extern_object``: a
+Upstream contracts (verl-project/verl v0.9.0, commit 483b8a009ba3a97563edee3a19887e4862b8094a,
+unless a release is named):
+- ``verl/utils/import_utils.py``, ``load_module`` / ``load_extern_object`` (from v0.7.0): a
   ``pkg://a.b`` (or ``pkg://a/b``) path is ``importlib.import_module("a.b")``, the function is
-  ``getattr(module, name)``; any other path is loaded standalone from its file.
+  ``getattr(module, name)``; any other path is loaded standalone from its file
+  (``spec_from_file_location("custom_module_<hash>", path)``). Before v0.7.0 (v0.6.1, commit
+  of the tag) ``get_custom_reward_fn`` loads only a file path, as ``custom_module``.
+- ``verl/experimental/reward_loop/reward_manager/__init__.py`` (v0.7.1 on): the managers are
+  ``naive``, ``dapo``, ``gdpo``, ``rate_limited``, ``remote``; ``naive.py`` ``run_single``
+  takes ``extra_info = non_tensor_batch.get("extra_info", {})`` and adds ``num_turns`` and
+  ``rollout_reward_scores`` to it; ``remote.py`` refuses an async function and calls the sync
+  one in a Ray worker process.
 - ``verl/trainer/ppo/reward.py``, ``get_custom_reward_fn``: the function is wrapped in
   ``functools.partial`` merging ``custom_reward_function.reward_kwargs`` into each call
   (``_call_with_kwargs``, or ``_call_with_kwargs_async`` when
@@ -50,7 +58,8 @@ from fastjudge import rl
 from fastjudge.judges.base import Judge
 from fastjudge.judges.lave import VQAExample
 
-KEYS = ["score", "rating", "soft_score", "prob_1", "prob_2", "prob_3", "error"]
+NUMBERS = ["score", "rating", "soft_score", "prob_1", "prob_2", "prob_3", "error"]
+KEYS = NUMBERS + ["error_reason"]
 FORMS = ("compute_score", "compute_score_async", "compute_score_batch", "compute_score_float")
 
 
@@ -106,6 +115,40 @@ async def naive_run_single(compute_score, row: dict) -> dict:
     return {"reward_score": result, "reward_extra_info": {"acc": result}}
 
 
+def validation_metrics(infos: dict) -> set:
+    """``process_validation_metrics``: the keys it averages (``np.mean`` / ``np.std``); a key
+    whose first value is a string is skipped."""
+    averaged = set()
+    for name, values in infos.items():
+        if not len(values) or isinstance(values[0], str):
+            continue
+        assert np.isfinite(float(np.mean(values))) and np.isfinite(float(np.std(values)))
+        averaged.add(name)
+    return averaged
+
+
+def load_file_v0_6(path: str, name: str):
+    """v0.6.1 ``get_custom_reward_fn``: the file run as module ``custom_module``."""
+    import sys
+
+    spec = importlib.util.spec_from_file_location("custom_module", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["custom_module"] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["custom_module"]
+    return getattr(module, name)
+
+
+def load_file_v0_7(path: str, name: str):
+    """v0.7.0+ ``load_module`` for a file path: run under a name of its own."""
+    spec = importlib.util.spec_from_file_location(f"custom_module_{hash(os.path.abspath(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
 def reward_loop(compute_score, items: list[dict]):
     """``RewardLoopWorker.compute_score_batch`` and ``RewardLoopManager.compute_rm_score``'s
     handling of the outputs."""
@@ -158,7 +201,7 @@ def counting(lave_judge):
 def assert_like(got: dict, expected) -> None:
     assert list(got) == KEYS
     assert got["score"] == expected.score and got["rating"] == expected.rating
-    assert got["error"] == 0.0
+    assert got["error"] == 0.0 and got["error_reason"] == ""
     assert [got["prob_1"], got["prob_2"], got["prob_3"]] == pytest.approx(expected.probs, abs=1e-5)
 
 
@@ -185,9 +228,9 @@ def test_reward_loop_awaits_the_async_form_in_shared_batches(counting, lave_judg
     assert sum(n for n, _ in judge.calls) == len(items)
     expected = one_by_one(lave_judge, items)
     assert scores.tolist() == [e.score for e in expected]
-    assert list(extra) == KEYS and all(v.dtype == np.float64 for v in extra.values())
+    assert list(extra) == KEYS and all(extra[k].dtype == np.float64 for k in NUMBERS)
     for k, e in enumerate(expected):
-        assert_like({key: float(extra[key][k]) for key in KEYS}, e)
+        assert_like({key: float(extra[key][k]) for key in NUMBERS} | {"error_reason": str(extra["error_reason"][k])}, e)
 
 
 @pytest.mark.parametrize("where", ["reward loop executor", "thread pool"])
@@ -226,10 +269,11 @@ def test_batch_reward_manager_call(lave_judge):
         scores = compute_score(data_sources=np.array(["vqav2"] * 5, dtype=object),
                                solution_strs=[r["prediction"] for r in items], ground_truths=refs,
                                extra_infos=extras)
-        with pytest.raises(ValueError, match=r"question.*item 1"):
-            compute_score(data_sources=np.array(["vqav2"] * 2, dtype=object),
-                          solution_strs=["a", "b"], ground_truths=[["a"], ["b"]],
-                          extra_infos=[{"question": "Q?"}, {}])
+        partial = compute_score(data_sources=np.array(["vqav2"] * 2, dtype=object),
+                                solution_strs=["a", "b"], ground_truths=[["a"], ["b"]],
+                                extra_infos=[{"question": "Q?"}, {}])
+        assert partial[0]["error"] == 0.0 and partial[1]["error"] == 1.0
+        assert "question" in partial[1]["error_reason"] and "item 1" in partial[1]["error_reason"]
     finally:
         rl.configure(None)
     # BatchRewardManager.__call__
@@ -242,10 +286,10 @@ def test_batch_reward_manager_call(lave_judge):
     expected = one_by_one(lave_judge, items[:4])
     for got, e in zip(scores[:4], expected):
         assert_like(got, e)
-    assert scores[4] == dict.fromkeys(KEYS, 0.0) | {"error": 1.0}
+    assert {k: scores[4][k] for k in NUMBERS} == dict.fromkeys(NUMBERS, 0.0) | {"error": 1.0}
+    assert scores[4]["error_reason"]
     assert acc.tolist() == [e.score for e in expected] + [0.0]
-    # process_validation_metrics: every key averages to a number
-    assert all(len(v) == 5 and np.isfinite(np.mean(v)) for v in reward_extra_info.values())
+    assert validation_metrics(reward_extra_info) == set(NUMBERS)
 
 
 def test_single_forms_take_verl_kwargs_and_reject_items_with_numbers(lave_judge):
@@ -263,8 +307,7 @@ def test_single_forms_take_verl_kwargs_and_reject_items_with_numbers(lave_judge)
         assert asyncio.run(inside_a_coroutine()) == got
         bad = rl.compute_score(**{**call, "ground_truth": []})
         assert list(bad) == KEYS and bad["error"] == 1.0 and bad["score"] == 0.0
-        with pytest.raises(ValueError, match="question"):
-            rl.compute_score("vqav2", "a", ["a"], {"num_turns": None})
+        assert bad["error_reason"]
     finally:
         rl.configure(None)
 
@@ -290,5 +333,56 @@ def test_device_from_reward_kwargs(t5_dir, monkeypatch):
         else:  # as in a Ray worker that reserved no GPU
             with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
                 rl.get_judge(**on_cuda)
+    finally:
+        rl.configure(None)
+
+
+def test_entry_file_loads_by_path_in_every_release():
+    import subprocess
+    import sys
+
+    printed = subprocess.run([sys.executable, "-m", "fastjudge.rl.verl_entry"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    assert os.path.isfile(printed) and printed.endswith("verl_entry.py")
+    for load in (load_file_v0_6, load_file_v0_7):
+        for name in FORMS:
+            fn = load(printed, name)
+            assert fn is getattr(rl, name)  # the package's own functions, not copies
+    # the remote manager ships the function to its Ray workers: it pickles by reference
+    import pickle
+
+    wrapped = functools.partial(_call_with_kwargs, load_file_v0_7(printed, "compute_score"), {})
+    assert pickle.loads(pickle.dumps(wrapped)).args[0] is rl.compute_score
+
+
+def test_missing_extra_info_is_an_error_score_not_an_exception(lave_judge):
+    """v0.7.1+ ``NaiveRewardManager.run_single`` on rows without ``extra_info`` (or without its
+    question), through the reward loop's stacking and the validation metrics."""
+    rl.configure(lave_judge)
+    try:
+        items = rows(3)
+        infos = [{}, {"caption": "a man skiing"}, {"question": items[2]["question"]}]
+
+        async def run_single(compute_score, row, extra_info):
+            extra_info["num_turns"] = None  # what run_single adds to the row's extra_info
+            extra_info["rollout_reward_scores"] = {}
+            call = dict(data_source="vqav2", solution_str=row["prediction"],
+                        ground_truth=row["references"], extra_info=extra_info)
+            if inspect.iscoroutinefunction(compute_score):
+                return await compute_score(**call)
+            return await asyncio.get_running_loop().run_in_executor(None, lambda: compute_score(**call))
+
+        for name in ("compute_score", "compute_score_async"):
+            fn = verl_custom_reward_fn(name)
+
+            async def batch():
+                return await asyncio.gather(*[run_single(fn, r, dict(i)) for r, i in zip(items, infos)])
+
+            results = asyncio.run(batch())
+            stacked = {key: np.array([r[key] for r in results]) for key in results[0]}
+            assert stacked["error"].tolist() == [1.0, 1.0, 0.0]
+            assert all('extra_info["question"]' in str(r) for r in stacked["error_reason"][:2])
+            assert stacked["error_reason"][2] == ""
+            assert validation_metrics({k: v.tolist() for k, v in stacked.items()}) == set(NUMBERS)
     finally:
         rl.configure(None)

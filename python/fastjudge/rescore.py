@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from .io.harness_formats import FORMATS
+from .io.harness_formats import FORMATS, References
 from .io.jobs import add_job_arguments, job_options, run_job
 from .io.ray_pool import RayPool
 from .judges.registry import JUDGES, add_judge_options, get_judge
@@ -43,7 +43,16 @@ def run_rescore(args) -> int:
     return run_job("rescore", spec, partial(spec.factory, args), args.input, args.output,
                    chunk_size=args.chunk_size, progress=not args.no_progress,
                    rows_per_part=args.rows_per_part, pool=pool,
-                   input_format=getattr(args, "input_format", "auto"), **job_options(args))
+                   input_format=getattr(args, "input_format", "auto"),
+                   references=references_of(args), **job_options(args))
+
+
+def references_of(args) -> References | None:
+    """``--references``: an lmms-eval sample log's references from its task's dataset."""
+    path = getattr(args, "references", None)
+    if path is None:
+        return None
+    return References(os.path.abspath(path), args.references_column, args.references_id_column)
 
 
 def add_rescore_parser(sub) -> None:
@@ -68,8 +77,17 @@ def add_rescore_parser(sub) -> None:
                    "written as batches finish")
     p.add_argument("--input-format", default="auto", choices=FORMATS,
                    help="auto (default): JSONL whose first record has doc_id and resps is "
-                        "an lmms-eval sample log, .tsv/.xlsx is a VLMEvalKit prediction "
-                        "file, else JSONL or Parquet by extension (docs/jobs.md)")
+                        "an lmms-eval sample log, .tsv/.xlsx (or a .json array) is a VLMEvalKit "
+                        "prediction file, else JSONL or Parquet by extension (docs/jobs.md)")
+    p.add_argument("--references", default=None, metavar="FILE",
+                   help="lmms-eval sample logs: take the references from the task's dataset, a "
+                        "JSONL or Parquet file with one row per document, joined on doc_id "
+                        "(the log keeps one target per sample; docs/jobs.md)")
+    p.add_argument("--references-column", default="answers", metavar="NAME",
+                   help="--references: the column holding the references (default answers)")
+    p.add_argument("--references-id-column", default=None, metavar="NAME",
+                   help="--references: the document id column (default: doc_id when the file "
+                        "has it, else the row's 0-based position, as lmms-eval numbers docs)")
     p.add_argument("--rows-per-part", type=int, default=10000,
                    help="Parquet output: rows per part file (a killed run loses at most the "
                         "rows of its unwritten part; default 10000)")

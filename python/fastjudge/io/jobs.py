@@ -64,18 +64,22 @@ from .retry_errors import drop_error_rows, finish_dropping
 
 
 # -- input -----------------------------------------------------------------------------------
-def read_input(path: str, input_format: str = "auto") -> Iterator[InputLine]:
+def read_input(path: str, input_format: str = "auto", references=None) -> Iterator[InputLine]:
     """Every input line (JSONL) or row (Parquet, or a harness output: see
     :mod:`.harness_formats`). Opens the file, and reads its first item, before returning, so a
-    bad path fails before any output is touched."""
+    bad path fails before any output is touched. ``references``: an lmms-eval sample log's
+    :class:`.harness_formats.References`."""
     if Path(path).is_dir():
         raise ValueError(f"{path} is a directory; --input takes one JSONL or Parquet file")
     from . import harness_formats
 
     if input_format == "auto":
         input_format = harness_formats.detect_format(path)
+    if references is not None and input_format != "lmms-eval":
+        raise ValueError(f"--references applies to lmms-eval sample logs; {path} is read as "
+                         f"{input_format}")
     if input_format == "lmms-eval":
-        lines = harness_formats.read_lmms_eval(path)
+        lines = harness_formats.read_lmms_eval(path, references)
     elif input_format == "vlmevalkit":
         lines = harness_formats.read_vlmevalkit(path)
     elif input_format == "parquet" or (input_format != "jsonl" and is_parquet(path)):
@@ -291,7 +295,7 @@ def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
             output_path: str, *, chunk_size: int, progress: bool = True,
             rows_per_part: int = 10000, pool=None, stream: bool = False,
             input_format: str = "auto", retries: int = 2, backoff_s: float = 0.5,
-            max_errors: float | None = None, retry_errors: bool = False) -> int:
+            max_errors: float | None = None, retry_errors: bool = False, references=None) -> int:
     """Score the file ``input_path`` into ``output_path`` (see the module docstring); returns
     the exit status (``EXIT_*``: 0 all scored, 3 some item errors, 4 ``max_errors`` passed,
     75 a system failure stopped it, 130 Ctrl-C).
@@ -308,7 +312,7 @@ def run_job(name: str, spec, build_judge: Callable[[], Any], input_path: str,
     """
     policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
     judge = None if pool is not None else build_judge()
-    lines: Iterable[InputLine] = read_input(input_path, input_format)
+    lines: Iterable[InputLine] = read_input(input_path, input_format, references)
     fraction = max_errors is not None and 0 < max_errors < 1  # of a total known up front
     if not stream or pool is not None or is_parquet(output_path) or fraction:
         lines = list(lines)

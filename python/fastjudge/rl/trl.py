@@ -10,6 +10,12 @@ advantage.
 When the logging callables are passed, each function here logs the same columns and metrics on
 every call, whatever its batch holds: TRL gathers them across processes name by name, so every
 process must log the same names.
+
+Each builder has an async twin (``lave_reward_fn_async``, ...): an ``async def`` reward that
+awaits the judge's dynamic batcher (``judge.ascore``) instead of blocking. TRL (v0.27 on)
+runs the ``async def`` reward functions of a step together with ``asyncio.gather`` on its
+event-loop thread, beside the synchronous ones, so the judge's batches overlap the other
+rewards; concurrent callers of one judge share its batches.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 from .inputs import image_of, references_of, text_of
 
-__all__ = ["lave_reward_fn", "visexmem_reward_fn", "holistic_reward_fn"]
+__all__ = ["lave_reward_fn", "visexmem_reward_fn", "holistic_reward_fn", "lave_reward_fn_async",
+           "visexmem_reward_fn_async", "holistic_reward_fn_async"]
 
 Columns = dict[str, Callable[[Any], Any]]
 Metrics = dict[str, Callable[[list], float]]
@@ -49,8 +56,8 @@ def _log(kwargs: dict, name: str, results: list, columns: Columns, metrics: Metr
 
 
 def lave_reward_fn(judge, references_key: str = "references", question_key: str = "question",
-                   caption_key: str = "caption",
-                   error_value: float | None = None) -> Callable[..., list[float | None]]:
+                   caption_key: str = "caption", error_value: float | None = None,
+                   asynchronous: bool = False) -> Callable[..., list[float | None]]:
     """A TRL reward function scoring completions with a :class:`~fastjudge.LaveJudge`.
 
     ``kwargs[references_key]`` holds each row's reference answers (a list of strings, or a JSON
@@ -58,7 +65,8 @@ def lave_reward_fn(judge, references_key: str = "references", question_key: str 
     the prompt text (the last message of a conversational prompt). Completions may be strings
     or conversations. The reward is the LAVE score (0, 0.5, 1); a rejected item gets
     ``error_value``. Logged: columns ``lave_rating``, ``lave_error``; metric
-    ``lave/error_rate``.
+    ``lave/error_rate``. ``asynchronous``: an ``async def`` reward (see
+    :func:`lave_reward_fn_async`).
 
     Example (runs as is with any LAVE judge checkpoint)::
 
@@ -74,7 +82,7 @@ def lave_reward_fn(judge, references_key: str = "references", question_key: str 
     """
     from ..judges.lave import VQAExample
 
-    def reward(prompts: Sequence, completions: Sequence, **kwargs) -> list[float | None]:
+    def prepare(prompts: Sequence, completions: Sequence, kwargs: dict):
         n = len(completions)
         if references_key not in kwargs:
             raise ValueError(f"reward function needs the dataset column {references_key!r} "
@@ -87,11 +95,30 @@ def lave_reward_fn(judge, references_key: str = "references", question_key: str 
                              f"{len(questions)} questions")
         examples = [VQAExample(text_of(q), references_of(r), text_of(c), cap)
                     for q, r, c, cap in zip(questions, refs, completions, captions)]
-        results = judge.score(examples)
-        _log(kwargs, "lave", results, {"rating": lambda r: r.rating}, {})
-        return [error_value if r.error else float(r.score) for r in results]
 
-    reward.__name__ = "lave_reward"
+        def finish(results: list) -> list[float | None]:
+            _log(kwargs, "lave", results, {"rating": lambda r: r.rating}, {})
+            return [error_value if r.error else float(r.score) for r in results]
+
+        return examples, finish
+
+    return _reward(judge, "lave", prepare, asynchronous)
+
+
+def _reward(judge, name: str, prepare: Callable, asynchronous: bool) -> Callable:
+    """The reward function of ``prepare(prompts, completions, kwargs) -> (examples, finish)``:
+    a plain function scoring with ``judge.score``, or an ``async def`` awaiting
+    ``judge.ascore`` (TRL awaits those: ``inspect.iscoroutinefunction``)."""
+    if asynchronous:
+        async def reward(prompts: Sequence, completions: Sequence, **kwargs) -> list[float | None]:
+            examples, finish = prepare(prompts, completions, kwargs)
+            return finish(await judge.ascore(examples) if examples else [])
+    else:
+        def reward(prompts: Sequence, completions: Sequence, **kwargs) -> list[float | None]:
+            examples, finish = prepare(prompts, completions, kwargs)
+            return finish(judge.score(examples) if examples else [])
+
+    reward.__name__ = f"{name}_reward"  # TRL's name for the reward in its logs
     return reward
 
 
@@ -110,10 +137,11 @@ def _row_image(kwargs: dict, i: int, image_key: str, images_key: str):
 
 
 def _image_text_reward(judge, name: str, image_key: str, images_key: str,
-                       error_value: float | None, columns: Columns, metrics: Metrics):
+                       error_value: float | None, columns: Columns, metrics: Metrics,
+                       asynchronous: bool):
     from ..judges.visexmem import ImageTextExample
 
-    def reward(prompts: Sequence, completions: Sequence, **kwargs) -> list[float | None]:
+    def prepare(prompts: Sequence, completions: Sequence, kwargs: dict):
         if image_key not in kwargs and images_key not in kwargs:
             raise ValueError(f"reward function needs the dataset column {image_key!r} or "
                              f"{images_key!r} (got columns: {', '.join(sorted(kwargs)) or 'none'})")
@@ -126,17 +154,21 @@ def _image_text_reward(judge, name: str, image_key: str, images_key: str,
                 continue
             rows.append(i)
             examples.append(ImageTextExample(image=image, text=text_of(completion)))
-        for r in judge.score(examples):
-            results[rows[r.index]] = r
-        _log(kwargs, name, results, columns, metrics)
-        return [error_value if r.error else float(r.score) for r in results]
 
-    reward.__name__ = f"{name}_reward"
-    return reward
+        def finish(scored: list) -> list[float | None]:
+            for r in scored:
+                results[rows[r.index]] = r
+            _log(kwargs, name, results, columns, metrics)
+            return [error_value if r.error else float(r.score) for r in results]
+
+        return examples, finish
+
+    return _reward(judge, name, prepare, asynchronous)
 
 
 def visexmem_reward_fn(judge, image_key: str = "image", images_key: str = "images",
-                       error_value: float | None = None) -> Callable[..., list[float | None]]:
+                       error_value: float | None = None,
+                       asynchronous: bool = False) -> Callable[..., list[float | None]]:
     """A TRL reward function scoring each completion, as a caption, against its row's image
     with a :class:`~fastjudge.VisExJudge`; the reward is the VisExMEM score.
 
@@ -159,11 +191,12 @@ def visexmem_reward_fn(judge, image_key: str = "image", images_key: str = "image
                "claims": lambda r: len(getattr(r, "claims", None) or [])}
     metrics = {"claims": _mean_over_scored(lambda r: len(r.claims))}
     return _image_text_reward(judge, "visexmem", image_key, images_key, error_value, columns,
-                              metrics)
+                              metrics, asynchronous)
 
 
 def holistic_reward_fn(judge, image_key: str = "image", images_key: str = "images",
-                       error_value: float | None = None) -> Callable[..., list[float | None]]:
+                       error_value: float | None = None,
+                       asynchronous: bool = False) -> Callable[..., list[float | None]]:
     """As :func:`visexmem_reward_fn`, with a :class:`~fastjudge.HolisticJudge`: the reward is
     P(yes) that the image shows the completion. Logged: columns ``holistic_decision``,
     ``holistic_error``; metrics ``holistic/error_rate``, ``holistic/yes_rate`` (share of scored
@@ -171,4 +204,24 @@ def holistic_reward_fn(judge, image_key: str = "image", images_key: str = "image
     columns = {"decision": lambda r: getattr(r, "decision", None) or ""}
     metrics = {"yes_rate": _mean_over_scored(lambda r: float(r.decision == "yes"))}
     return _image_text_reward(judge, "holistic", image_key, images_key, error_value, columns,
-                              metrics)
+                              metrics, asynchronous)
+
+
+def lave_reward_fn_async(judge, **options) -> Callable[..., Any]:
+    """:func:`lave_reward_fn` as an ``async def`` reward: TRL awaits it with its other async
+    rewards, and the judge's batcher merges concurrent calls into shared batches::
+
+        reward = lave_reward_fn_async(LaveJudge("/models/flan-t5-xl"))
+        GRPOTrainer(model=..., reward_funcs=[reward, other_reward], train_dataset=ds)
+    """
+    return lave_reward_fn(judge, **options, asynchronous=True)
+
+
+def visexmem_reward_fn_async(judge, **options) -> Callable[..., Any]:
+    """:func:`visexmem_reward_fn` as an ``async def`` reward (see :func:`lave_reward_fn_async`)."""
+    return visexmem_reward_fn(judge, **options, asynchronous=True)
+
+
+def holistic_reward_fn_async(judge, **options) -> Callable[..., Any]:
+    """:func:`holistic_reward_fn` as an ``async def`` reward (see :func:`lave_reward_fn_async`)."""
+    return holistic_reward_fn(judge, **options, asynchronous=True)

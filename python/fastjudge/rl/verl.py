@@ -1,17 +1,35 @@
 """verl custom reward functions over one LAVE judge per process.
 
-verl loads ``custom_reward_function.path=pkg://fastjudge.rl`` by importing the module by name
-(``verl/utils/import_utils.py``, ``load_module``), takes ``custom_reward_function.name`` from it
-(``load_extern_object``) and merges ``custom_reward_function.reward_kwargs`` into every call
+Supported verl releases: v0.5.0 to v0.9.x. How verl finds the function:
+
+* from v0.7.0, ``custom_reward_function.path=pkg://fastjudge.rl`` imports this package by name
+  (``verl/utils/import_utils.py``, ``load_module``) and takes ``custom_reward_function.name``
+  from it (``load_extern_object``); from v0.7.1 the keys live under ``reward.`` (the old ones
+  are still migrated);
+* any release also takes a file path, which it runs standalone as its own module (before
+  v0.7.0 only that): point it at :mod:`fastjudge.rl.verl_entry` (``python -m
+  fastjudge.rl.verl_entry`` prints its path), whose imports are absolute. A file of this
+  package itself fails there (its relative imports have no package).
+
+``custom_reward_function.reward_kwargs`` is merged into every call
 (``verl/trainer/ppo/reward.py``, ``get_custom_reward_fn``). The forms:
 
-* :func:`compute_score`: one item; a dict of numbers (``score``, ``rating``, ``soft_score``,
-  ``prob_1``..``prob_3``, ``error``), the same keys for every item, since verl's reward
-  managers log every key of a dict result, stack each key over the batch and average them.
-* :func:`compute_score_async`: the same as an ``async def``; verl's reward loop awaits it
-  (it checks ``inspect.iscoroutinefunction``) instead of running it on a thread pool.
-* :func:`compute_score_batch`: lists in, a list of dicts out (``reward_manager=batch``).
-* :func:`compute_score_float`: the score alone, for reward managers that need a number.
+* :func:`compute_score`: one item; a dict with the same keys for every item (``score``,
+  ``rating``, ``soft_score``, ``prob_1``..``prob_3``, ``error`` as numbers; ``error_reason``,
+  the text of why an item was not judged, empty when it was), since verl stacks each key over
+  the batch (string keys are kept, not averaged). Every reward manager of v0.7.1+ calls it:
+  ``naive``, ``dapo``, ``gdpo``, ``rate_limited`` on a thread pool, ``remote`` in its own Ray
+  worker processes (one judge per worker).
+* :func:`compute_score_async`: the same as an ``async def``; the reward loop's managers
+  (``naive``, ``dapo``, ``gdpo``, ``rate_limited``; not ``remote``) await it (they check
+  ``inspect.iscoroutinefunction``) instead of running it on a thread pool.
+* :func:`compute_score_batch`: lists in, a list of dicts out, for ``reward_manager=batch``,
+  which exists up to v0.7.0 only.
+* :func:`compute_score_float`: the score alone, for ``reward_manager=prime`` (up to v0.7.0).
+
+An item the judge cannot take (no ``extra_info["question"]``, no references, an empty answer)
+scores 0.0 with ``error`` 1.0 and its reason; it never raises, since an exception would abort
+the training step.
 
 Every form goes through the judge's dynamic batcher (:mod:`fastjudge.runtime.async_batcher`):
 one thread owns the model, and concurrent calls (the reward loop's coroutines, or threads of a
@@ -92,30 +110,43 @@ def get_judge(**reward_kwargs):
         return _loaded[key]
 
 
+class MissingField(ValueError):
+    """An item verl handed over without a field the judge needs."""
+
+
 def _example(solution_str: str, ground_truth: Any, extra_info: dict | None, where: str = ""):
     from ..judges.lave import VQAExample
 
-    info = extra_info or {}
+    info = extra_info if isinstance(extra_info, dict) else {}
     question = info.get("question")
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f'compute_score needs extra_info["question"] (the VQA question){where}')
+        raise MissingField(f'no extra_info["question"] (the VQA question){where}: the dataset '
+                           "rows need it beside reward_model.ground_truth")
     return VQAExample(question, references_of(ground_truth), text_of(solution_str), info.get("caption"))
 
 
-def _as_dict(result) -> dict[str, float]:
-    """A result as numbers only: an item the judge rejected scores 0.0 with ``error`` 1.0 and
-    zero rating and probabilities, so that every item has the same keys."""
+def _error_dict(reason: str) -> dict[str, Any]:
+    """The dict of an item that was not judged: every number 0.0 but ``error``."""
     from ..judges.lave import RATINGS
 
-    ok = result.error is None
-    probs = list(result.probs) if ok and result.probs is not None else []
-    out = {"score": float(result.score) if ok else 0.0,
-           "rating": float(result.rating) if ok else 0.0,
-           "soft_score": float(result.soft_score) if ok and result.soft_score is not None else 0.0}
+    out: dict[str, Any] = {"score": 0.0, "rating": 0.0, "soft_score": 0.0}
+    out.update({f"prob_{rating}": 0.0 for rating in RATINGS})
+    return {**out, "error": 1.0, "error_reason": reason}
+
+
+def _as_dict(result) -> dict[str, Any]:
+    """A result as numbers plus ``error_reason``: an item the judge rejected scores 0.0 with
+    ``error`` 1.0 and zero rating and probabilities, so that every item has the same keys."""
+    from ..judges.lave import RATINGS
+
+    if result.error is not None:
+        return _error_dict(str(result.error))
+    probs = list(result.probs) if result.probs is not None else []
+    out = {"score": float(result.score), "rating": float(result.rating),
+           "soft_score": float(result.soft_score) if result.soft_score is not None else 0.0}
     for k, rating in enumerate(RATINGS):
         out[f"prob_{rating}"] = float(probs[k]) if k < len(probs) else 0.0
-    out["error"] = 0.0 if ok else 1.0
-    return out
+    return {**out, "error": 0.0, "error_reason": ""}
 
 
 def _score_blocking(judge, examples: list) -> list:
@@ -131,9 +162,9 @@ def _score_blocking(judge, examples: list) -> list:
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any,
-                  extra_info: dict | None = None, **kwargs: Any) -> dict[str, float]:
-    """verl custom reward: the LAVE judgement of ``solution_str`` as a dict of numbers (see the
-    module docstring); ``score`` is the reward.
+                  extra_info: dict | None = None, **kwargs: Any) -> dict[str, Any]:
+    """verl custom reward: the LAVE judgement of ``solution_str`` as a dict (see the module
+    docstring); ``score`` is the reward.
 
     ``ground_truth`` is the reference answers (a list, an array, a JSON list string, or one
     string); the question comes from ``extra_info["question"]`` (optional
@@ -151,7 +182,10 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any,
         print(rl.compute_score("vqav2", "skiing", ["skiing", "ski"],
                                {"question": "What sport is this?"})["score"])
     """
-    example = _example(solution_str, ground_truth, extra_info)
+    try:
+        example = _example(solution_str, ground_truth, extra_info)
+    except MissingField as missing:
+        return _error_dict(str(missing))
     return _as_dict(_score_blocking(get_judge(**kwargs), [example])[0])
 
 
@@ -162,21 +196,34 @@ def compute_score_float(data_source: str, solution_str: str, ground_truth: Any,
 
 
 async def compute_score_async(data_source: str, solution_str: str, ground_truth: Any,
-                              extra_info: dict | None = None, **kwargs: Any) -> dict[str, float]:
+                              extra_info: dict | None = None, **kwargs: Any) -> dict[str, Any]:
     """:func:`compute_score` for verl's reward loop, which awaits it: concurrent calls share
     the judge's batches."""
-    example = _example(solution_str, ground_truth, extra_info)
+    try:
+        example = _example(solution_str, ground_truth, extra_info)
+    except MissingField as missing:
+        return _error_dict(str(missing))
     judge = await asyncio.to_thread(get_judge, **kwargs)  # a first call loads the model
     return _as_dict((await judge.ascore([example]))[0])
 
 
 def compute_score_batch(data_sources: Sequence, solution_strs: Sequence, ground_truths: Sequence,
-                        extra_infos: Sequence, **kwargs: Any) -> list[dict[str, float]]:
-    """verl's batched form (``reward_model.reward_manager=batch``): one dict per item, in
-    order, all items scored together."""
+                        extra_infos: Sequence, **kwargs: Any) -> list[dict[str, Any]]:
+    """verl's batched form (``reward_model.reward_manager=batch``, verl up to v0.7.0): one
+    dict per item, in order, all items scored together; an item without a question gets its
+    error dict, the others are still judged."""
     if not len(solution_strs) == len(ground_truths) == len(extra_infos):
         raise ValueError(f"lengths differ: {len(solution_strs)} solution_strs, "
                          f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos")
-    examples = [_example(s, g, e, f" (item {i})")
-                for i, (s, g, e) in enumerate(zip(solution_strs, ground_truths, extra_infos))]
-    return [_as_dict(r) for r in _score_blocking(get_judge(**kwargs), examples)]
+    out: list = [None] * len(solution_strs)
+    rows, examples = [], []
+    for i, (s, g, e) in enumerate(zip(solution_strs, ground_truths, extra_infos)):
+        try:
+            examples.append(_example(s, g, e, f" (item {i})"))
+            rows.append(i)
+        except MissingField as missing:
+            out[i] = _error_dict(str(missing))
+    if examples:
+        for i, r in zip(rows, _score_blocking(get_judge(**kwargs), examples)):
+            out[i] = _as_dict(r)
+    return out

@@ -108,6 +108,11 @@ class AsyncBatcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the server is shutting down)."""
+        return self._closed
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._worker, name="fastjudge-batcher",

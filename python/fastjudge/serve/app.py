@@ -49,14 +49,15 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
                reward_on_error: float = 0.0,
                max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS, retries: int = 2,
-               retry_after_s: int = SYSTEM_FAILURE_RETRY_AFTER_S):
+               retry_after_s: int = SYSTEM_FAILURE_RETRY_AFTER_S, image_url_prefixes: tuple[str, ...] = ()):
     """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
     route but ``/health`` needs ``Authorization: Bearer <api_key>``. ``reward_on_error``: the
     ``/get_reward`` reward of an item the judge rejects (rewards are always numbers; never
     given for a system failure, which answers 503). ``max_completion_tokens``: the most tokens
     one ``/v1/chat/completions`` answer gets. ``retries``: how often a failed batch runs again
     before its requests get 503 with ``Retry-After: retry_after_s``
-    (:mod:`fastjudge.runtime.failures`)."""
+    (:mod:`fastjudge.runtime.failures`). ``image_url_prefixes``: the remote image URLs the chat
+    route fetches (none: ``data:`` URLs only)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -64,6 +65,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
     from starlette.routing import Route
 
     spec = get_judge(judge_name)
+    # /get_reward labels may name image files, read only under the judge's --image-root
+    image_root = getattr(judge, "image_root", None)
     # chat completions run on the judge's model, so they queue in the judge's own batcher
     # the batcher confines each failure to its item, or answers it as the system's (503)
     batcher = AsyncBatcher(ChatJudge(judge, max_completion_tokens), max_wait_ms=max_wait_ms,
@@ -157,8 +160,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
             for i, (query, prompt, label) in enumerate(samples):
                 where = f"query[{i}]"
                 try:
-                    items.append(spec.parse_item(openrlhf.stock_item(
-                        query, prompt, label, where, text_judge=judge_name == "lave"), where))
+                    items.append(openrlhf.stock_example(spec, query, prompt, label, where,
+                                                        judge_name == "lave", image_root))
                 except ValueError as bad:  # ItemError, or an image that does not decode
                     items.append(bad)
         else:  # each query is an item as a JSON object string
@@ -224,7 +227,7 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                             Route("/openapi.json", openapi, methods=["GET"]),
                             *openai_routes(batcher, metrics, served_model_id(judge, judge_name),
                                            max_body_bytes, body_timeout_s, timeout_s,
-                                           unavailable)],
+                                           unavailable, tuple(image_url_prefixes))],
                     middleware=middleware, exception_handlers={HTTPException: http_error},
                     lifespan=lifespan)
     app.state.batcher = batcher

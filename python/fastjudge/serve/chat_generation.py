@@ -9,6 +9,11 @@ used on that thread only (a fast tokenizer must not be called from two threads a
 
 Prompts: the messages through the checkpoint's chat template with thinking disabled, as the
 judges' own prompts (``codec.ChatCodec``); a template-less checkpoint gets Qwen's turn markup.
+Images (``image_url`` parts) take the judges' path: decoded under the judge's pixel budget
+(:func:`fastjudge.io.images.read_image`), preprocessed for the vision tower
+(:func:`~fastjudge.io.images.encode_region` on the whole image), written into the prompt as the
+codec's image slot (vision start, image token, vision end) and expanded to the image's token
+run, so the model sees what the image judges give it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 
 from ..runtime.requests import Request, Text
 from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .openai_protocol import ChatExample
+from .openai_protocol import ChatExample, ImagePart
 
 DEFAULT_MAX_COMPLETION_TOKENS = 1024
 
@@ -146,24 +151,65 @@ class ChatJudge:
             for out in outputs:
                 yield self._result(chats[out.index], by_index[out.index], out)
 
+    def _images(self, example: ChatExample) -> tuple[list[dict], tuple]:
+        """The messages with each image as the codec's image slot text, and the images encoded
+        for the vision tower, in order (a :class:`PromptError` for an image that cannot be)."""
+        from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, \
+            image_tensor, read_image
+
+        codec = self.backend.codec
+        if not any(isinstance(m["content"], list) for m in example.messages):
+            return example.messages, ()
+        if codec.image_tokens is None or codec.image_config is None:
+            raise PromptError("this server's model has no vision tower (or no image "
+                              "preprocessor config); send text only", "image_not_supported")
+        budget = getattr(self.judge, "max_image_pixels", None) or MAX_IMAGE_PIXELS
+        messages, images = [], []
+        for m in example.messages:
+            if not isinstance(m["content"], list):
+                messages.append(m)
+                continue
+            parts = []
+            for part in m["content"]:
+                if not isinstance(part, ImagePart):
+                    parts.append(part)
+                    continue
+                try:
+                    array, key = read_image(part.data, None, budget)
+                    loaded = LoadedImage(image_tensor(array), key)
+                    image = encode_region(loaded, (0, 0, loaded.width, loaded.height),
+                                          codec.image_config)
+                except ImageError as bad:
+                    raise PromptError(f"{part.where}: {bad}", "invalid_image") from None
+                parts.append(image)
+                images.append(image)
+            text, _ = codec._text(tuple(parts))  # each image as the codec's slot text
+            messages.append({"role": m["role"], "content": text})
+        return messages, tuple(images)
+
     def _request(self, index: int, example: ChatExample) -> Request:
         backend = self.backend
         codec, limit = backend.codec, backend.max_input_tokens
-        text = render_messages(codec.tokenizer, example.messages)
+        messages, images = self._images(example)
+        text = render_messages(codec.tokenizer, messages)
         too_long = "context_length_exceeded"
         try:
             codec.check_text_length(text, limit)
         except ValueError as bad:
             raise PromptError(f"the prompt {bad}", too_long) from None
         ids = np.asarray(codec.tokenizer(text, add_special_tokens=False).input_ids, dtype=np.int64)
+        slots = codec.image_tokens
+        if slots is not None:
+            # the only vision tokens are the slots written for the images
+            counts = [int(np.count_nonzero(ids == t)) for t in
+                      (slots.image_token_id, slots.vision_start_id, slots.vision_end_id)]
+            if counts != [len(images)] * 3:
+                raise PromptError("the messages' text holds the model's image tokens; send "
+                                  "images as image_url parts")
+            ids = codec._expand(ids, images)
         if len(ids) > limit:
             raise PromptError(f"the prompt is {len(ids)} tokens, above this server's limit of "
                               f"{limit}", too_long)
-        image = codec.image_tokens
-        if image is not None and np.isin(ids, (image.image_token_id, image.vision_start_id,
-                                               image.vision_end_id)).any():
-            raise PromptError("the messages hold the model's image tokens; this server takes "
-                              "text only")
         new = min(example.max_tokens or self.max_completion_tokens, self.max_completion_tokens)
         context = getattr(getattr(backend, "shape", None), "max_positions", None)
         if context:
@@ -177,7 +223,7 @@ class ChatJudge:
             from ..runtime.grammar import Json
 
             spec = Json.from_schema(example.schema, new)
-        return Request(index=index, prompt_ids=ids, spec=spec)
+        return Request(index=index, prompt_ids=ids, spec=spec, images=images)
 
     def _result(self, example: ChatExample, request: Request, out) -> ChatResult:
         decode = self.backend.codec.decode

@@ -55,6 +55,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-completion-tokens", type=int, default=DEFAULT_MAX_COMPLETION_TOKENS,
                    help="/v1/chat/completions: the most tokens one answer gets (default "
                         f"{DEFAULT_MAX_COMPLETION_TOKENS}; a request's max_tokens is capped by it)")
+    p.add_argument("--image-url-prefix", action="append", default=[], metavar="PREFIX",
+                   help="/v1/chat/completions: fetch remote image_url images whose URL starts "
+                        "with PREFIX (repeatable; e.g. https://images.example.org/); without it "
+                        "only data: URLs are taken")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the batcher waits to fill a batch (default 5)")
     p.add_argument("--retries", type=int, default=2,
@@ -102,7 +106,8 @@ def server_config(args):
                      max_queue=args.max_queue, timeout_s=args.timeout_s,
                      max_wait_ms=args.max_wait_ms, body_timeout_s=args.body_timeout_s,
                      api_key=api_key, reward_on_error=args.reward_on_error,
-                     max_completion_tokens=args.max_completion_tokens, retries=args.retries)
+                     max_completion_tokens=args.max_completion_tokens, retries=args.retries,
+                     image_url_prefixes=tuple(args.image_url_prefix))
     return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                           http=client_deadline_protocol(args.header_timeout_s))
 

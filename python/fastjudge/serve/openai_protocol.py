@@ -5,8 +5,13 @@ through an OpenAI-compatible server):
 
 * ``messages``: ``system`` / ``developer`` (read as system) / ``user`` / ``assistant`` turns;
   content a string, ``null`` (an assistant turn: empty) or a list of ``{"type": "text"}``
-  parts, joined with newlines. Images, audio, tools and tool turns are refused with 400: the
-  judge is served as a text model.
+  and ``{"type": "image_url", "image_url": {"url": ...}}`` parts, text parts joined with
+  newlines. An image is a ``data:image/...;base64,`` URL; a remote ``http(s)`` URL only when
+  it starts with one of the server's allowed prefixes (``--image-url-prefix``; none by
+  default), and it is then fetched by the route, bounded in size and time. The images go
+  through the judge's own image path (pixel budget, preprocessing, vision tower) on a
+  vision-language checkpoint; a text-only model answers 400. Audio, files, video, tools and
+  tool turns are refused with 400.
 * Decoding is greedy, always. ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed`` are
   accepted and ignored: harness tasks send temperatures above 0 and would fail after their
   retries on a 400, and a judge's answer should not depend on a draw anyway. Options that would
@@ -25,10 +30,13 @@ Errors are OpenAI error objects: ``{"error": {"message", "type", "param", "code"
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import numbers
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 IGNORED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -48,7 +56,8 @@ class OpenAIError(Exception):
 
 
 ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 504: "timeout_error"}
+               429: "rate_limit_error", 500: "server_error", 503: "server_error",
+               504: "timeout_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -57,10 +66,51 @@ def error_body(status: int, message: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+@dataclass(eq=False)
+class ImagePart:
+    """An image of a message: its encoded bytes (a ``data:`` URL's), or, until the route has
+    fetched it, the allowed remote ``url``. ``where`` names the content part in errors."""
+
+    data: bytes | None = None
+    url: str | None = None
+    where: str = ""
+
+
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w.+-]+=[^;,]*)*)"
+                       r"(?P<b64>;base64)?,(?P<data>.*)", re.S)
+
+
+def image_part(part: dict, at: str, url_prefixes: Sequence[str] = ()) -> ImagePart:
+    """The image of an ``image_url`` content part (400 for a URL that is not taken)."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise _bad(f'{at}: expected {{"type": "image_url", "image_url": {{"url": "data:..."}}}}',
+                   at)
+    if url.startswith("data:"):
+        found = _DATA_URL.fullmatch(url)
+        if found is None or not found["b64"]:
+            raise _bad(f"{at}: a data URL image must be base64 (data:image/png;base64,...)", at)
+        if found["type"] and not found["type"].startswith("image/"):
+            raise _bad(f"{at}: the data URL holds {found['type']}, not an image", at)
+        try:
+            data = base64.b64decode(re.sub(r"\s+", "", found["data"]), validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad(f"{at}: the data URL's base64 does not decode", at) from None
+        return ImagePart(data=data, where=at)
+    if url.lower().startswith(("http://", "https://")):
+        if any(url.startswith(prefix) for prefix in url_prefixes):
+            return ImagePart(url=url, where=at)
+        raise _bad(f"{at}: remote image URLs are refused (this server fetches only URLs under "
+                   "its --image-url-prefix list); send the image as a data: URL", at)
+    raise _bad(f"{at}: an image_url must be a data: URL (data:image/png;base64,...)", at)
+
+
 @dataclass
 class ChatExample:
     """One chat completion for the judge's model. ``messages``: ``{"role", "content"}`` with
-    string content; ``max_tokens``: what the client asked (None: the server's limit);
+    string content, or for a turn with images a list of strings and :class:`ImagePart`;
+    ``max_tokens``: what the client asked (None: the server's limit);
     ``schema``: JSON-schema text the output must satisfy (None: free text); ``pieces``: keep
     the text of each token for a stream."""
 
@@ -76,28 +126,35 @@ def _bad(message: str, param: str) -> OpenAIError:
     return OpenAIError(400, message, param)
 
 
-def _content(content: Any, where: str, role: str) -> str:
+def _content(content: Any, where: str, role: str, url_prefixes: Sequence[str] = ()):
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":
         return ""
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or a list of content parts", where)
-    texts = []
+    parts: list = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image", "input_audio", "file", "video_url"):
-            raise _bad(f"{at}: {kind} content is not supported; this judge is served as a "
-                       "text model (send text parts only)", at)
+            if parts and isinstance(parts[-1], str):
+                parts[-1] += "\n" + part["text"]
+            else:
+                parts.append(part["text"])
+        elif kind == "image_url":
+            parts.append(image_part(part, at, url_prefixes))
+        elif kind in ("input_image", "image", "input_audio", "file", "video_url"):
+            raise _bad(f"{at}: {kind} content is not supported; send text parts and images as "
+                       '{"type": "image_url", "image_url": {"url": "data:..."}}', at)
         else:
             raise _bad(f'{at}: expected {{"type": "text", "text": "..."}}', at)
-    return "\n".join(texts)
+    if all(isinstance(p, str) for p in parts):
+        return "\n".join(parts)
+    return parts
 
 
-def parse_messages(messages: Any) -> list[dict]:
+def parse_messages(messages: Any, url_prefixes: Sequence[str] = ()) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     out = []
@@ -111,8 +168,15 @@ def parse_messages(messages: Any) -> list[dict]:
                        "assistant (tools are not served)", f"{where}.role")
         if m.get("tool_calls") or m.get("function_call"):
             raise _bad(f"{where}: tool calls are not supported", where)
-        out.append({"role": ROLES[role], "content": _content(m.get("content"), where, role)})
+        out.append({"role": ROLES[role],
+                    "content": _content(m.get("content"), where, role, url_prefixes)})
     return out
+
+
+def images_of(example: "ChatExample") -> list[ImagePart]:
+    """The example's images, in message order."""
+    return [p for m in example.messages if isinstance(m["content"], list)
+            for p in m["content"] if isinstance(p, ImagePart)]
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -185,9 +249,10 @@ def _refuse_unsupported(body: dict) -> None:
         raise _bad("tools are not supported", "tools")
 
 
-def parse_chat_request(body: Any) -> tuple[ChatExample, bool, bool]:
+def parse_chat_request(body: Any, url_prefixes: Sequence[str] = ()) -> tuple[ChatExample, bool, bool]:
     """The example of a ``/v1/chat/completions`` body, whether to stream, and whether a stream
-    ends with a usage chunk. Raises :class:`OpenAIError` (400) naming the field."""
+    ends with a usage chunk. Raises :class:`OpenAIError` (400) naming the field.
+    ``url_prefixes``: the remote image URLs taken (the route fetches them)."""
     if not isinstance(body, dict):
         raise _bad("the body must be a JSON object", None)
     model = body.get("model")
@@ -200,7 +265,7 @@ def parse_chat_request(body: Any) -> tuple[ChatExample, bool, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
-    example = ChatExample(parse_messages(body.get("messages")), _max_tokens(body),
+    example = ChatExample(parse_messages(body.get("messages"), url_prefixes), _max_tokens(body),
                           _schema(body.get("response_format")), _stop(body.get("stop")),
                           pieces=bool(stream))
     return example, bool(stream), options.get("include_usage") is True

@@ -9,6 +9,14 @@ objects. The model name a request gives is not checked: the server has one model
 harnesses send the name they were configured with (an OpenAI model name by default); answers
 name the served model.
 
+Images: ``image_url`` parts with ``data:`` URLs, decoded and preprocessed on the model's thread
+as the image judges do (see :mod:`.chat_generation`); a remote URL only under one of
+``image_url_prefixes`` (the server's ``--image-url-prefix``), fetched here before queueing,
+without following redirects, within the body limits (size and time).
+
+A request arriving while the server shuts down (its batcher closed) answers 503 with
+``Retry-After``: a system state, not the request's fault.
+
 Streaming (``"stream": true``) answers server-sent events, ``data: {chat.completion.chunk}``
 and a final ``data: [DONE]``. The chunks are sent once the completion is decoded (the model
 decodes a batch to its end), one chunk per token that adds text; an error before that is an
@@ -27,7 +35,7 @@ from ..runtime.async_batcher import QueueFullError
 from ..runtime.failures import SystemFailure
 from .bodies import RequestError, read_json
 from .openai_protocol import (OpenAIError, chunk_bodies, completion_body, error_body,
-                              models_body, parse_chat_request)
+                              images_of, models_body, parse_chat_request)
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
@@ -50,12 +58,41 @@ def check_schema(schema: str) -> None:
                           "response_format.json_schema.schema") from None
 
 
+def _opener_without_redirects():
+    """A urllib opener that refuses every redirect: an allowed URL must not lead the server to
+    another host."""
+    import urllib.request
+
+    class Refuse(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            raise OpenAIError(400, f"the image URL redirects ({code}); give the final URL")
+
+    return urllib.request.build_opener(Refuse)
+
+
+def fetch_image(url: str, where: str, max_bytes: int, timeout_s: float) -> bytes:
+    """The bytes at an allowed image URL: 400 when it cannot be had within the limits."""
+    import urllib.error
+
+    try:
+        with _opener_without_redirects().open(url, timeout=timeout_s) as answer:
+            data = answer.read(max_bytes + 1)
+    except OpenAIError:
+        raise
+    except (urllib.error.URLError, OSError, ValueError) as bad:
+        raise OpenAIError(400, f"{where}: the image URL could not be fetched: {bad}", where) from None
+    if len(data) > max_bytes:
+        raise OpenAIError(400, f"{where}: the image at the URL is above {max_bytes} bytes", where)
+    return data
+
+
 def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
                   body_timeout_s: float, timeout_s: float,
-                  unavailable: dict | None = None) -> list:
+                  unavailable: dict | None = None, image_url_prefixes: tuple[str, ...] = ()) -> list:
     """The two routes for an app whose ``batcher`` runs a ``ChatJudge``; ``model_id``: the
     served model's name (None: the judge has no chat model, and completions answer 404);
-    ``unavailable``: the headers of a 503 (``Retry-After``)."""
+    ``unavailable``: the headers of a 503 (``Retry-After``); ``image_url_prefixes``: the remote
+    image URLs fetched (none: only ``data:`` URLs)."""
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
@@ -71,9 +108,16 @@ def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
             raise OpenAIError(404, "this server's judge model is not a decoder-only chat model; "
                                    "chat completions need a Qwen judge", "model",
                               "model_not_found")
-        example, stream, include_usage = parse_chat_request(body)
+        example, stream, include_usage = parse_chat_request(body, image_url_prefixes)
         if example.schema is not None:
             await asyncio.to_thread(check_schema, example.schema)
+        for image in images_of(example):
+            if image.data is None:  # an allowed remote URL: fetched off the event loop
+                image.data = await asyncio.to_thread(fetch_image, image.url, image.where,
+                                                     max_body_bytes, body_timeout_s)
+        if batcher.closed:
+            raise OpenAIError(503, "the server is shutting down; retry on another instance",
+                              headers={"retry-after": "1"})
         try:
             result = (await asyncio.wait_for(batcher.score([example]), timeout_s))[0]
         except QueueFullError as full:

@@ -21,9 +21,17 @@ OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error":
 
 _CONTENT = {"oneOf": [
     {"type": "string"}, {"type": "null", "description": "assistant turns only"},
-    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-        "type": {"const": "text"}, "text": {"type": "string"}}},
-     "description": "text parts, joined with newlines; other part types answer 400"}]}
+    {"type": "array", "items": {"oneOf": [
+        {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"const": "text"}, "text": {"type": "string"}}},
+        {"type": "object", "required": ["type", "image_url"], "properties": {
+            "type": {"const": "image_url"},
+            "image_url": {"type": "object", "required": ["url"], "properties": {
+                "url": {"type": "string", "description": "data:image/...;base64,...; an "
+                        "http(s) URL only under the server's --image-url-prefix list"},
+                "detail": {"type": "string", "description": "ignored"}}}}}]},
+     "description": "text parts (joined with newlines) and images (vision-language models); "
+                    "other part types answer 400"}]}
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {k: {"type": "integer"} for k in
@@ -100,7 +108,9 @@ OPENAI_SCHEMAS = {
 
 REFUSALS = {
     "400": "malformed JSON or an invalid request (the field is named in param); a prompt too "
-           "long for the model (code context_length_exceeded)",
+           "long for the model (code context_length_exceeded); an image that does not decode or "
+           "is above the pixel budget (code invalid_image), or images for a text-only model "
+           "(code image_not_supported)",
     "401": "missing or wrong API key (only when the server has one)",
     "404": "the judge's model is not a decoder-only chat model (code model_not_found)",
     "408": "the body did not arrive in time after the request head",
@@ -108,8 +118,9 @@ REFUSALS = {
     "422": "a string that is not valid Unicode (a lone surrogate)",
     "429": "the queue is full; retry later",
     "500": "an internal error (logged by the server)",
-    "503": "a system failure after the server's retries (code service_unavailable); retry "
-           "after the Retry-After seconds",
+    "503": "a system failure after the server's retries (code service_unavailable; retry "
+           "after the Retry-After seconds), or the server is shutting down (retry on another "
+           "instance)",
     "504": "not finished within the server's timeout",
 }
 
