@@ -6,9 +6,10 @@ A GPU runs a step as fast as the host can issue it: every ``int(tensor)`` / ``.i
 every aten op is a kernel launch. A step shaped for the GPU costs the same few launches and one
 copy whatever its row count. Two paths:
 
-* **Qwen JSON** -- VisExMEM decomposition (JSON-constrained, jump-forward on) on the tiny
-  random-weight multimodal Qwen3.5 checkpoint: ``VisExJudge`` decomposition of N image-caption
-  pairs, all rows decoding together.
+* **Qwen JSON** -- VisExMEM decomposition (JSON-constrained) on the tiny random-weight
+  multimodal Qwen3.5 checkpoint: ``VisExJudge`` decomposition of N image-caption pairs, all rows
+  decoding together; jump-forward on (a step is as wide as its rows' longest forced run, so wider
+  on average with more rows) and off (every step one token a row).
 * **T5 rationale** -- LAVE with a rationale on the tiny Flan-T5-shaped checkpoint: greedy text
   decoding of N items.
 
@@ -26,6 +27,7 @@ step independent of the row count (within 10 %).
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import tempfile
 import time
@@ -39,14 +41,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 # -- Qwen JSON: VisExMEM decomposition ----------------------------------------------------------
-def qwen_path(model_dir: Path, rows: int) -> dict:
+def qwen_path(model_dir: Path, rows: int, jump_forward: bool) -> dict:
     from bench_visexmem_e2e import make_examples
 
     from fastjudge import VisExJudge
     from fastjudge.backends import torch_qwen
 
+    opts = {"jump_forward": jump_forward} if "jump_forward" in inspect.signature(VisExJudge).parameters else {}
     judge = VisExJudge(model_dir, device="cpu", dtype=torch.float32, max_claims=3, max_claim_chars=40,
-                       max_batch_size=rows, max_batch_tokens=1 << 20)
+                       max_batch_size=rows, max_batch_tokens=1 << 20, **opts)
     items, _ = judge.prepare(make_examples(rows, 448, 336))
     judge._decompose(list(items))  # warm-up: grammar compiled, image embeddings cached
     items, _ = judge.prepare(make_examples(rows, 448, 336))
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--paths", nargs="+", choices=["qwen", "t5"], default=["qwen", "t5"])
+    p.add_argument("--jump-forward", nargs="+", choices=["on", "off"], default=["on", "off"])
     args = p.parse_args(argv)
     torch.manual_seed(0)
     table = []
@@ -95,8 +99,9 @@ def main(argv=None) -> int:
             from bench_visexmem_e2e import build_biased
 
             qwen_dir = build_biased(tmp / "qwen", "tiny")
-            for n in args.rows:
-                table.append(("Qwen JSON (decompose, jump-forward)", n, qwen_path(qwen_dir, n)))
+            for jf in args.jump_forward:
+                for n in args.rows:
+                    table.append((f"Qwen JSON (decompose, jump-forward {jf})", n, qwen_path(qwen_dir, n, jf == "on")))
         if "t5" in args.paths:
             from fastjudge.checkpoints import build_random_t5
             from fastjudge.demo import tokenizer_corpus
