@@ -256,6 +256,9 @@ def print_report(report: dict, out=None) -> None:
                  _ms(run["batch_latency_p50_ms"]), _ms(run["batch_latency_p99_ms"]),
                  f"{_mib(run['peak_memory_bytes'])} {kind}")
         print("  ".join(str(c).rjust(len(h)) for c, h in zip(cells, head)), file=out)
+    if r.get("compile_seconds"):
+        print(f"  compiled steps: {r['compile_seconds']:.1f} s spent compiling (first call of each shape)",
+              file=out)
     for run in r["runs"]:
         if run["errors"]:
             print(f"  note: {run['errors']} of {run['items']} items were errors at "
@@ -294,6 +297,9 @@ def run_bench(args) -> int:
             report["runs"].append(measure(judge, metered, examples, chunk, progress))
         finally:
             progress.close()
+    # compiling (and recording CUDA graphs) happens in the first call of each shape, warm-up
+    # included: reported apart from the runs' times
+    report["compile_seconds"] = getattr(backend, "compile_seconds", None)
     print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
