@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import HolisticJudge, ImageTextExample
 from fastjudge.backends.caches import ImageEmbeddingCache
 from fastjudge.backends.torch_qwen import DEFAULT_PREFIX_CACHE_BYTES
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            judge = HolisticJudge(model_dir, device=args.device, dtype=dtype)
+            judge = HolisticJudge(model_dir, engine=EngineOptions(device=args.device, dtype=dtype))
             base = PerSampleBaseline(model_dir, dtype, device)
             for k, pairs in workloads.items():
                 rows.append(dict(shape=shape, captions=k, **bench_one(judge, base, pairs, args)))

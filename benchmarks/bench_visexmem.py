@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import ImageTextExample, VisExJudge
 from fastjudge.backends.caches import ImageEmbeddingCache
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen_vl
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            backend = VisExJudge(model_dir, device="cpu", dtype=dtype).backend
+            backend = VisExJudge(model_dir, engine=EngineOptions(device="cpu", dtype=dtype)).backend
             base = None
             for layout in args.layouts:
                 judge = VisExJudge(backend, evidence_layout=layout)

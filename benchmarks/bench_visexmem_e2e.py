@@ -55,7 +55,6 @@ and its decode steps, against transformers' decode steps and padded row-steps.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import random
@@ -70,6 +69,7 @@ import torch
 from PIL import Image as PILImage
 from PIL import ImageDraw
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import ImageTextExample, VisExJudge
 from fastjudge.checkpoints import QWEN_SHAPES
 from fastjudge.judges.visexmem.judge import STAGES
@@ -221,12 +221,11 @@ def value_gap(ours, theirs) -> float:
 def bench_shape(shape: str, model_dir: Path, examples, args, dtype) -> dict:
     budgets = dict(max_claims=args.max_claims, max_claim_chars=args.max_claim_chars,
                    max_explanation_chars=args.max_explanation_chars)
-    has_jf = "jump_forward" in inspect.signature(VisExJudge.__init__).parameters
-    settings = {"both": [True, False], "on": [True], "off": [False]}[args.jump_forward] if has_jf else [None]
+    settings = {"both": [True, False], "on": [True], "off": [False]}[args.jump_forward]
     judges = {}
     for jf in settings:
-        opts = {} if jf is None else dict(jump_forward=jf)
-        judges[jf] = VisExJudge(model_dir, device=args.device, dtype=dtype, **opts, **budgets)
+        engine = EngineOptions(device=args.device, dtype=dtype, jump_forward=jf)
+        judges[jf] = VisExJudge(model_dir, **budgets, engine=engine)
     base = TransformersPipeline(next(iter(judges.values())).backend, model_dir, dtype, args.batch_size,
                                 device=args.device, **budgets)
     row = dict(shape=shape, fast={}, problems=[])

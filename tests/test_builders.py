@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("modelopt")
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge.backends.fp8 import (FP8_DTYPE, dequantize_e4m3, dequantize_state, e4m3_scale, fp8_linear,
                                     fp8_linear_reference, quantize_e4m3)
 from fastjudge.builders import agreement as agr
@@ -348,7 +349,7 @@ def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
     results = judge.score(load_examples()[0][:4])
     assert all(r.error is None and r.rating in (1, 2, 3) for r in results)
     # the judge from the directory path picks the torch backend and loads it the same way
-    assert LaveJudge(str(ckpt), device="cpu", dtype="float32", num_shots=2).rating_token_ids == judge.rating_token_ids
+    assert LaveJudge(str(ckpt), num_shots=2, engine=EngineOptions(device="cpu", dtype="float32")).rating_token_ids == judge.rating_token_ids
 
 
 def test_fp8_checkpoint_equals_weight_fake_quant(t5_build, t5_dir):
@@ -573,9 +574,9 @@ def test_trtllm_backend_clear_error_without_tensorrt_llm(t5_build, qwen_build):
     for build in (t5_build, qwen_build):
         extra = "trtllm-t5" if build is t5_build else "trtllm-qwen"
         with pytest.raises(TensorRTLLMUnavailable, match=rf"pip install 'fastjudge\[{extra}\]'"):
-            load_backend(build, backend="trtllm")
+            load_backend(build, EngineOptions(backend="trtllm"))
     with pytest.raises(ImportError, match="torch backend"):
-        LaveJudge(str(t5_build), backend="trtllm")
+        LaveJudge(str(t5_build), engine=EngineOptions(backend="trtllm"))
 
 
 def test_json_grammar_ebnf_for_guided_decoding():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import HolisticJudge, ImageTextExample
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
@@ -32,7 +33,7 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return HolisticJudge(vl_dir, device=TEST_DEVICE, dtype="float32")
+    return HolisticJudge(vl_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
 
 
 def examples() -> list[ImageTextExample]:

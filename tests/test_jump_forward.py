@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge  # noqa: E402
 from fastjudge.backends import load_backend  # noqa: E402
 from fastjudge.backends.qwen_decode import DecodeCache  # noqa: E402
@@ -328,9 +329,9 @@ def test_jump_forward_matches_transformers_masked_greedy(qwen_dir, backend, name
 
 
 def test_jump_forward_option_reaches_the_backend(qwen_dir):
-    assert load_backend(qwen_dir, device=TEST_DEVICE, dtype="float32").jump_forward
-    assert not load_backend(qwen_dir, device=TEST_DEVICE, dtype="float32", jump_forward=False).jump_forward
-    judge = LaveJudge(qwen_dir, device=TEST_DEVICE, dtype="float32", jump_forward=False)
+    assert load_backend(qwen_dir, EngineOptions(device=TEST_DEVICE, dtype="float32")).jump_forward
+    assert not load_backend(qwen_dir, EngineOptions(device=TEST_DEVICE, dtype="float32", jump_forward=False)).jump_forward
+    judge = LaveJudge(qwen_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32", jump_forward=False))
     assert judge.backend.jump_forward is False
     with pytest.raises(ValueError):
         TorchQwenBackend(qwen_dir, device=TEST_DEVICE, dtype="float32", max_decode_rows=0)

@@ -9,6 +9,7 @@ from importlib import resources
 import numpy as np
 import pytest
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge, LaveResult, VQAExample
 from fastjudge.judges.lave import (
     BINARY_RULE,
@@ -501,7 +502,7 @@ class TestScore:
 
     def test_small_batches_same_results(self, t5_backend):
         big = LaveJudge(t5_backend).score(SCORED)
-        small = LaveJudge(t5_backend, max_batch_size=1).score(SCORED)
+        small = LaveJudge(t5_backend, engine=EngineOptions(max_batch_size=1)).score(SCORED)
         for a, b in zip(big, small):
             np.testing.assert_allclose(a.probs, b.probs, atol=1e-6)
 

@@ -18,6 +18,7 @@ pytest.importorskip("xgrammar")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge  # noqa: E402
 from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
 from fastjudge.serve import create_app  # noqa: E402
@@ -35,7 +36,7 @@ QUESTION = ("Question: what sport is shown? Reference answers: skiing, ski. Cand
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return LaveJudge(vl_dir, device="cpu", dtype="float32")
+    return LaveJudge(vl_dir, engine=EngineOptions(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
 from fastjudge.backends.caches import prefix_cache_key
 from fastjudge.judges.visexmem import AGGREGATES, PART_TYPES, ClaimResult, aggregate, validate_parts
@@ -26,7 +27,7 @@ BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)
 @pytest.fixture(scope="module")
 def judge(vl_dir):
     # small text budgets: random weights write to the limit, and every step is a model call
-    return VisExJudge(vl_dir, device=TEST_DEVICE, dtype="float32", **BUDGETS)
+    return VisExJudge(vl_dir, **BUDGETS, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
 
 
 @pytest.fixture(scope="module")

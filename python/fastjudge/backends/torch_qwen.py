@@ -52,7 +52,8 @@ class TorchQwenBackend:
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, fp8_gemm: bool | None = None,
-                 jump_forward: bool = True, max_decode_rows: int | None = None):
+                 jump_forward: bool = True, max_decode_rows: int | None = None,
+                 compile: str = "auto"):
         """``fp8_gemm``: run an FP8 checkpoint's quantized projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
         with FP8 tensor cores (compute capability 8.9+). ``jump_forward``: accept the tokens a
@@ -77,6 +78,7 @@ class TorchQwenBackend:
         self._grammars = None  # runtime.grammar.GrammarCache, built on the first Json request
         self.tokens_computed = 0  # real (non-padding) tokens run through the model
         self.jump_forward = bool(jump_forward)
+        self.compile = compile
         if max_decode_rows is not None and max_decode_rows < 1:
             raise ValueError(f"max_decode_rows must be positive, got {max_decode_rows}")
         self.max_decode_rows = max_decode_rows

@@ -36,7 +36,7 @@ class TorchT5Backend:
     def __init__(self, model_dir: str | os.PathLike, device: str = "auto", dtype=None,
                  allow_pickle: bool = False, max_input_tokens: int | None = None,
                  fp8_gemm: bool | None = None, decode_cache_bytes: int | None = None,
-                 max_decode_rows: int | None = None):
+                 max_decode_rows: int | None = None, compile: str = "auto"):
         """``fp8_gemm``: run an FP8 checkpoint's encoder projections as FP8 GEMMs
         (``torch._scaled_mm``) instead of dequantizing them at load; default: on CUDA devices
         with FP8 tensor cores (compute capability 8.9+). ``decode_cache_bytes``: the decoding
@@ -53,6 +53,7 @@ class TorchT5Backend:
         # T5 uses relative positions, so no architectural length limit exists; the default cap
         # bounds memory and is far above LAVE prompts (~1k tokens with 8 demonstrations).
         self.max_input_tokens = max_input_tokens or 4096
+        self.compile = compile
         # Planner budget (rows x longest prompt) of one call. The backend bounds its own memory
         # below it: the encoder runs in packs of ``encode_tokens`` (large enough for full GEMMs,
         # small enough that activations stay cache-friendly on CPU) and decoding holds the
