@@ -356,6 +356,25 @@ def test_crop_encode_triton_matches_reference(gen, resample, kind):
 
 
 @needs_triton
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+def test_crop_encode_triton_follows_pillows_pass_order(gen, resample):
+    """Boxes Pillow resizes height first (wide and tall) beside width-first ones, in one launch:
+    the kernel takes each box's order (ce.pillow_height_first, tested against Pillow itself in
+    tests/test_pillow_resize.py) as the reference does."""
+    cfg = _cfg(patch_size=2, min_pixels=16, max_pixels=10**8, resample=resample)
+    img = torch.randint(0, 256, (3, 45, 40), dtype=torch.uint8, generator=gen)
+    boxes = [[0, 0, 30, 21], [3, 2, 25, 43], [0, 0, 21, 41], [5, 5, 22, 14], [1, 1, 12, 27],
+             [0, 20, 38, 33]]  # w x h: 30x21, 22x41, 21x41, 17x9, 11x26, 38x13
+    orders = [ce.pillow_height_first(x1 - x0, y1 - y0, *reversed(ce.smart_resize(
+        y1 - y0, x1 - x0, cfg.factor, cfg.min_pixels, cfg.max_pixels))) for x0, y0, x1, y1 in boxes]
+    if ce.PILLOW_VERSION >= (13,):
+        assert orders == [True, True, False, False, True, True]
+    want, _ = ce.crop_encode_reference(img, boxes, cfg)
+    got, _ = ce.crop_encode_triton(img, boxes, cfg, rows_per_program=8)
+    _assert_close_or_one_step(got, want, cfg)
+
+
+@needs_triton
 def test_crop_encode_triton_image_layouts(gen):
     """A list of differently sized images (packed), a channels-last view (strided), one image."""
     cfg = _cfg(patch_size=2, min_pixels=4 * 4 * 2, max_pixels=4 * 4 * 6)

@@ -12,12 +12,15 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5) produces for that crop as an image:
    the downscale factor). uint8 images are resampled to uint8 as the processors do, chosen by
    ``config.uint8_mode``:
 
-   - ``"pil"`` (default): a width pass, rounded half up and clipped to uint8, then a height pass,
-     rounded and clipped again. This is PIL's algorithm (the slow processor; qwen-vl-utils, with
-     which Qwen's VL models were trained) and torch's CPU uint8 kernel (the fast processor on
-     CPU), both with fixed-point weights where this file uses float32 ones. Pillow up to 12.3
-     always runs the width pass first; Pillow 13.0 runs the height pass first for some sizes
-     (e.g. 500x375 -> 504x364), and then differs by up to ~25 uint8 steps;
+   - ``"pil"`` (default): one pass per axis, each rounded half up and clipped to uint8, in
+     Pillow's order (:func:`pillow_height_first`: width first, except that Pillow 13 runs the
+     height pass first when the height shrinks by more than twice what the width loses, e.g.
+     500x375 -> 504x364; the wrong order differs by up to ~25 uint8 steps). This is PIL's
+     algorithm (the slow processor; qwen-vl-utils, with which Qwen's VL models were trained,
+     and so VQAScore) with fixed-point weights where the torch reference and the kernel use
+     float32 ones; on CPU, uint8 RGB images are resampled by Pillow itself
+     (``crop_encode_reference(..., resampler="pillow")``, what :func:`crop_encode` runs there),
+     so the host path gives exactly Pillow's pixels;
    - ``"float"``: one float32 pass, clamped and rounded half to even once: the fast processor on
      a CUDA device (torchvision casts to float there). At strong edges it differs from the CPU
      processors by up to 25 uint8 steps, because the bicubic overshoot of the first pass is not
@@ -63,12 +66,14 @@ preprocessing live in one file by design (the reference is the CPU path and the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -78,8 +83,8 @@ from .dispatch import interpreting, use_triton
 _RESAMPLE = {2: "bilinear", 3: "bicubic"}
 
 # int64 box-table columns: image base offset, channel/row/column strides, y0, x0, crop h, crop w,
-# grid width, first patch row, max filter taps along y and x
-_T_COLS = 12
+# grid width, first patch row, max filter taps along y and x, height pass first (1) or not (0)
+_T_COLS = 13
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,33 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def _pillow_version() -> tuple[int, ...]:
+    try:
+        import PIL
+    except ImportError:  # no Pillow: follow the newest rule
+        return (999,)
+    return tuple(int(p) for p in PIL.__version__.split(".")[:2] if p.isdigit())
+
+
+PILLOW_VERSION = _pillow_version()
+
+
+def pillow_height_first(in_w: int, in_h: int, out_w: int, out_h: int,
+                        version: tuple[int, ...] | None = None) -> bool:
+    """Whether Pillow resizes a ``in_w x in_h`` image to ``out_w x out_h`` height pass first.
+
+    Pillow up to 12.x always runs the width pass first. From 13.0 on (python-pillow/Pillow
+    pull request 9549, ``ImagingResampleInner`` in ``src/libImaging/Resample.c``) it runs the
+    height pass first when the height shrinks by more than twice the pixels the width loses
+    (a width that grows counts as losing a negative number): the rows of the second pass are
+    then fewer. The order matters because the intermediate image is rounded to uint8; the rule
+    is tested against Pillow's own output in tests/test_pillow_resize.py. ``version``: the
+    Pillow release whose rule applies (default: the installed one)."""
+    if (PILLOW_VERSION if version is None else version) < (13,):
+        return False
+    return out_h < in_h and in_h - out_h > 2 * (in_w - out_w)
+
+
 # ----------------------------------------------------------------------------------------------
 # inputs
 # ----------------------------------------------------------------------------------------------
@@ -300,19 +332,54 @@ def _resample(crop: torch.Tensor, out_h: int, out_w: int, config: CropEncodeConf
     x = crop.float()[None]
     kw = dict(mode=config.resample, align_corners=False, antialias=True)
     if quantize == _Q_PASSES:
-        # the width pass, rounded half up and clipped to uint8, then the height pass
-        if w != out_w:
-            x = F.interpolate(x, size=(h, out_w), **kw).clamp_(0, 255).add_(0.5).floor_()
-        if h != out_h:
-            x = F.interpolate(x, size=(out_h, out_w), **kw).clamp_(0, 255).add_(0.5).floor_()
+        # one pass per axis, each rounded half up and clipped to uint8, in Pillow's order
+        sizes = [(h, out_w), (out_h, out_w)]
+        if pillow_height_first(w, h, out_w, out_h):
+            sizes = [(out_h, w), (out_h, out_w)]
+        for size in sizes:
+            if size != tuple(x.shape[2:]):
+                x = F.interpolate(x, size=size, **kw).clamp_(0, 255).add_(0.5).floor_()
         return x[0]
     x = F.interpolate(x, size=(out_h, out_w), **kw)[0]
     return x.clamp_(0, 255).round_() if quantize == _Q_FINAL else x
 
 
-def crop_encode_reference(images, boxes, config: CropEncodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same pipeline as the kernel, box by box, with F.interpolate(antialias=True)."""
+_PIL_FILTERS = {"bicubic": 3, "bilinear": 2}  # PIL.Image.Resampling values
+
+
+def _resample_pillow(crop: torch.Tensor, out_h: int, out_w: int, config: CropEncodeConfig,
+                     quantize: int) -> torch.Tensor:
+    """One uint8 RGB crop resampled by Pillow itself (``Image.resize``): bit for bit what
+    qwen-vl-utils and transformers' PIL image processor compute. Float32 as ``_resample``."""
+    from PIL import Image as PILImage
+
+    h, w = crop.shape[1:]
+    if (h, w) == (out_h, out_w):
+        return crop.to(torch.float32, copy=True)
+    pil = PILImage.fromarray(crop.permute(1, 2, 0).contiguous().numpy(), mode="RGB")
+    resized = pil.resize((out_w, out_h), resample=_PIL_FILTERS[config.resample])
+    return torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1).float()
+
+
+def _pillow_applies(imgs: list[torch.Tensor], config: CropEncodeConfig) -> bool:
+    """Pillow can stand in for the resampling: uint8 RGB images in ``"pil"`` mode."""
+    return (imgs[0].dtype == torch.uint8 and config.uint8_mode == "pil" and config.channels == 3
+            and imgs[0].device.type == "cpu" and importlib.util.find_spec("PIL") is not None)
+
+
+def crop_encode_reference(images, boxes, config: CropEncodeConfig,
+                          resampler: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """The same pipeline as the kernel, box by box. ``resampler="torch"``: F.interpolate
+    (antialias=True) per pass, in Pillow's pass order for uint8 ``"pil"`` mode -- the kernel's
+    float32-weight math, its test oracle; ``"pillow"``: Pillow's own resize (fixed-point
+    weights; uint8 RGB ``"pil"`` mode on CPU only), exactly the pixels of the Pillow-based
+    preprocessing."""
     imgs = _image_list(images)
+    if resampler not in ("torch", "pillow"):
+        raise ValueError(f"resampler must be 'torch' or 'pillow', got {resampler!r}")
+    if resampler == "pillow" and not _pillow_applies(imgs, config):
+        raise ValueError("the Pillow resampler needs Pillow and uint8 RGB CPU images in 'pil' mode")
+    resample = _resample_pillow if resampler == "pillow" else _resample
     _check_images(imgs, config)
     bxs = _boxes(boxes, len(imgs), [tuple(i.shape[1:]) for i in imgs], config)
     mean, std = config.fused_mean_std(imgs[0].device)
@@ -320,7 +387,7 @@ def crop_encode_reference(images, boxes, config: CropEncodeConfig) -> tuple[torc
     quantize = _quantize_mode(imgs[0].dtype, config)
     out, grids = [], []
     for b in bxs:
-        r = _resample(imgs[b.image][:, b.y0:b.y1, b.x0:b.x1], b.out_h, b.out_w, config, quantize)
+        r = resample(imgs[b.image][:, b.y0:b.y1, b.x0:b.x1], b.out_h, b.out_w, config, quantize)
         out.append(_patchify(r.sub_(mean).div_(std), config))  # in place: r is ours
         grids.append((1, b.out_h // config.patch_size, b.out_w // config.patch_size))
     return (out[0] if len(out) == 1 else torch.cat(out)), torch.tensor(grids, dtype=torch.long)
@@ -363,6 +430,7 @@ def _crop_encode_kernel(img_ptr, table_ptr, scales_ptr, patch_box_ptr, mean_ptr,
     local = rows - tl.load(tb + 9).to(tl.int32)
     taps_y = tl.load(tb + 10).to(tl.int32)
     taps_x = tl.load(tb + 11).to(tl.int32)
+    y_first = tl.load(tb + 12) != 0  # Pillow's pass order for this box (uint8 "pil" mode)
     fb = scales_ptr + box * 6  # float32: scale, support, 1/scale (1 when upscaling), per axis
     scale_h = tl.load(fb + 0)[:, None]
     scale_w = tl.load(fb + 1)[:, None]
@@ -402,24 +470,33 @@ def _crop_encode_kernel(img_ptr, table_ptr, scales_ptr, patch_box_ptr, mean_ptr,
     total_y = tl.where(total_y != 0.0, total_y, 1.0)
     total_x = tl.where(total_x != 0.0, total_x, 1.0)
 
-    # horizontal pass per source row, then the vertical combination (ATen's order)
+    # The first pass along one axis for each tap of the other, then their combination: width
+    # pass per source row then the vertical combination (ATen's order), or, for boxes Pillow
+    # resizes height first, height pass per source column then the horizontal combination.
     src = img_ptr + base + c.to(tl.int64) * sc
+    yf = y_first[:, None]
+    n_outer = tl.max(tl.where(row_ok, tl.where(y_first, taps_x, taps_y), 0), axis=0)
+    n_inner = tl.max(tl.where(row_ok, tl.where(y_first, taps_y, taps_x), 0), axis=0)
     acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    for j in range(0, ny):
-        yj = ymin + j
-        y_ok = mask & (j < ysize)
-        row_ptr = src + (y0 + yj.to(tl.int64)) * sh
+    for a in range(0, n_outer):
+        ya = ymin + a
+        xa = xmin + a
+        outer_ok = mask & tl.where(yf, a < xsize, a < ysize)
         racc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-        for i in range(0, nx):
-            xi = xmin + i
-            ok = y_ok & (i < xsize)
-            v = tl.load(row_ptr + (x0 + xi.to(tl.int64)) * sw, mask=ok, other=0).to(tl.float32)
-            wx = tl.where(ok, _aa_weight(xi, center_x, inv_w, CUBIC) / total_x, 0.0)
-            racc = tl.fma(v, wx, racc)  # ATen's CPU loops compile to FMAs
+        for b in range(0, n_inner):
+            yj = tl.where(yf, ymin + b, ya)
+            xi = tl.where(yf, xa, xmin + b)
+            ok = outer_ok & tl.where(yf, b < ysize, b < xsize)
+            v = tl.load(src + (y0 + yj.to(tl.int64)) * sh + (x0 + xi.to(tl.int64)) * sw, mask=ok,
+                        other=0).to(tl.float32)
+            w_in = tl.where(yf, _aa_weight(yj, center_y, inv_h, CUBIC) / total_y,
+                            _aa_weight(xi, center_x, inv_w, CUBIC) / total_x)
+            racc = tl.fma(v, tl.where(ok, w_in, 0.0), racc)  # ATen's CPU loops compile to FMAs
         if QUANTIZE == 2:  # PIL: the intermediate image is uint8 (clip, round half up)
             racc = tl.floor(tl.minimum(tl.maximum(racc, 0.0), 255.0) + 0.5)
-        wy = tl.where(y_ok, _aa_weight(yj, center_y, inv_h, CUBIC) / total_y, 0.0)
-        acc = tl.fma(racc, wy, acc)
+        w_out = tl.where(yf, _aa_weight(xa, center_x, inv_w, CUBIC) / total_x,
+                         _aa_weight(ya, center_y, inv_h, CUBIC) / total_y)
+        acc = tl.fma(racc, tl.where(outer_ok, w_out, 0.0), acc)
 
     if QUANTIZE == 2:
         acc = tl.floor(tl.minimum(tl.maximum(acc, 0.0), 255.0) + 0.5)
@@ -495,11 +572,13 @@ def crop_encode_triton(images, boxes, config: CropEncodeConfig,
     taps = (torch.ceil(support) * 2 + 1).to(torch.int64)
     table, counts = [], []
     start = 0
+    quantize = _quantize_mode(imgs[0].dtype, config)
     for n, b in enumerate(bxs):
         gh, gw = b.out_h // p, b.out_w // p
         sc, sy, sx = strides[b.image]
+        y_first = quantize == _Q_PASSES and pillow_height_first(b.x1 - b.x0, b.y1 - b.y0, b.out_w, b.out_h)
         table.append([bases[b.image], sc, sy, sx, b.y0, b.x0, b.y1 - b.y0, b.x1 - b.x0, gw, start,
-                      int(taps[n, 0]), int(taps[n, 1])])
+                      int(taps[n, 0]), int(taps[n, 1]), int(y_first)])
         counts.append(gh * gw)
         start += gh * gw
     total = start
@@ -517,7 +596,7 @@ def crop_encode_triton(images, boxes, config: CropEncodeConfig,
     kernel[(-(-total // rows),)](
         flat, table_t, scales_t, patch_box, mean, std, out, total,
         P=p, M=m, T=T, C=C, ROWS=rows, BLOCK_E=_next_pow2(C * p * p), NCOLS=_T_COLS,
-        CUBIC=config.resample == "bicubic", QUANTIZE=_quantize_mode(imgs[0].dtype, config))
+        CUBIC=config.resample == "bicubic", QUANTIZE=quantize)
     grids = torch.tensor([(1, b.out_h // p, b.out_w // p) for b in bxs], dtype=torch.long)
     return out, grids
 
@@ -532,12 +611,18 @@ def crop_encode(images, boxes, config: CropEncodeConfig, impl: str = "auto") -> 
     ``grid_thw [M, 3]`` int64 (CPU). Boxes outside the image, empty or inverted boxes, and aspect
     ratios over 200 raise ValueError.
 
-    impl: ``"auto"`` (Triton on CUDA; torch on CPU unless FASTJUDGE_FORCE_TRITON=1 with
-    TRITON_INTERPRET=1), ``"torch"`` or ``"triton"``.
+    impl: ``"auto"`` (Triton on CUDA; on CPU Pillow's own resize for uint8 RGB images in
+    ``"pil"`` mode, else the torch reference; Triton on CPU with FASTJUDGE_FORCE_TRITON=1 and
+    TRITON_INTERPRET=1), ``"torch"``, ``"pillow"`` or ``"triton"``.
     """
-    if use_triton(_image_list(images)[0].device, impl):
+    imgs = _image_list(images)
+    if impl == "pillow" or (impl == "auto" and not use_triton(imgs[0].device, impl)
+                            and _pillow_applies(imgs, config)):
+        return crop_encode_reference(images, boxes, config, resampler="pillow")
+    if use_triton(imgs[0].device, impl):
         return crop_encode_triton(images, boxes, config)
     return crop_encode_reference(images, boxes, config)
 
 
-__all__ = ["CropEncodeConfig", "smart_resize", "crop_encode", "crop_encode_reference", "crop_encode_triton"]
+__all__ = ["CropEncodeConfig", "smart_resize", "pillow_height_first", "crop_encode",
+           "crop_encode_reference", "crop_encode_triton"]
