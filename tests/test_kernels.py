@@ -271,15 +271,16 @@ def test_crop_encode_reference_edge_boxes(gen):
 
 def _every_pass(img, box, cfg):
     """A box's pixel values with every resampling pass run, unchanged axes included: the
-    reference's path before it skipped them (F.interpolate, antialiased; uint8 "pil": a width
-    pass then a height pass, each rounded and clipped; uint8 "float": one pass, rounded once;
+    reference's path before it skipped them (F.interpolate, antialiased; uint8 "pil": a pass
+    per axis in Pillow's order, each rounded and clipped; uint8 "float": one pass, rounded once;
     float32: one pass)."""
     x0, y0, x1, y1 = box
     crop = img[:, y0:y1, x0:x1].float()[None]
     oh, ow = ce.smart_resize(y1 - y0, x1 - x0, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     kw = dict(mode=cfg.resample, align_corners=False, antialias=True)
     if img.dtype == torch.uint8 and cfg.uint8_mode == "pil":
-        r = F.interpolate(crop, size=(y1 - y0, ow), **kw).clamp(0, 255).add(0.5).floor()
+        first = (oh, x1 - x0) if ce.pillow_height_first(x1 - x0, y1 - y0, ow, oh) else (y1 - y0, ow)
+        r = F.interpolate(crop, size=first, **kw).clamp(0, 255).add(0.5).floor()
         r = F.interpolate(r, size=(oh, ow), **kw).clamp(0, 255).add(0.5).floor()
     else:
         r = F.interpolate(crop, size=(oh, ow), **kw)
