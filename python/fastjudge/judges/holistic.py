@@ -61,6 +61,13 @@ def vqascore_prompt(image: Image, text: str) -> tuple[tuple, str]:
 
 @dataclass
 class HolisticResult:
+    """One image-text pair's holistic yes/no judgment (VQAScore by default).
+
+    ``index``: the example's position in the input; ``id``: its ``id``. ``score``: P(yes),
+    over the vocabulary (``normalize="vocab"``) or renormalised over {yes, no}; ``probs``:
+    ``[P(yes), P(no)]`` under the same normalization; ``decision``: "yes" when P(yes) >= P(no).
+    ``prompt_tokens``: the prompt's length; ``error``: why the item was not judged."""
+
     index: int
     id: object = None
     score: float | None = None  # P(yes): over the vocabulary or renormalised over {yes, no}

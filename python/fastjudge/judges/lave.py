@@ -16,6 +16,10 @@ reference answers as given (no stripping), filtered with their repetitions kept,
 quoted; the yes/no demonstrations when the most common raw reference is yes or no.
 ``official_repo=PATH`` instead runs the authors' own prompt builder and rating rule from the
 user's checkout of their repository (:mod:`.lave_official`).
+
+Over 400 lines: the examples, the demonstrations, fastjudge's own prompting and rating
+(:class:`FastjudgeLave`) and the judge that runs it or the authors' (:class:`LaveJudge`) are
+one metric's data handling, read together when comparing it with the authors' code.
 """
 
 from __future__ import annotations
@@ -68,6 +72,17 @@ class VQAExample:
 
 @dataclass
 class LaveResult:
+    """One example's LAVE judgment.
+
+    ``index``: the example's position in the input; ``id``: its ``id``. ``rating``: 1, 2 or 3
+    (incorrect, ambiguous or incomplete, correct); ``score = (rating - 1) / 2``. ``probs``: the
+    distribution over ratings 1, 2, 3 at the step that produced the rating (None when the
+    rating was not read from such a step); ``soft_score``: the expected score under ``probs``
+    (with fastjudge's prompts, the score itself when there are no ``probs``). ``rationale``:
+    the decoded explanation in rationale mode. ``prompt_tokens``: the prompt's length.
+    ``error``: why the item was not judged (all judgment fields then None); ``rating_source``:
+    how the rating was obtained (below)."""
+
     index: int
     id: object = None
     score: float | None = None

@@ -1,8 +1,9 @@
 """Triton kernels, installed as ``fastjudge.kernels``.
 
-Each kernel lives in one file with its launcher and a torch reference of the same math, so
-the reference doubles as the CPU fallback and the test oracle. Triton itself is imported
-lazily by each kernel file: this package imports on machines without Triton.
+Each kernel has one file with its launcher and a torch reference of the same math (the CPU
+fallback and the test oracle), and its ``@triton.jit`` functions in a ``*_triton.py`` file
+beside it, imported on the kernel's first use: this package imports on machines without
+Triton, and ``TRITON_INTERPRET`` is read when a kernel is first needed.
 
 - `choice_head`: final RMSNorm + the K candidate rows of the LM head (+ full-vocabulary
   log-sum-exp without ``[B, V]`` logits) -> ``choice_logits``, ``choice_logprobs``,
