@@ -38,11 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
-from fastjudge.engine_options import EngineOptions
+
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 
 MAX_NEW_TOKENS = 100  # the authors' generation limit
 
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
                                              args.rating_scale)
         backend = TorchT5Backend(model_dir, device=args.device, dtype=dtype,
                                  max_decode_rows=args.max_decode_rows)
-        judge = LaveJudge(backend, official_repo=args.official_repo, engine=EngineOptions(max_batch_tokens=args.max_batch_tokens))
+        judge = LaveJudge(backend, official_repo=args.official_repo,
+                          engine=EngineOptions(max_batch_tokens=args.max_batch_tokens))
         prompts = [judge.build_prompt(e) for e in examples]
         authors = AuthorsPath(model_dir, dtype, device)
         authors.score(prompts[:2])  # warm-up: allocator, kernels, position-bias tables

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))

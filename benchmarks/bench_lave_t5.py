@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 
 
 def sample_examples(n: int) -> list[VQAExample]:

@@ -8,8 +8,8 @@ import dataclasses
 import inspect
 
 import pytest
-
 from conftest import TEST_DEVICE
+
 from fastjudge.cli import build_parser
 from fastjudge.engine_options import EngineOptions
 from fastjudge.judges import registry

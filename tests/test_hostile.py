@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TEST_DEVICE, read_rows, write_lines
 
 import fastjudge
-from fastjudge.engine_options import EngineOptions
 from fastjudge.cli import main
-from conftest import TEST_DEVICE, read_rows, write_lines
+from fastjudge.engine_options import EngineOptions
 
 GOOD = {"question": "What color is the kite?", "references": ["red", "red", "orange"],
         "prediction": "red"}

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastjudge.kernels import triton_available
 from fastjudge.kernels import choice_head as ch
 from fastjudge.kernels import crop_encode as ce
+from fastjudge.kernels import triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed: the interpreter tests "
                                   "need it (pip install triton)")

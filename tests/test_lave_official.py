@@ -21,14 +21,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE, read_rows, write_lines
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.checkpoints import scale_output_rows
 from fastjudge.cli import main
 from fastjudge.demo import sample_rows
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.lave_official import official_rating, rating_probs, split_prompt
-from conftest import TEST_DEVICE, read_rows, write_lines
 
 # -- the stand-in checkout ------------------------------------------------------------------------
 STAND_IN_BUILDER = '''"""Stand-in for the LAVE authors' prompt builder, written for fastjudge's tests: their module

@@ -9,14 +9,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.torch_qwen import TorchQwenBackend
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import sample_rows, tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.requests import Choice, Request, Text
-from conftest import TEST_DEVICE
 
 ARCHS = {"qwen3_5": ("qwen3_5", False), "qwen3_5_vl": ("qwen3_5", True), "qwen3": ("qwen3", False)}
 

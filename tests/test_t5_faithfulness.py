@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.loading import CheckpointError
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.demo import sample_rows
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.requests import Choice, Request, Text
-from conftest import TEST_DEVICE
 
 
 def hf_model(model_dir):

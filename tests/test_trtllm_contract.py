@@ -94,7 +94,8 @@ def test_t5_text_reads_sequence_lengths_it_asked_for():
 def test_t5_choice_call_is_accepted_upstream():
     """A Choice batch's call passes only parameters ModelRunnerCpp.generate has."""
     runner = FakeModelRunnerCpp(vocab=12, answer=[9])
-    outs = TrtllmBackend._run_t5(_t5_backend(runner), [Request(index=0, prompt_ids=[3], spec=Choice(token_ids=(9, 10)))])
+    request = Request(index=0, prompt_ids=[3], spec=Choice(token_ids=(9, 10)))
+    outs = TrtllmBackend._run_t5(_t5_backend(runner), [request])
     assert runner.calls[0]["max_new_tokens"] == 1
     assert np.argmax(outs[0].probs) == 0
 

@@ -12,13 +12,13 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
 from fastjudge.backends.caches import prefix_cache_key
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.visexmem import AGGREGATES, PART_TYPES, ClaimResult, aggregate, validate_parts
 from fastjudge.runtime.scheduler import run_requests
-from conftest import TEST_DEVICE
 
 TOL = 1e-4
 BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)

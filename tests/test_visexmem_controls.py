@@ -15,14 +15,14 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE, read_rows, write_lines
 
-from fastjudge.engine_options import EngineOptions
 from fastjudge import ImageTextExample, VisExJudge
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.items import ItemError, image_text_from_row, parse_image_text_item
 from fastjudge.judges.visexmem import PART_TYPES, SCORE_MAX, IntegerReading
 from fastjudge.judges.visexmem.prompts import HOLISTIC_SCORE_TASK
 from fastjudge.runtime.requests import Choice
-from conftest import TEST_DEVICE, read_rows, write_lines
 
 TOL = 1e-4
 BUDGETS = dict(max_claims=2, max_claim_chars=16, max_explanation_chars=16)

@@ -7,8 +7,16 @@ import logging
 import sys
 
 from .io.jobs import add_job_arguments
-from .judges.registry import (ENGINE_OPTIONS, HOLISTIC_OPTIONS, LAVE_OPTIONS, VISEXMEM_OPTIONS,
-                              add_options, engine_options, get_judge, option_values)
+from .judges.registry import (
+    ENGINE_OPTIONS,
+    HOLISTIC_OPTIONS,
+    LAVE_OPTIONS,
+    VISEXMEM_OPTIONS,
+    add_options,
+    engine_options,
+    get_judge,
+    option_values,
+)
 
 RESUMABLE_OUTPUT = ("JSONL, or for *.parquet / *.pq a directory of Parquet part files; rerunning "
                     "resumes, skipping ids already written")

@@ -84,8 +84,8 @@ def _is_qwen3_5(model_type: str | None) -> bool:
 def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | None = None) -> str | None:
     """None when the installed TensorRT-LLM (``installed``: its version; default the installed
     distribution's) can serve a ``kind`` judge, else why not and which extra to install."""
-    from importlib import metadata
     import importlib.util
+    from importlib import metadata
 
     from packaging.version import Version
 

@@ -15,8 +15,7 @@ from itertools import islice
 
 from ..judges.registry import add_judge_options, engine_options, get_judge
 from .items import SOURCES, bench_items
-from .meter import (MeteredBackend, counter_change, device_name, is_cuda, peak_memory,
-                    percentile_ms, reset_peak_memory)
+from .meter import MeteredBackend, counter_change, device_name, is_cuda, peak_memory, percentile_ms, reset_peak_memory
 
 BENCH_JUDGES = ("lave", "visexmem", "holistic")
 # items per run and per chunk when not given: what a CPU run finishes in about a minute on a

@@ -33,8 +33,17 @@ from . import agreement as agr
 from .calibration import image_prompts, load_image_captions
 from .fp8_export import excluded_linears, fp8_state, read_checkpoint, write_fp8_checkpoint
 from .manifest import judge_token_ids, lave_template, new_manifest, write_manifest
-from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, cuda_and_trtllm,
-                       open_source, producer, quantize_and_compare, rel)
+from .pipeline import (
+    BuildOptions,
+    calibration_section,
+    checked_config,
+    compare_checkpoint,
+    cuda_and_trtllm,
+    open_source,
+    producer,
+    quantize_and_compare,
+    rel,
+)
 from .quantize import BuildError
 
 log = logging.getLogger("fastjudge")

@@ -28,8 +28,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
 from ..engine_options import EngineOptions
+from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
 from ..runtime.requests import Choice, Image, Request
 from ..runtime.scheduler import run_requests
 from .base import Judge

@@ -87,7 +87,8 @@ class JudgeSpec:
     """How to build and feed one judge.
 
     * ``factory(args)``: the judge, from parsed command-line arguments (``args.model``, the
-      engine's options, :data:`ENGINE_OPTIONS`, and the judge's). The judge has ``stream(examples)`` yielding results with ``index``
+      engine's options, :data:`ENGINE_OPTIONS`, and the judge's). The judge has
+      ``stream(examples)`` yielding results with ``index``
       (into ``examples``), ``error`` and the result fields.
     * ``parse_item(obj, where)``: one JSON item of an HTTP request -> example; raises
       :class:`ItemError` naming ``where`` and what is wrong.

@@ -16,13 +16,12 @@ Dispatch: Triton on CUDA tensors when Triton is installed, the torch reference o
 Triton interpreter; every entry point also takes ``impl="auto" | "torch" | "triton"``.
 """
 
-from .dispatch import triton_available
-
 # The functions named like their modules (choice_head.choice_head, crop_encode.crop_encode) are
 # not re-exported: `fastjudge.kernels.crop_encode` stays the module.
 from . import choice_head, crop_encode, dispatch  # noqa: E402
 from .choice_head import ChoiceHead, choice_logits, choice_logprobs  # noqa: E402
 from .crop_encode import CropEncodeConfig, smart_resize  # noqa: E402
+from .dispatch import triton_available
 
-__all__ = ["triton_available", "dispatch", "choice_head", "crop_encode", "ChoiceHead", "choice_logits", "choice_logprobs",
-           "CropEncodeConfig", "smart_resize"]
+__all__ = ["triton_available", "dispatch", "choice_head", "crop_encode", "ChoiceHead", "choice_logits",
+           "choice_logprobs", "CropEncodeConfig", "smart_resize"]

@@ -12,9 +12,14 @@
 """
 
 from .error_graphs import ts2_rank, ts2_sep
-from .image_text_meta_eval import (cohen_kappa, pairwise_accuracy, spearman_by_benchmark,
-                                   tie_calibrated_pairwise_accuracy, winoground_scores)
 from .human_ratings import human_score, krippendorff_alpha
+from .image_text_meta_eval import (
+    cohen_kappa,
+    pairwise_accuracy,
+    spearman_by_benchmark,
+    tie_calibrated_pairwise_accuracy,
+    winoground_scores,
+)
 from .significance import CorrelationComparison, compare_correlations
 from .stats import BootstrapCI, bootstrap_ci, bootstrap_replicates, kendall, spearman
 from .vqa import exact_match, normalize_answer, vqa_accuracy, vqa_accuracy_many, vqa_overall_accuracy

@@ -7,7 +7,7 @@ import sys
 from collections import Counter
 from html import escape
 
-from .html import iter_rows, lave_row, safe_json, visex_row, _num
+from .html import _num, iter_rows, lave_row, safe_json, visex_row
 from .svg import histogram, scatter, score_bins
 
 CSS = """body{font-family:sans-serif;margin:16px;max-width:1200px}.row{border:1px solid #ccc;
@@ -16,10 +16,12 @@ padding:8px;margin:8px 0}.figure{position:relative;display:inline-block;line-hei
 box-sizing:border-box}.box span{background:#e33;color:#fff;font-size:11px;line-height:12px;
 position:absolute;top:0;left:0;padding:1px}.box.hi{border-color:#0c0;background:rgba(0,200,0,.2)}
 table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:2px 4px;font-size:13px}
-.chart{margin:4px 24px 8px 0;vertical-align:top}.bar{display:inline-block;width:60px;height:8px;background:#eee}.bar span{display:block;height:8px;
-background:#4a7bd0}.warn{color:#a60}.err{color:#c00}tr.claim:hover{background:#efe}"""
+.chart{margin:4px 24px 8px 0;vertical-align:top}.bar{display:inline-block;width:60px;height:8px;
+background:#eee}.bar span{display:block;height:8px;background:#4a7bd0}.warn{color:#a60}
+.err{color:#c00}tr.claim:hover{background:#efe}"""
 
-JS = """function applyFilters(){var r=document.getElementById('f-rating').value,e=document.getElementById('f-err').checked,
+JS = """function applyFilters(){var r=document.getElementById('f-rating').value,
+e=document.getElementById('f-err').checked,
 g=parseFloat(document.getElementById('f-gap').value||'0');document.querySelectorAll('.row').forEach(function(s){
 var ok=(!r||s.dataset.rating===r)&&(!e||s.dataset.error==='1')&&(!g||parseFloat(s.dataset.gap||'0')>=g);
 s.style.display=ok?'':'none';});}

@@ -12,14 +12,13 @@ from typing import Any
 from .. import __version__
 from ..judges.registry import ItemError, get_judge
 from ..runtime.async_batcher import AsyncBatcher, QueueFullError
-from .bodies import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError,
-                     load_embedded_json, read_json)
+from . import openrlhf
+from .bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError, load_embedded_json, read_json
 from .chat_generation import DEFAULT_MAX_COMPLETION_TOKENS, ChatJudge, served_model_id
 from .guards import BearerAuth, JsonErrors
 from .isolation import IsolatingJudge
-from . import openrlhf
-from .openai_routes import openai_routes
 from .metrics import Metrics
+from .openai_routes import openai_routes
 from .openapi import openapi_document
 
 EXPECTED_QUERY = '\'{"question": ..., "references": [...], "prediction": ...}\''

@@ -24,8 +24,7 @@ import time
 
 from ..runtime.async_batcher import QueueFullError
 from .bodies import RequestError, read_json
-from .openai_protocol import (OpenAIError, chunk_bodies, completion_body, error_body,
-                              models_body, parse_chat_request)
+from .openai_protocol import OpenAIError, chunk_bodies, completion_body, error_body, models_body, parse_chat_request
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"

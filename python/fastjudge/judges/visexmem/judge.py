@@ -47,8 +47,16 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
 from ...engine_options import EngineOptions
-from ...io.images import (MAX_IMAGE_PIXELS, ImageError, LoadedImage, check_boxes, encode_region, grid_boxes,
-                          load_image, relative_to_pixels)
+from ...io.images import (
+    MAX_IMAGE_PIXELS,
+    ImageError,
+    LoadedImage,
+    check_boxes,
+    encode_region,
+    grid_boxes,
+    load_image,
+    relative_to_pixels,
+)
 from ...runtime.grammar import Json
 from ...runtime.requests import Choice, Image, Output, Request
 from ...runtime.scheduler import run_requests
@@ -56,8 +64,14 @@ from ..base import Judge
 from . import prompts
 from .claims import AGGREGATES, LINK_FIELDS, aggregate, given_parts, validate_parts
 from .controls import ControlModes, check_mode, score_reading
-from .prompts import (DECISION_PREFIX, DECOMPOSE_TASK, EXPLAIN_CLAIM_TASK, EXPLAIN_OVERALL_TASK,
-                      PROPOSE_TASK, SELECT_TASK)
+from .prompts import (
+    DECISION_PREFIX,
+    DECOMPOSE_TASK,
+    EXPLAIN_CLAIM_TASK,
+    EXPLAIN_OVERALL_TASK,
+    PROPOSE_TASK,
+    SELECT_TASK,
+)
 from .records import ClaimResult, ImageTextExample, VisExResult
 from .schemas import boxes_schema, evidence_schema, explanation_schema, parts_schema
 
@@ -299,7 +313,7 @@ class VisExJudge(ControlModes, Judge):
             task = f"{head}\n{prompts.box_listing(it.boxes)}\nClaim: {c.text}\n{SELECT_TASK}"
             return self._evidence_request(it, key, task, spec)
 
-        for it, c, out in self._stage("select", ((it, c) for it in items for c in it.claims), make):
+        for it, c, out in self._stage("select", ((item, c) for item in items for c in item.claims), make):
             parsed = self._json(out)
             if parsed is None:
                 it.result.warnings.append(f"{c.part_id}: evidence selection did not finish; no regions used")
@@ -324,7 +338,7 @@ class VisExJudge(ControlModes, Judge):
                                       self.decision_prefix)
 
     def _verify(self, items: list[_Item]) -> None:
-        for it, c, out in self._stage("verify", ((it, c) for it in items for c in it.claims),
+        for it, c, out in self._stage("verify", ((item, c) for item in items for c in item.claims),
                                       self.verification_request):
             c.support = float(out.probs[0])
             c.decision = "yes" if c.support >= 0.5 else "no"
