@@ -25,8 +25,9 @@ as in SugarCrepe or Winoground); 1 caption per image is the case with nothing to
   emptied before every run, so nothing is carried from one run to the next.
 
 Prints pairs/s both ways (medians over ``--repeats`` turns after one warm-up turn; a turn runs
-the baseline, then fastjudge), the median of the turns' ratios against the 10x target, the largest relative difference of P("Yes") between the two paths, and whether
-the input ids are identical.
+the baseline, then fastjudge), the median of the turns' ratios against the 10x target, the
+largest relative difference of P("Yes") between the two paths, and whether the input ids are
+identical.
 
     python benchmarks/bench_holistic.py --shapes tiny --pairs 16 --captions 4 1 --repeats 2
     python benchmarks/bench_holistic.py --device cuda --pairs 64   # both paths on the GPU
@@ -41,20 +42,28 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fastjudge import HolisticJudge, ImageTextExample
 from fastjudge.backends.caches import ImageEmbeddingCache
 from fastjudge.backends.torch_qwen import DEFAULT_PREFIX_CACHE_BYTES
 from fastjudge.checkpoints import QWEN_SHAPES
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.holistic import VQASCORE_QUESTION
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
-from bench_visexmem import (CAPTIONS, COLORS, IMAGE_PAD, OBJECTS, PLACEHOLDER, Baseline,  # noqa: E402
-                            build_checkpoint, synthetic_image)
+from bench_visexmem import (  # noqa: E402
+    CAPTIONS,
+    COLORS,
+    IMAGE_PAD,
+    OBJECTS,
+    PLACEHOLDER,
+    Baseline,
+    build_checkpoint,
+    synthetic_image,
+)
 
 TARGET = 10.0
 
@@ -178,7 +187,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            judge = HolisticJudge(model_dir, device=args.device, dtype=dtype)
+            judge = HolisticJudge(model_dir, engine=EngineOptions(device=args.device, dtype=dtype))
             base = PerSampleBaseline(model_dir, dtype, device)
             for k, pairs in workloads.items():
                 rows.append(dict(shape=shape, captions=k, **bench_one(judge, base, pairs, args)))

@@ -38,10 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
+
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 
 MAX_NEW_TOKENS = 100  # the authors' generation limit
 
@@ -83,7 +85,7 @@ class AuthorsPath:
 
 def varied_length_checkpoint(out_dir: Path, shape: str, eos_scale: float, rating_scale: float) -> Path:
     model_dir = build_random_t5(out_dir, tokenizer_corpus(), shape=shape, model_vocab_size=32128)
-    codec = LaveJudge(model_dir, device="cpu", dtype="float32", num_shots=0).codec
+    codec = LaveJudge(model_dir, num_shots=0, engine=EngineOptions(device="cpu", dtype="float32")).codec
     ratings = {*codec.answer_ids(["1", "2", "3"]).ids,
                *codec.answer_ids(["1", "2", "3"], after=" So rating=").ids}
     eos = min(codec.eos_token_ids)
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         backend = TorchT5Backend(model_dir, device=args.device, dtype=dtype,
                                  max_decode_rows=args.max_decode_rows)
         judge = LaveJudge(backend, official_repo=args.official_repo,
-                          max_batch_tokens=args.max_batch_tokens)
+                          engine=EngineOptions(max_batch_tokens=args.max_batch_tokens))
         prompts = [judge.build_prompt(e) for e in examples]
         authors = AuthorsPath(model_dir, dtype, device)
         authors.score(prompts[:2])  # warm-up: allocator, kernels, position-bias tables

@@ -28,6 +28,7 @@ import torch
 from fastjudge import LaveJudge
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
         for shape in args.shapes:
             model_dir = build_random_qwen(Path(tmp) / shape, tokenizer_corpus(), shape=shape,
                                          vocab_size=4000)
-            judge = LaveJudge(model_dir, device="cpu", dtype=dtype)
+            judge = LaveJudge(model_dir, engine=EngineOptions(device="cpu", dtype=dtype))
             backend = judge.backend
             texts = [backend.codec.format_prompt(judge.build_prompt(e)) for e in examples]
             prompt_tokens = sum(len(backend.codec.encode_prompt(judge.build_prompt(e))) for e in examples)

@@ -30,6 +30,7 @@ import torch
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 
 
 def sample_examples(n: int) -> list[VQAExample]:
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                                         model_vocab_size=32128)
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
-                judge = LaveJudge(model_dir, dtype=dtype, device="cpu")
+                judge = LaveJudge(model_dir, engine=EngineOptions(dtype=dtype, device="cpu"))
                 prompts = [judge.build_prompt(e) for e in examples]
                 lengths = [len(judge.backend.codec.encode_prompt(p)) for p in prompts]
                 base = Baseline(model_dir, dtype, judge.rating_token_ids, args.batch_size)

@@ -76,9 +76,10 @@ def serve(model: str, device: str, port: int, max_queue: int, max_wait_ms: float
         torch.set_num_threads(threads)
 
     from fastjudge import LaveJudge
+    from fastjudge.engine_options import EngineOptions
     from fastjudge.serve import create_app
 
-    judge = LaveJudge(model, device=device)
+    judge = LaveJudge(model, engine=EngineOptions(device=device))
     app = create_app(judge, max_queue=max_queue, max_wait_ms=max_wait_ms, timeout_s=60)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

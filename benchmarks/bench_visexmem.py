@@ -54,6 +54,7 @@ from fastjudge import ImageTextExample, VisExJudge
 from fastjudge.backends.caches import ImageEmbeddingCache
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges import visexmem as vx
 from fastjudge.judges.visexmem import ClaimResult
 from fastjudge.runtime.prefix_cache import PrefixCache
@@ -350,7 +351,8 @@ def checks(judge: VisExJudge, base: Baseline, stages: Stages, examples, claims, 
     agree = np.mean((np.asarray(ours) >= 0.5) == (np.asarray(theirs) >= 0.5))
     return dict(same_ids=same_ids, n=len(requests),
                 pixel_steps={kind: (v[0], float(np.mean(v[1]))) for kind, v in steps.items()},
-                full_size=tuple(v * cfg.patch_size for v in items[0].full_image.grid_thw[1:]), image_size=(items[0].image.width, items[0].image.height),
+                full_size=tuple(v * cfg.patch_size for v in items[0].full_image.grid_thw[1:]),
+                image_size=(items[0].image.width, items[0].image.height),
                 max_diff=float(d.max()), mean_diff=float(d.mean()), agree=float(agree),
                 model_path=max(model_path) if model_path else float("nan"), model_path_n=len(model_path),
                 full_tokens=sum(len(r.prompt_ids) + len(r.response_prefix) for r in requests),
@@ -426,7 +428,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            backend = VisExJudge(model_dir, device="cpu", dtype=dtype).backend
+            backend = VisExJudge(model_dir, engine=EngineOptions(device="cpu", dtype=dtype)).backend
             base = None
             for layout in args.layouts:
                 judge = VisExJudge(backend, evidence_layout=layout)
@@ -444,7 +446,8 @@ def main(argv=None) -> int:
     for r in rows:
         ratio = r["t_base"] / r["t_fast"]
         print(f"{r['shape']:6} {n / r['t_base']:9.1f} {n / r['t_fast']:9.1f} {ratio:6.2f}x "
-              f"{'PASS' if ratio >= TARGET else 'FAIL':>5} {r['calls'].get('prefix prefill', 0):8d} {r['full_tokens']:8d} "
+              f"{'PASS' if ratio >= TARGET else 'FAIL':>5} {r['calls'].get('prefix prefill', 0):8d} "
+              f"{r['full_tokens']:8d} "
               f"{r['computed']:8d} {r['full_patches']:12d} {r['patches']:7d} {r['max_diff']:8.1e} {r['agree']:6.0%}")
     print("prefixes: image + caption prefixes run by fastjudge (the baseline runs one per claim); full tok / "
           "full patches: in every claim's full input (the baseline computes all of them); computed / encoded: "

@@ -55,7 +55,6 @@ and its decode steps, against transformers' decode steps and padded row-steps.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import random
@@ -72,6 +71,7 @@ from PIL import ImageDraw
 
 from fastjudge import ImageTextExample, VisExJudge
 from fastjudge.checkpoints import QWEN_SHAPES
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.visexmem.judge import STAGES
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -181,7 +181,8 @@ def timed_runs(run, seconds, stats, repeats: int):
         if i:  # the rest per run, so that its median is of whole runs
             d = dict(seconds())
             runs.append({**d, "other": d["total"] - sum(d[s] for s in SHOWN)})
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}, results, {k: dict(v) for k, v in stats().items()}
+    medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return medians, results, {k: dict(v) for k, v in stats().items()}
 
 
 # -- comparing ------------------------------------------------------------------------------------
@@ -221,12 +222,11 @@ def value_gap(ours, theirs) -> float:
 def bench_shape(shape: str, model_dir: Path, examples, args, dtype) -> dict:
     budgets = dict(max_claims=args.max_claims, max_claim_chars=args.max_claim_chars,
                    max_explanation_chars=args.max_explanation_chars)
-    has_jf = "jump_forward" in inspect.signature(VisExJudge.__init__).parameters
-    settings = {"both": [True, False], "on": [True], "off": [False]}[args.jump_forward] if has_jf else [None]
+    settings = {"both": [True, False], "on": [True], "off": [False]}[args.jump_forward]
     judges = {}
     for jf in settings:
-        opts = {} if jf is None else dict(jump_forward=jf)
-        judges[jf] = VisExJudge(model_dir, device=args.device, dtype=dtype, **opts, **budgets)
+        engine = EngineOptions(device=args.device, dtype=dtype, jump_forward=jf)
+        judges[jf] = VisExJudge(model_dir, **budgets, engine=engine)
     base = TransformersPipeline(next(iter(judges.values())).backend, model_dir, dtype, args.batch_size,
                                 device=args.device, **budgets)
     row = dict(shape=shape, fast={}, problems=[])
@@ -250,7 +250,8 @@ def bench_shape(shape: str, model_dir: Path, examples, args, dtype) -> dict:
 
 def report(rows, args, n: int) -> None:
     print(f"\nVisExMEM end to end: {n} image-caption pairs ({args.size}, quadrant candidates), {args.dtype}, "
-          f"median of {args.repeats}, {device_label(torch.device(args.device))}; transformers batch size {args.batch_size}; "
+          f"median of {args.repeats}, {device_label(torch.device(args.device))}; "
+          f"transformers batch size {args.batch_size}; "
           f"budgets max_claims={args.max_claims} max_claim_chars={args.max_claim_chars} "
           f"max_explanation_chars={args.max_explanation_chars}")
     for r in rows:
@@ -260,7 +261,8 @@ def report(rows, args, n: int) -> None:
               + ("IDENTICAL" if not r["problems"] else "MISMATCH")
               + "; max |support or score difference| "
               + ", ".join(f"JF {k} " + ("n/a" if v["gap"] is None else f"{v['gap']:.1e}") for k, v in fast.items()))
-        print(f"  {'stage (seconds)':24} {'transformers':>12} " + " ".join(f"{'fastjudge JF ' + k:>16} {'ratio':>7}" for k in names))
+        print(f"  {'stage (seconds)':24} {'transformers':>12} "
+              + " ".join(f"{'fastjudge JF ' + k:>16} {'ratio':>7}" for k in names))
         for stage in SHOWN + ("other", "total"):
             def ratio(d):  # the rest is not the same work on both sides: no ratio
                 return f"{'-':>7}" if stage == "other" else f"{b[stage] / max(d[stage], 1e-9):6.2f}x"
@@ -269,13 +271,16 @@ def report(rows, args, n: int) -> None:
             print(f"  {label:24} {b[stage]:12.3f} {cells}")
         print(f"  {'items/s':24} {n / b['total']:12.2f} " + " ".join(
             f"{n / fast[k]['seconds']['total']:16.2f} {b['total'] / fast[k]['seconds']['total']:6.2f}x" for k in names))
-        verdicts = [f"items/s >= {TARGET:g}x (JF {k}): {'PASS' if b['total'] / fast[k]['seconds']['total'] >= TARGET else 'FAIL'}"
+        verdicts = [f"items/s >= {TARGET:g}x (JF {k}): "
+                    f"{'PASS' if b['total'] / fast[k]['seconds']['total'] >= TARGET else 'FAIL'}"
                     for k in names]
         if "on" in fast and "off" in fast:
             on, off = fast["on"]["seconds"], fast["off"]["seconds"]
             jf = off["decompose"] / on["decompose"]
-            print(f"  jump-forward alone (fastjudge off / on): decompose {jf:.2f}x, total {off['total'] / on['total']:.2f}x")
-            verdicts.append(f"decompose from jump-forward alone >= {JF_TARGET:g}x: {'PASS' if jf >= JF_TARGET else 'FAIL'}")
+            print(f"  jump-forward alone (fastjudge off / on): decompose {jf:.2f}x, "
+                  f"total {off['total'] / on['total']:.2f}x")
+            verdicts.append(f"decompose from jump-forward alone >= {JF_TARGET:g}x: "
+                            f"{'PASS' if jf >= JF_TARGET else 'FAIL'}")
         print("  targets: " + "; ".join(verdicts))
         print(f"  {'tokens (stop incl.)':24} {'written':>8} {'hf steps':>9} {'hf row-steps':>12} "
               + " ".join(f"{'JF ' + k + ' computed/forced/steps':>30}" for k in names))

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from bench_visexmem import IMAGE_PAD, PLACEHOLDER
+
 from fastjudge import VisExJudge
 from fastjudge.judges.visexmem.judge import STAGES
 from fastjudge.runtime.requests import Choice, Image, Output

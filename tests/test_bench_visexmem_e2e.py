@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_visexmem_e2e as bench  # noqa: E402
+
 from fastjudge.judges.visexmem import ClaimResult, VisExResult  # noqa: E402
 
 

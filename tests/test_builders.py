@@ -21,15 +21,23 @@ from safetensors.torch import load_file
 
 pytest.importorskip("modelopt")
 
-from fastjudge.backends.fp8 import (FP8_DTYPE, dequantize_e4m3, dequantize_state, e4m3_scale, fp8_linear,
-                                    fp8_linear_reference, quantize_e4m3)
+from fastjudge.backends.fp8 import (
+    FP8_DTYPE,
+    dequantize_e4m3,
+    dequantize_state,
+    e4m3_scale,
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_e4m3,
+)
 from fastjudge.builders import agreement as agr
 from fastjudge.builders.calibration import judge_prompts, load_examples, prompts_sha256, split_examples
-from fastjudge.builders.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from fastjudge.builders.cli import main as build_main
+from fastjudge.builders.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from fastjudge.checkpoints import build_random_qwen, build_random_qwen_vl
 from fastjudge.cli import main
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.lave import LaveJudge, LaveResult
 
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
@@ -239,7 +247,8 @@ def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
     results = judge.score(load_examples()[0][:4])
     assert all(r.error is None and r.rating in (1, 2, 3) for r in results)
     # the judge from the directory path picks the torch backend and loads it the same way
-    assert LaveJudge(str(ckpt), device="cpu", dtype="float32", num_shots=2).rating_token_ids == judge.rating_token_ids
+    engine = EngineOptions(device="cpu", dtype="float32")
+    assert LaveJudge(str(ckpt), num_shots=2, engine=engine).rating_token_ids == judge.rating_token_ids
 
 
 @pytest.mark.parametrize("kind", ["flan-t5", "qwen3.5"])
@@ -420,9 +429,10 @@ def test_qwen_checkpoint_matches_modelopt_hf_exporter(qwen_dir, tmp_path):
     """The same calibrated model through ModelOpt's Hugging Face exporter (the format
     TensorRT-LLM's LLM API reads): identical tensor names, dtypes, FP8 bytes and scales."""
     import modelopt.torch.export as mte
+
     from fastjudge.builders.fp8_export import fp8_state, read_checkpoint
-    from fastjudge.builders.qwen3_5 import EXCLUDE, calibration_loop, hf_model
     from fastjudge.builders.quantize import collect_amax, quantize_fp8
+    from fastjudge.builders.qwen3_5 import EXCLUDE, calibration_loop, hf_model
 
     model = hf_model(str(qwen_dir), "qwen3_5_text", torch.float32).eval()
     rng = np.random.default_rng(0)
@@ -526,7 +536,7 @@ def test_trtllm_backend_clear_error_without_tensorrt_llm(t5_build, qwen_build):
         with pytest.raises(TensorRTLLMUnavailable, match=r"pip install 'fastjudge\[trtllm\]'"):
             load_backend(build, backend="trtllm")
     with pytest.raises(ImportError, match="torch backend"):
-        LaveJudge(str(t5_build), backend="trtllm")
+        LaveJudge(str(t5_build), engine=EngineOptions(backend="trtllm"))
 
 
 def test_json_grammar_ebnf_for_guided_decoding():

@@ -8,10 +8,10 @@ import re
 import shutil
 
 import pytest
+from conftest import read_rows, write_lines
 
 from fastjudge.cli import main
 from fastjudge.judges.registry import LAVE_RESULT_FIELDS
-from conftest import read_rows, write_lines
 
 RESULT_KEYS = {"score", "soft_score", "rating", "probs", "rationale", "error"}
 

@@ -21,10 +21,10 @@ import csv
 import json
 
 import pytest
+from test_cli import read_rows
 
 from fastjudge.cli import main
 from fastjudge.io.harness_formats import detect_format
-from test_cli import read_rows
 
 MODEL = ("--dtype", "float32", "--device", "cpu", "--no-progress")
 

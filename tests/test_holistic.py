@@ -16,13 +16,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from fastjudge import HolisticJudge, ImageTextExample
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.requests import Choice
 from fastjudge.runtime.scheduler import run_requests
-from conftest import TEST_DEVICE
 
 REL_TOL = 1e-4
 CAPTIONS = ["A red bus.", "Two  dogs play on the grass ", 'A sign that says "stop".']
@@ -35,7 +36,7 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return HolisticJudge(vl_dir, device=TEST_DEVICE, dtype="float32")
+    return HolisticJudge(vl_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
 
 
 @pytest.fixture(scope="module")

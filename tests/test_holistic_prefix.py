@@ -12,13 +12,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from fastjudge import HolisticJudge, ImageTextExample
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.prefix_cache import PrefixCache
 from fastjudge.runtime.scheduler import run_requests
-from conftest import TEST_DEVICE
 
 CAPTIONS = ["A red bus.", "Two dogs play on the grass.", 'A sign that says "stop".', "A tree."]
 # three images of one size (their captions can share a batch) and one of another size
@@ -32,7 +33,7 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return HolisticJudge(vl_dir, device=TEST_DEVICE, dtype="float32")
+    return HolisticJudge(vl_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
 
 
 def examples() -> list[ImageTextExample]:
@@ -124,9 +125,8 @@ def test_shared_prefix_matches_transformers_generate(judge, vl_dir):
     """Two captions of one image and one of another image of the same size, scored in one
     batch from shared prefix states, against ``generate`` on each whole prompt alone
     (float32, 1e-4 relative)."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
     from test_holistic import REL_TOL, vqascore_generate
+    from transformers import Qwen3_5ForConditionalGeneration
 
     hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
     exs = [ex for ex in examples() if ex.image.shape[:2] == SIZES[0] and ex.id[0] < 2][:3]

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TEST_DEVICE, read_rows, write_lines
 
 import fastjudge
 from fastjudge.cli import main
-from conftest import TEST_DEVICE, read_rows, write_lines
+from fastjudge.engine_options import EngineOptions
 
 GOOD = {"question": "What color is the kite?", "references": ["red", "red", "orange"],
         "prediction": "red"}
@@ -137,7 +138,7 @@ def test_bomb_in_a_ray_batch_costs_only_itself(vl_dir):
     from fastjudge.io.ray_pool import ActorScorer
     from fastjudge.judges.registry import get_judge
 
-    judge = HolisticJudge(vl_dir, device=TEST_DEVICE, dtype="float32")
+    judge = HolisticJudge(vl_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
     examples = [ImageTextExample(png_header(14000, 14000), "A boat.", id="bomb"),
                 ImageTextExample(png_bytes(2), "A boat.", id="good")]
     actor = ActorScorer(lambda: partial(score_examples, judge, get_judge("holistic")))
@@ -177,7 +178,7 @@ def test_long_prediction_is_refused_before_tokenizing(t5_dir, tmp_path, capsys):
 def test_long_caption_is_refused_before_tokenizing(vl_dir):
     from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
 
-    judge = HolisticJudge(vl_dir, device=TEST_DEVICE, dtype="float32", max_input_tokens=512)
+    judge = HolisticJudge(vl_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32", max_input_tokens=512))
     limit = 512 * max(len(token) for token in judge.codec.tokenizer.get_vocab())
     caption = "boat " * (limit // 5 + 1)
     expected = (f"invalid example: text is {len(caption)} characters, more than a prompt of 512 "

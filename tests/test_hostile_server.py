@@ -20,13 +20,12 @@ httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
+from test_async import assert_same, sample_examples  # noqa: E402
+from test_serve import item_dicts, serving  # noqa: E402
 
 from fastjudge.cli import build_parser, main  # noqa: E402
 from fastjudge.judges.registry import LAVE_RESULT_FIELDS  # noqa: E402
 from fastjudge.serve import create_app  # noqa: E402
-
-from test_async import assert_same, sample_examples  # noqa: E402
-from test_serve import item_dicts, serving  # noqa: E402
 
 JSON = {"content-type": "application/json"}
 

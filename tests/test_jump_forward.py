@@ -15,12 +15,15 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from conftest import TEST_DEVICE  # noqa: E402
+
 from fastjudge import LaveJudge  # noqa: E402
 from fastjudge.backends import load_backend  # noqa: E402
 from fastjudge.backends.qwen_slots import SlotCache, pool_bytes  # noqa: E402
 from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
 from fastjudge.checkpoints import build_random_qwen  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.visexmem.schemas import (  # noqa: E402
     boxes_schema,
     evidence_schema,
@@ -31,7 +34,6 @@ from fastjudge.judges.visexmem.schemas import (  # noqa: E402
 )
 from fastjudge.runtime.grammar import Json  # noqa: E402
 from fastjudge.runtime.requests import Request, Text  # noqa: E402
-from conftest import TEST_DEVICE  # noqa: E402
 
 ARCHS = ("qwen3_5", "qwen3")  # hybrid Gated DeltaNet + attention; dense attention
 
@@ -330,8 +332,8 @@ class GrammarLogits:
 def test_jump_forward_matches_transformers_masked_greedy(qwen_dir, backend, name):
     """transformers ``generation/utils.py``, ``GenerationMixin.generate`` (greedy,
     ``logits_processor``) with the same grammar mask and bias, one prompt at a time."""
-    from transformers import LogitsProcessorList
     from test_qwen_faithfulness import hf_model
+    from transformers import LogitsProcessorList
 
     hf = hf_model(qwen_dir)
     spec = json_spec(name)
@@ -357,9 +359,10 @@ def test_jump_forward_matches_transformers_masked_greedy(qwen_dir, backend, name
 
 
 def test_jump_forward_option_reaches_the_backend(qwen_dir):
-    assert load_backend(qwen_dir, device=TEST_DEVICE, dtype="float32").jump_forward
-    assert not load_backend(qwen_dir, device=TEST_DEVICE, dtype="float32", jump_forward=False).jump_forward
-    judge = LaveJudge(qwen_dir, device=TEST_DEVICE, dtype="float32", jump_forward=False)
+    assert load_backend(qwen_dir, EngineOptions(device=TEST_DEVICE, dtype="float32")).jump_forward
+    assert not load_backend(qwen_dir, EngineOptions(device=TEST_DEVICE, dtype="float32",
+                                                    jump_forward=False)).jump_forward
+    judge = LaveJudge(qwen_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32", jump_forward=False))
     assert judge.backend.jump_forward is False
     with pytest.raises(ValueError):
         TorchQwenBackend(qwen_dir, device=TEST_DEVICE, dtype="float32", max_decode_rows=0)

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastjudge.kernels import triton_available
 from fastjudge.kernels import choice_head as ch
 from fastjudge.kernels import crop_encode as ce
+from fastjudge.kernels import triton_available
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed: the interpreter tests "
                                   "need it (pip install triton)")
@@ -271,15 +271,16 @@ def test_crop_encode_reference_edge_boxes(gen):
 
 def _every_pass(img, box, cfg):
     """A box's pixel values with every resampling pass run, unchanged axes included: the
-    reference's path before it skipped them (F.interpolate, antialiased; uint8 "pil": a width
-    pass then a height pass, each rounded and clipped; uint8 "float": one pass, rounded once;
+    reference's path before it skipped them (F.interpolate, antialiased; uint8 "pil": a pass
+    per axis in Pillow's order, each rounded and clipped; uint8 "float": one pass, rounded once;
     float32: one pass)."""
     x0, y0, x1, y1 = box
     crop = img[:, y0:y1, x0:x1].float()[None]
     oh, ow = ce.smart_resize(y1 - y0, x1 - x0, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     kw = dict(mode=cfg.resample, align_corners=False, antialias=True)
     if img.dtype == torch.uint8 and cfg.uint8_mode == "pil":
-        r = F.interpolate(crop, size=(y1 - y0, ow), **kw).clamp(0, 255).add(0.5).floor()
+        first = (oh, x1 - x0) if ce.pillow_height_first(x1 - x0, y1 - y0, ow, oh) else (y1 - y0, ow)
+        r = F.interpolate(crop, size=first, **kw).clamp(0, 255).add(0.5).floor()
         r = F.interpolate(r, size=(oh, ow), **kw).clamp(0, 255).add(0.5).floor()
     else:
         r = F.interpolate(crop, size=(oh, ow), **kw)
@@ -353,6 +354,25 @@ def test_crop_encode_triton_matches_reference(gen, resample, kind):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     else:
         _assert_close_or_one_step(got, want, cfg)
+
+
+@needs_triton
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+def test_crop_encode_triton_follows_pillows_pass_order(gen, resample):
+    """Boxes Pillow resizes height first (wide and tall) beside width-first ones, in one launch:
+    the kernel takes each box's order (ce.pillow_height_first, tested against Pillow itself in
+    tests/test_pillow_resize.py) as the reference does."""
+    cfg = _cfg(patch_size=2, min_pixels=16, max_pixels=10**8, resample=resample)
+    img = torch.randint(0, 256, (3, 45, 40), dtype=torch.uint8, generator=gen)
+    boxes = [[0, 0, 30, 21], [3, 2, 25, 43], [0, 0, 21, 41], [5, 5, 22, 14], [1, 1, 12, 27],
+             [0, 20, 38, 33]]  # w x h: 30x21, 22x41, 21x41, 17x9, 11x26, 38x13
+    orders = [ce.pillow_height_first(x1 - x0, y1 - y0, *reversed(ce.smart_resize(
+        y1 - y0, x1 - x0, cfg.factor, cfg.min_pixels, cfg.max_pixels))) for x0, y0, x1, y1 in boxes]
+    if ce.PILLOW_VERSION >= (13,):
+        assert orders == [True, True, False, False, True, True]
+    want, _ = ce.crop_encode_reference(img, boxes, cfg)
+    got, _ = ce.crop_encode_triton(img, boxes, cfg, rows_per_program=8)
+    _assert_close_or_one_step(got, want, cfg)
 
 
 @needs_triton

@@ -21,13 +21,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE, read_rows, write_lines
 
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.checkpoints import scale_output_rows
 from fastjudge.cli import main
 from fastjudge.demo import sample_rows
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.lave_official import official_rating, rating_probs, split_prompt
-from conftest import TEST_DEVICE, read_rows, write_lines
 
 # -- the stand-in checkout ------------------------------------------------------------------------
 STAND_IN_BUILDER = '''"""Stand-in for the LAVE authors' prompt builder, written for fastjudge's tests: their module
@@ -338,8 +339,8 @@ def scored_examples() -> list[VQAExample]:
                                       {"max_batch_size": 3, "max_batch_tokens": 1500}])
 def test_scores_equal_the_authors(varied_dir, checkout, authors_runs, rationale, batching):
     prompts, scores, generated, logits = authors_runs[rationale]
-    judge = LaveJudge(varied_dir, device=TEST_DEVICE, dtype="float32", official_repo=checkout,
-                      rationale=rationale, **batching)
+    judge = LaveJudge(varied_dir, official_repo=checkout, rationale=rationale,
+                      engine=EngineOptions(device=TEST_DEVICE, dtype="float32", **batching))
     items = scored_examples()
     results = judge.score(items)
     assert [judge.build_prompt(ex) for ex in items] == prompts
@@ -375,8 +376,8 @@ def test_command_line(varied_dir, checkout, tmp_path):
                  "--dtype", "float32", "--device", "cpu", "--no-progress",
                  "--official-repo", str(checkout), "--no-rationale"]) == 0
     rows = {r["id"]: r for r in read_rows(out)}
-    judge = LaveJudge(varied_dir, device="cpu", dtype="float32", official_repo=checkout,
-                      rationale=False)
+    judge = LaveJudge(varied_dir, official_repo=checkout, rationale=False,
+                      engine=EngineOptions(device="cpu", dtype="float32"))
     for r in judge.score(items):
         assert rows[r.id]["score"] == r.score and rows[r.id]["rating_source"] == r.rating_source
         assert rows[r.id]["rationale"] is None

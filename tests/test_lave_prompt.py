@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fastjudge import LaveJudge, LaveResult, VQAExample
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.lave import (
     BINARY_RULE,
     RATING_CUE,
@@ -221,7 +222,7 @@ class TestLoadDemonstrations:
         except ValueError as bad:
             assert "#0" in str(bad)
         except Exception as other:  # noqa: BLE001 - the documented contract is ValueError
-            raise AssertionError(f"expected ValueError, got {type(other).__name__}: {other}")
+            raise AssertionError(f"expected ValueError, got {type(other).__name__}: {other}") from other
         else:
             raise AssertionError("no error for non-object demonstrations")
 
@@ -490,7 +491,8 @@ class TestScore:
             assert r.soft_score == pytest.approx(sum(p * (i - 1) / 2 for i, p in zip((1, 2, 3), r.probs)))
             assert r.rating == int(np.argmax(r.probs)) + 1
             assert r.rating_source == "choice" and r.rationale is None
-            assert r.prompt_tokens == len(lave_judge.backend.codec.encode_prompt(lave_judge.build_prompt(SCORED[r.index])))
+            prompt = lave_judge.build_prompt(SCORED[r.index])
+            assert r.prompt_tokens == len(lave_judge.backend.codec.encode_prompt(prompt))
 
     def test_deterministic_and_batch_invariant(self, lave_judge):
         together = lave_judge.score(SCORED)
@@ -501,7 +503,7 @@ class TestScore:
 
     def test_small_batches_same_results(self, t5_backend):
         big = LaveJudge(t5_backend).score(SCORED)
-        small = LaveJudge(t5_backend, max_batch_size=1).score(SCORED)
+        small = LaveJudge(t5_backend, engine=EngineOptions(max_batch_size=1)).score(SCORED)
         for a, b in zip(big, small):
             np.testing.assert_allclose(a.probs, b.probs, atol=1e-6)
 

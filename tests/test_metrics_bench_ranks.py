@@ -1,4 +1,4 @@
-"""T2IScoreScore's rank/sep meta-metrics and Cohen's kappa in ``fastjudge.metrics.bench``,
+"""T2IScoreScore's rank/sep meta-metrics and Cohen's kappa in ``fastjudge.metrics.image_text_meta_eval``,
 against the upstream definitions.
 
 * rank/sep: the T2IScoreScore repository (michaelsaxon/T2IScoreScore),
@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from fastjudge.metrics.bench import cohen_kappa, ts2_rank, ts2_sep
+from fastjudge.metrics.image_text_meta_eval import cohen_kappa, ts2_rank, ts2_sep
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 import scipy.stats
+from conftest import read_rows, write_lines
 
 from fastjudge.cli import main
 from fastjudge.metrics import exact_match, human_score, vqa_accuracy
-from conftest import read_rows, write_lines
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 

@@ -13,7 +13,8 @@ import scipy.stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastjudge.metrics import bench, significance, stats
+from fastjudge.metrics import image_text_meta_eval as bench
+from fastjudge.metrics import significance, stats
 from fastjudge.metrics.human_ratings import human_score, krippendorff_alpha
 from fastjudge.metrics.significance import compare_correlations
 from fastjudge.metrics.stats import bootstrap_ci, bootstrap_replicates, kendall, spearman

@@ -18,8 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastjudge.metrics import exact_match, normalize_answer, vqa_accuracy, vqa_accuracy_many
-from fastjudge.metrics.vqa import (official_round, process_digit_article, process_punctuation,
-                                   vqa_overall_accuracy, vqa_scores)
+from fastjudge.metrics.vqa import (
+    official_round,
+    process_digit_article,
+    process_punctuation,
+    vqa_overall_accuracy,
+    vqa_scores,
+)
 from fastjudge.testing.vqa_eval_script import script_accuracy
 
 

@@ -9,13 +9,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.torch_qwen import TorchQwenBackend
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import sample_rows, tokenizer_corpus
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.requests import Choice, Request, Text
-from conftest import TEST_DEVICE
 
 ARCHS = {"qwen3_5": ("qwen3_5", False), "qwen3_5_vl": ("qwen3_5", True), "qwen3": ("qwen3", False)}
 
@@ -53,7 +54,7 @@ def hf_next_token_probs(hf, ids, candidates):
 
 
 def test_lave_score_only_matches_transformers(qwen_dir):
-    judge = LaveJudge(qwen_dir, device=TEST_DEVICE, dtype="float32", max_batch_size=5)
+    judge = LaveJudge(qwen_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32", max_batch_size=5))
     hf = hf_model(qwen_dir)
     items = examples(16)
     results = judge.score(items)
@@ -113,14 +114,14 @@ def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
     """A budget that holds one prefix state: the two LAVE prefixes evict each other, results
     are unchanged, and a state too large to cache at all is used uncached."""
     items = examples(10)
-    roomy = LaveJudge(qwen35_dir, device=TEST_DEVICE, dtype="float32").score(items)
+    roomy = LaveJudge(qwen35_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32")).score(items)
     probe = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
     probe_judge = LaveJudge(probe)
     probe_judge.score(items[:1])
     one_state = next(iter(probe.prefix_cache.states.values())).nbytes
     for budget in (int(one_state * 1.5), 1):
         backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32", prefix_cache_bytes=budget)
-        tight = LaveJudge(backend, max_batch_size=2).score(items)
+        tight = LaveJudge(backend, engine=EngineOptions(max_batch_size=2)).score(items)
         assert backend.prefix_cache.bytes_used <= budget
         assert len(backend.prefix_cache) <= 1
         for a, b in zip(roomy, tight):
@@ -145,8 +146,8 @@ def test_bad_items_and_prompt_limit(qwen35_dir):
 
 def test_bfloat16_close_to_float32(qwen35_dir):
     items = examples(6)
-    f32 = LaveJudge(qwen35_dir, device=TEST_DEVICE, dtype="float32").score(items)
-    bf16_judge = LaveJudge(qwen35_dir, device=TEST_DEVICE, dtype="bfloat16")
+    f32 = LaveJudge(qwen35_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32")).score(items)
+    bf16_judge = LaveJudge(qwen35_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="bfloat16"))
     assert bf16_judge.backend.dtype == torch.bfloat16
     bf16 = bf16_judge.score(items)
     diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in zip(f32, bf16))

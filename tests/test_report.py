@@ -1,5 +1,6 @@
-"""``fastjudge report``: escaping, the --limit bound, the summary over every row, and the page as
-a real headless Chromium renders it (box pixel positions, no injected element, no JS error)."""
+"""``fastjudge report``: escaping, the --limit bound, the summary over every row, the charts, and
+the page as a real headless Chromium renders it (box pixel positions, no injected element, no JS
+error), measured by this test from the rendered DOM: the page itself carries no test code."""
 
 from __future__ import annotations
 
@@ -48,8 +49,34 @@ def test_limit_bounds_page_and_summary_counts_all(tmp_path):
     assert small.count('<section class="row') == 10
     assert 'data-total="20000"' in small and "19990 omitted" in small
     # ratings histogram covers every row, not only the 10 drawn
-    assert re.search(r"1: 6667</title>", small) and re.search(r"3: 6666</title>", small)
+    assert "rating 1: 6667 rows</title>" in small and "rating 3: 6666 rows</title>" in small
     assert len(small) < 40_000  # size follows --limit, not the input
+
+
+def test_score_histogram_has_axes_and_even_bins(tmp_path):
+    scores = [0.0, 0.05, 0.5, 0.5, 0.99, 1.0, 1.0]
+    src = _write(tmp_path / "o.jsonl", [{"id": f"i{k}", "text": "t", "score": s, "claims": []}
+                                        for k, s in enumerate(scores)])
+    page = build_report(src)
+    chart = page[page.index('<svg class="chart"'):page.index("</svg>")]
+    assert "Scores of 7 rows" in chart
+    assert ">score</text>" in chart and ">rows</text>" in chart  # both axes labelled
+    # ten bins of 0.1 over [0, 1], empty ones drawn too; edges as ticks
+    assert chart.count("<rect") == 10
+    assert [t for t in re.findall(r'text-anchor="middle">([0-9.]+)</text>', chart)][-11:] == \
+        ["0", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9", "1"]
+    assert "score [0, 0.1): 2 rows</title>" in chart and "score [0.9, 1]: 3 rows</title>" in chart
+    assert "score [0.5, 0.6): 2 rows</title>" in chart and "score [0.1, 0.2): 0 rows</title>" in chart
+    # scores outside [0, 1] (e.g. a 0-100 scale): bins over their range
+    wide = build_report(_write(tmp_path / "w.jsonl", [{"id": str(k), "text": "t", "score": float(k),
+                                                       "claims": []} for k in range(0, 101, 5)]))
+    assert "score [90, 100]: 3 rows</title>" in wide
+
+
+def test_page_carries_no_test_scaffolding(tmp_path):
+    page = build_report(write_sample(tmp_path / "s"), image_root=tmp_path / "s")
+    assert "selftest" not in page and "<pre" not in page and "__errors" not in page
+    assert page.count("<script") == 2  # the summary JSON and the page's own script
 
 
 def test_bad_lines_and_human_meta_eval(tmp_path):
@@ -75,6 +102,33 @@ def _chromium():
     return binary
 
 
+# Added to a copy of the page by this test only: count script errors from the start, and on load
+# write what the rendered DOM says (rows, scripts, each box's position relative to its picture).
+PROBE_HEAD = ("<script>window.__probeErrors=0;window.addEventListener('error',"
+              "function(){window.__probeErrors++;});</script>")
+PROBE_BODY = """<script>window.addEventListener('load',function(){
+var out={rows:document.querySelectorAll('.row').length,boxes:[],errors:window.__probeErrors,
+scripts:document.scripts.length-2};
+document.querySelectorAll('.figure').forEach(function(f,i){var img=f.querySelector('img').getBoundingClientRect();
+f.querySelectorAll('.box').forEach(function(b){var r=b.getBoundingClientRect();out.boxes.push({figure:i,
+eid:b.dataset.eid,x:r.left-img.left,y:r.top-img.top,w:r.width,h:r.height,img_w:img.width,img_h:img.height});});});
+var pre=document.createElement('pre');pre.id='probe';pre.textContent=JSON.stringify(out);
+document.body.appendChild(pre);});</script>"""
+
+
+def _measure(binary, page, tmp_path) -> tuple[dict, str]:
+    """The rendered page's geometry, read from the DOM by the probe, and the DOM itself."""
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.read_text(encoding="utf-8").replace("<head>", "<head>" + PROBE_HEAD, 1)
+                      .replace("</body>", PROBE_BODY + "</body>", 1), encoding="utf-8")
+    dom = subprocess.run([binary, *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'p1'}",
+                          "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    found = re.search(r'<pre id="probe">([^<]*)</pre>', dom)
+    assert found, dom[-2000:]
+    return json.loads(found.group(1)), dom
+
+
 def test_page_in_headless_chromium(tmp_path):
     binary = _chromium()
     folder = tmp_path / "sample"
@@ -85,17 +139,12 @@ def test_page_in_headless_chromium(tmp_path):
     out = tmp_path / "r.html"
     assert main(["report", "--input", str(rows_path), "--image-root", str(folder),
                  "--output", str(out)]) == 0
-    dom = subprocess.run([binary, *CHROME_FLAGS, f"--user-data-dir={tmp_path / 'p1'}",
-                          "--virtual-time-budget=5000", "--dump-dom", out.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
-    found = re.search(r'<pre id="selftest">([^<]*)</pre>', dom)
-    assert found, dom[-2000:]
-    selftest = json.loads(found.group(1))
-    assert selftest["rows"] == 3 and selftest["errors"] == 0
-    assert selftest["scripts"] == 2  # the summary JSON and the page script: nothing injected
+    measured, dom = _measure(binary, out, tmp_path)
+    assert measured["rows"] == 3 and measured["errors"] == 0
+    assert measured["scripts"] == 2  # the summary JSON and the page script: nothing injected
     assert "__pwned" in dom and "<img src=\"x\"" not in dom
     # the ball picture is 400 x 300, drawn at its size: boxes land on their pixel coordinates
-    by_id = {b["eid"]: b for b in selftest["boxes"] if b["figure"] == 0}
+    by_id = {b["eid"]: b for b in measured["boxes"] if b["figure"] == 0}
     for eid, (x0, y0, x1, y1) in {"E1": (40, 120, 160, 240), "E2": (250, 60, 370, 230),
                                   "E3": (0, 220, 400, 300)}.items():
         b = by_id[eid]

@@ -13,12 +13,12 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
+from test_cli import VALID, read_rows, write_lines  # noqa: E402
+
 from fastjudge.cli import main  # noqa: E402
+from fastjudge.io.jobs import local_rows, prepare  # noqa: E402
 from fastjudge.io.parquet import read_parquet_rows  # noqa: E402
 from fastjudge.judges import registry  # noqa: E402
-from fastjudge.io.jobs import local_rows, prepare  # noqa: E402
-
-from test_cli import VALID, read_rows, write_lines  # noqa: E402
 
 # Ray Data's own configuration code warns about its deprecated settings
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")

@@ -35,6 +35,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastjudge.engine_options import EngineOptions
+
 
 class TrlLogs:
     """``GRPOTrainer._log_completion_extra`` / ``_log_metric`` and their flush."""
@@ -190,7 +192,7 @@ def visex(vl_dir):
     # the "Hol." control: one short constrained answer per item, where random weights make the
     # pipeline's decomposition write to its limits for seconds; the reward function calls
     # VisExJudge.score either way (the pipeline's results are tests/test_visexmem.py's)
-    return VisExJudge(vl_dir, device="cpu", dtype="float32", mode="holistic-score")
+    return VisExJudge(vl_dir, mode="holistic-score", engine=EngineOptions(device="cpu", dtype="float32"))
 
 
 def test_visexmem_reward_fn_takes_the_image_column(visex):

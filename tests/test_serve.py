@@ -18,11 +18,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from starlette.testclient import TestClient  # noqa: E402
+from test_async import GatedJudge, assert_same, sample_examples  # noqa: E402
 
 from fastjudge.cli import build_parser  # noqa: E402
 from fastjudge.serve import create_app  # noqa: E402
-
-from test_async import GatedJudge, assert_same, sample_examples  # noqa: E402
 
 
 def item_dicts(examples):

@@ -15,17 +15,18 @@ import torch
 pytest.importorskip("starlette")
 pytest.importorskip("xgrammar")
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 from starlette.testclient import TestClient  # noqa: E402
+from test_async import sample_examples  # noqa: E402
+from test_serve import item_dicts  # noqa: E402
 
 from fastjudge import LaveJudge  # noqa: E402
 from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.engine_options import EngineOptions
 from fastjudge.serve import create_app  # noqa: E402
 from fastjudge.serve.chat_generation import ChatJudge  # noqa: E402
 from fastjudge.serve.openai_protocol import ChatExample  # noqa: E402
-
-from test_async import sample_examples  # noqa: E402
-from test_serve import item_dicts  # noqa: E402
 
 CAP = 32  # the server's max_completion_tokens in these tests
 CHAT = "/v1/chat/completions"
@@ -35,7 +36,7 @@ QUESTION = ("Question: what sport is shown? Reference answers: skiing, ski. Cand
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return LaveJudge(vl_dir, device="cpu", dtype="float32")
+    return LaveJudge(vl_dir, engine=EngineOptions(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.loading import CheckpointError
 from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.demo import sample_rows
+from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.requests import Choice, Request, Text
-from conftest import TEST_DEVICE
 
 
 def hf_model(model_dir):
@@ -41,7 +42,7 @@ def hf_rating_probs(model, tokenizer, prompt: str, rating_ids, response_prefix=(
 @pytest.mark.parametrize("layout", ["flan", "tied"])
 def test_score_only_matches_transformers(layout, t5_dir, t5_tied_dir):
     model_dir = t5_dir if layout == "flan" else t5_tied_dir
-    judge = LaveJudge(model_dir, device=TEST_DEVICE, dtype="float32")
+    judge = LaveJudge(model_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
     hf = hf_model(model_dir)
     items = examples()
     results = judge.score(items)  # mixed lengths, general and binary prompts, planned batches
@@ -58,8 +59,8 @@ def test_score_only_matches_transformers(layout, t5_dir, t5_tied_dir):
 
 def test_batching_does_not_change_results(t5_backend):
     items = examples()
-    batched = LaveJudge(t5_backend, max_batch_tokens=8192).score(items)
-    tight = LaveJudge(t5_backend, max_batch_tokens=2500, max_batch_size=3).score(items)
+    batched = LaveJudge(t5_backend, engine=EngineOptions(max_batch_tokens=8192)).score(items)
+    tight = LaveJudge(t5_backend, engine=EngineOptions(max_batch_tokens=2500, max_batch_size=3)).score(items)
     alone = [LaveJudge(t5_backend).score([ex])[0] for ex in items[:6]]
     for a, b in zip(batched, tight):
         np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5)
@@ -143,8 +144,8 @@ def test_not_a_t5_checkpoint(tmp_path):
 def test_bfloat16_close_to_float32(t5_dir):
     """bf16 is a speed mode, not a faithfulness mode: it stays close, and says so."""
     items = examples(8)
-    f32 = LaveJudge(t5_dir, device=TEST_DEVICE, dtype="float32").score(items)
-    bf16_judge = LaveJudge(t5_dir, device=TEST_DEVICE, dtype="bfloat16")
+    f32 = LaveJudge(t5_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32")).score(items)
+    bf16_judge = LaveJudge(t5_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="bfloat16"))
     assert bf16_judge.backend.dtype == torch.bfloat16
     bf16 = bf16_judge.score(items)
     diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in zip(f32, bf16))

@@ -12,12 +12,13 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
 from fastjudge.backends.caches import prefix_cache_key
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.visexmem import AGGREGATES, PART_TYPES, ClaimResult, aggregate, validate_parts
 from fastjudge.runtime.scheduler import run_requests
-from conftest import TEST_DEVICE
 
 TOL = 1e-4
 BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)
@@ -26,7 +27,7 @@ BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)
 @pytest.fixture(scope="module")
 def judge(vl_dir):
     # small text budgets: random weights write to the limit, and every step is a model call
-    return VisExJudge(vl_dir, device=TEST_DEVICE, dtype="float32", **BUDGETS)
+    return VisExJudge(vl_dir, **BUDGETS, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,14 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE, read_rows, write_lines
 
 from fastjudge import ImageTextExample, VisExJudge
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.items import ItemError, image_text_from_row, parse_image_text_item
 from fastjudge.judges.visexmem import PART_TYPES, SCORE_MAX, IntegerReading
 from fastjudge.judges.visexmem.prompts import HOLISTIC_SCORE_TASK
 from fastjudge.runtime.requests import Choice
-from conftest import TEST_DEVICE, read_rows, write_lines
 
 TOL = 1e-4
 BUDGETS = dict(max_claims=2, max_claim_chars=16, max_explanation_chars=16)
@@ -29,7 +30,7 @@ BUDGETS = dict(max_claims=2, max_claim_chars=16, max_explanation_chars=16)
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return VisExJudge(vl_dir, device=TEST_DEVICE, dtype="float32", explain=False, **BUDGETS)
+    return VisExJudge(vl_dir, explain=False, **BUDGETS, engine=EngineOptions(device=TEST_DEVICE, dtype="float32"))
 
 
 def image(seed: int, h: int = 56, w: int = 64) -> np.ndarray:

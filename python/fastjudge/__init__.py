@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _LAZY_EXPORTS = {
+    "EngineOptions": "fastjudge.engine_options",
     "HolisticJudge": "fastjudge.judges.holistic",
     "HolisticResult": "fastjudge.judges.holistic",
     "LaveJudge": "fastjudge.judges.lave",
@@ -21,7 +22,7 @@ _LAZY_EXPORTS = {
     "VisExResult": "fastjudge.judges.visexmem",
 }
 
-__all__ = ["LaveJudge", "LaveResult", "VQAExample", "VisExJudge", "VisExResult", "ClaimResult",
+__all__ = ["EngineOptions", "LaveJudge", "LaveResult", "VQAExample", "VisExJudge", "VisExResult", "ClaimResult",
            "ImageTextExample", "HolisticJudge", "HolisticResult", "__version__"]
 
 

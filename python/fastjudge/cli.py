@@ -7,15 +7,23 @@ import logging
 import sys
 
 from .io.jobs import add_job_arguments
-from .judges.registry import (HOLISTIC_OPTIONS, LAVE_OPTIONS, VISEXMEM_OPTIONS, add_options,
-                              get_judge, option_values)
+from .judges.registry import (
+    ENGINE_OPTIONS,
+    HOLISTIC_OPTIONS,
+    LAVE_OPTIONS,
+    VISEXMEM_OPTIONS,
+    add_options,
+    engine_options,
+    get_judge,
+    option_values,
+)
 
 RESUMABLE_OUTPUT = ("JSONL, or for *.parquet / *.pq a directory of Parquet part files; rerunning "
                     "resumes, skipping ids already written")
 
-# `fastjudge demo` takes these LAVE options (the sample job itself is fixed).
-DEMO_OPTIONS = tuple(o for o in LAVE_OPTIONS
-                     if o.name in ("device", "dtype", "rationale", "max_new_tokens"))
+# `fastjudge demo` takes these engine and LAVE options (the sample job itself is fixed).
+DEMO_ENGINE_OPTIONS = tuple(o for o in ENGINE_OPTIONS if o.name in ("device", "dtype"))
+DEMO_OPTIONS = tuple(o for o in LAVE_OPTIONS if o.name in ("rationale", "max_new_tokens"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "of str or of {'answer': ...}), prediction, optional caption",
         output_help=RESUMABLE_OUTPUT, chunk_size=1024,
         chunk_help="items planned together; results are written as batches finish")
-    add_options(lave, LAVE_OPTIONS)
+    add_options(lave, ENGINE_OPTIONS + LAVE_OPTIONS)
 
     visexmem = sub.add_parser("visexmem", help="evaluate image-caption pairs with VisExMEM "
                                                "(JSONL or Parquet in and out)")
@@ -44,13 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         chunk_help="pairs taken through the stages together; results are written per chunk")
     visexmem.add_argument("--holistic", action="store_true",
                           help="the holistic baseline instead (VQAScore by default: one P(\"Yes\") per pair)")
-    add_options(visexmem, VISEXMEM_OPTIONS + HOLISTIC_OPTIONS)
+    add_options(visexmem, ENGINE_OPTIONS + VISEXMEM_OPTIONS + HOLISTIC_OPTIONS)
 
     demo = sub.add_parser("demo", help="run LAVE on bundled sample data (no download needed)")
     demo.add_argument("--model", default=None,
                       help="checkpoint directory (default: a cached random-weight Flan-T5-small-"
                            "shaped judge, built on first use)")
-    add_options(demo, DEMO_OPTIONS)
+    add_options(demo, DEMO_ENGINE_OPTIONS + DEMO_OPTIONS)
 
     vqa = sub.add_parser("vqa-acc", help="VQA Accuracy (official vqaEval.py rules) and exact "
                                          "match of the predictions in a JSONL file")
@@ -126,7 +134,8 @@ def main(argv=None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            return run_demo(args.model, **option_values(args, DEMO_OPTIONS))
+            return run_demo(args.model, engine=engine_options(args),
+                            **option_values(args, DEMO_OPTIONS))
         if args.command == "lave":
             return run_judge_job(args, "lave")
         if args.command == "visexmem":

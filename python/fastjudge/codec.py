@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from functools import cached_property
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence, Union
 
 import numpy as np

@@ -68,9 +68,9 @@ def demo_model(rebuild: bool = False) -> Path:
     return path
 
 
-def run_demo(model: str | None = None, **judge_options) -> int:
-    """Score the bundled sample with ``LaveJudge(model, **judge_options)``; ``model=None``: the
-    cached random-weight demo judge."""
+def run_demo(model: str | None = None, engine=None, **judge_options) -> int:
+    """Score the bundled sample with ``LaveJudge(model, engine=engine, **judge_options)``;
+    ``model=None``: the cached random-weight demo judge."""
     from .judges.lave import LaveJudge, VQAExample
 
     random_model = model is None
@@ -78,7 +78,7 @@ def run_demo(model: str | None = None, **judge_options) -> int:
     rows = sample_rows()
     examples = [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), r["id"])
                 for r in rows]
-    judge = LaveJudge(model_dir, **judge_options)
+    judge = LaveJudge(model_dir, engine=engine, **judge_options)
     start = time.perf_counter()
     results = judge.score(examples)
     elapsed = time.perf_counter() - start

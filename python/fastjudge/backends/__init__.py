@@ -15,31 +15,37 @@ import os
 
 import torch
 
+from ..engine_options import EngineOptions
 from .loading import CheckpointError, one_line, read_config
 from .protocol import Backend, check_backend
 
 
-def load_backend(model: str | os.PathLike, backend: str = "torch", device: str = "auto", dtype=None,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None, jump_forward: bool = True):
-    """Open a judge checkpoint with the backend that fits its architecture. ``backend="trtllm"``:
-    ``model`` is a ``fastjudge build`` output directory (see ``backends/trtllm.py``).
-    ``jump_forward``: the Qwen backend's jump-forward JSON decoding (``qwen_decode``)."""
-    if backend == "trtllm":
+def load_backend(model: str | os.PathLike, engine: EngineOptions | None = None):
+    """Open a judge checkpoint with the backend that fits its architecture, as ``engine`` says
+    (default: ``EngineOptions()``). ``engine.backend="trtllm"``: ``model`` is a
+    ``fastjudge build`` output directory (see ``backends/trtllm.py``)."""
+    engine = EngineOptions() if engine is None else engine
+    if engine.backend == "trtllm":
         from .trtllm import TrtllmBackend
 
-        return TrtllmBackend(model, max_input_tokens=max_input_tokens)
-    if backend != "torch":
-        raise ValueError(f"unknown backend {backend!r}; available: 'torch', 'trtllm'")
+        kv = {} if engine.gpu_memory_fraction is None else {
+            "kv_cache_free_gpu_memory_fraction": engine.gpu_memory_fraction}
+        return TrtllmBackend(model, max_input_tokens=engine.max_input_tokens, **kv)
     model_type = read_config(model).get("model_type")
     from .torch_qwen import QWEN_MODEL_TYPES, TorchQwenBackend
     from .torch_t5 import T5_MODEL_TYPES, TorchT5Backend
 
-    options = dict(device=device, dtype=dtype, allow_pickle=allow_pickle,
-                   max_input_tokens=max_input_tokens)
+    options = dict(device=engine.device, dtype=engine.dtype, allow_pickle=engine.allow_pickle,
+                   max_input_tokens=engine.max_input_tokens, fp8_gemm=engine.fp8_gemm,
+                   max_decode_rows=engine.max_decode_rows, compile=engine.compile)
     if model_type in T5_MODEL_TYPES:
-        return _open_checkpoint(TorchT5Backend, model, options)
+        return _open_checkpoint(TorchT5Backend, model, {
+            **options, "decode_cache_bytes": engine.decode_cache_bytes})
     if model_type in QWEN_MODEL_TYPES:
-        return _open_checkpoint(TorchQwenBackend, model, {**options, "jump_forward": jump_forward})
+        cache = {} if engine.prefix_cache_bytes is None else {
+            "prefix_cache_bytes": engine.prefix_cache_bytes}
+        return _open_checkpoint(TorchQwenBackend, model, {
+            **options, "jump_forward": engine.jump_forward, **cache})
     supported = ", ".join(T5_MODEL_TYPES + QWEN_MODEL_TYPES)
     raise CheckpointError(f"{model}: model_type {model_type!r} is not supported by the torch backend "
                           f"(supported: {supported})")
@@ -61,4 +67,4 @@ def _open_checkpoint(backend_class, model: str | os.PathLike, options: dict):
         raise CheckpointError(f"{model}: cannot be loaded ({one_line(bad)})") from bad
 
 
-__all__ = ["load_backend", "CheckpointError", "Backend", "check_backend"]
+__all__ = ["load_backend", "EngineOptions", "CheckpointError", "Backend", "check_backend"]

@@ -186,6 +186,7 @@ def fuse(weights: list, dtype: torch.dtype):
     TensorRT-LLM runs them); otherwise, or when some are not FP8, all are dequantized."""
     if all(isinstance(w, Fp8Weight) for w in weights) and len({float(w.weight_scale) for w in weights}) == 1:
         scales = [w.input_scale for w in weights if w.input_scale is not None]
-        input_scale = torch.stack([s.float().reshape(()) for s in scales]).max() if len(scales) == len(weights) else None
+        input_scale = (torch.stack([s.float().reshape(()) for s in scales]).max()
+                       if len(scales) == len(weights) else None)
         return Fp8Weight(torch.cat([w.weight for w in weights]), weights[0].weight_scale, input_scale)
     return torch.cat([w.dequantize(dtype) if isinstance(w, Fp8Weight) else w for w in weights])

@@ -108,6 +108,7 @@ def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | N
     distribution's) can serve a ``kind`` judge, else why not and what to install."""
     from importlib import metadata
     import importlib.util
+    from importlib import metadata
 
     from packaging.specifiers import SpecifierSet
 

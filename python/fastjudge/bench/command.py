@@ -13,10 +13,9 @@ import sys
 import time
 from itertools import islice
 
-from ..judges.registry import add_judge_options, get_judge
+from ..judges.registry import add_judge_options, engine_options, get_judge
 from .items import SOURCES, bench_items
-from .meter import (MeteredBackend, counter_change, device_name, is_cuda, peak_memory,
-                    percentile_ms, reset_peak_memory)
+from .meter import MeteredBackend, counter_change, device_name, is_cuda, peak_memory, percentile_ms, reset_peak_memory
 
 BENCH_JUDGES = ("lave", "visexmem", "holistic")
 # items per run and per chunk when not given: what a CPU run finishes in about a minute on a
@@ -47,8 +46,6 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--judge", required=True, choices=BENCH_JUDGES)
     p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory "
                                                   "(with --backend trtllm: a `fastjudge build` output)")
-    p.add_argument("--backend", default="torch", choices=("torch", "trtllm"),
-                   help="torch (default) or trtllm")
     p.add_argument("--items", type=int, default=None,
                    help="items per measured run (default: 256 for lave, 64 for holistic, 16 for "
                         "visexmem)")
@@ -88,7 +85,7 @@ def _check(args) -> None:
 def open_judge(args, metered: MeteredBackend):
     """The judge of ``args.judge`` on the metered backend: the registry's own factory, given
     the backend object as its model (a judge takes an open backend in place of a directory,
-    and then ignores the model options), so bench builds the judge the other commands build."""
+    and then ignores the engine options that open a model), so bench builds the judge the other commands build."""
     spec = get_judge(args.judge)
     return spec.factory(argparse.Namespace(**{**vars(args), "model": metered}))
 
@@ -274,8 +271,7 @@ def run_bench(args) -> int:
     _check(args)
     n = args.items or DEFAULT_ITEMS[args.judge]
     chunk = args.chunk_size or DEFAULT_CHUNK[args.judge]
-    backend = load_backend(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
-                           allow_pickle=args.allow_pickle, max_input_tokens=args.max_input_tokens)
+    backend = load_backend(args.model, engine_options(args))
     metered = MeteredBackend(backend)
     judge = open_judge(args, metered)
     def make(count: int, start: int = 0, picture_round: int = 0) -> list:

@@ -26,6 +26,7 @@ import numpy as np
 from fastjudge.judges.lave import VQAExample
 
 from . import DEFAULT_HELDOUT_FRACTION
+
 # Yes/no question for image-caption calibration prompts (the holistic judge's kind of question).
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import DEFAULT_HELDOUT_FRACTION, DEFAULT_MIN_AGREEMENT as DEFAULT_THRESHOLD, DEFAULT_ONNX_OPSET as DEFAULT_OPSET
+from . import DEFAULT_HELDOUT_FRACTION
+from . import DEFAULT_MIN_AGREEMENT as DEFAULT_THRESHOLD
+from . import DEFAULT_ONNX_OPSET as DEFAULT_OPSET
 
 DEFAULT_KV_CACHE_FRACTION = 0.85  # builders.llm_options.DEFAULT_KV_CACHE_FRACTION (not imported: keeps the CLI light)
 

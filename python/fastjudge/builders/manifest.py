@@ -33,8 +33,16 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fastjudge.backends.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, REQUIRED, ManifestError,
-                                        answer_token_ids, check_token_ids, read_manifest)
+from fastjudge.backends.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    REQUIRED,
+    ManifestError,
+    answer_token_ids,
+    check_token_ids,
+    read_manifest,
+)
 
 LAVE_TEMPLATE_VERSION = "lave/1"
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import DEFAULT_ONNX_OPSET as DEFAULT_OPSET
+
 INPUT_NAMES = ["pixel_values", "pos_indices", "pos_weights", "rope_positions", "segment_ids"]
 OUTPUT_NAMES = ["image_embeds"]
 DYNAMIC_AXES = {"pixel_values": {0: "patches"}, "pos_indices": {0: "patches"}, "pos_weights": {0: "patches"},
@@ -71,9 +72,11 @@ def _grid_index_helpers():
     """transformers' vision index helpers where this transformers has them (``vision_utils``
     arrived after 5.5), else the equivalents below: the export must not need one release."""
     try:
-        from transformers.vision_utils import (get_vision_cu_seqlens,
-                                               get_vision_interpolation_indices_and_weights,
-                                               get_vision_position_ids)
+        from transformers.vision_utils import (
+            get_vision_cu_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+        )
     except ImportError:
         return _cu_seqlens, _interpolation_taps, _rope_positions
     return get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights, get_vision_position_ids

@@ -30,7 +30,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-
 # 64 Mi pixels (an 8192 x 8192 image, ~200 MB decoded as RGB): room for 8K frames and most
 # camera photos, about 64 times what the Qwen processors' default max_pixels (28 * 28 * 1280)
 # passes to the model.

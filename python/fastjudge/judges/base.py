@@ -6,20 +6,17 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+from ..engine_options import EngineOptions
 
-def open_backend(model, backend: str = "torch", device: str = "auto", dtype=None,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None, image: str | None = None,
-                 jump_forward: bool = True):
-    """A judge's backend: ``model`` is a checkpoint directory (opened with the backend that fits
-    its architecture) or a backend object already open. ``image``: the judge's name, when it
-    needs a multimodal checkpoint. ``jump_forward``: for a checkpoint directory, the Qwen
-    backend's jump-forward JSON decoding (a backend object keeps its own setting)."""
+
+def open_backend(model, engine: EngineOptions | None = None, image: str | None = None):
+    """A judge's backend: ``model`` is a checkpoint directory (opened as ``engine`` says, with
+    the backend that fits its architecture) or a backend object already open (which keeps its
+    own settings). ``image``: the judge's name, when it needs a multimodal checkpoint."""
     from ..backends import check_backend, load_backend
 
     if isinstance(model, (str, os.PathLike)):
-        model = load_backend(model, backend=backend, device=device, dtype=dtype,
-                             allow_pickle=allow_pickle, max_input_tokens=max_input_tokens,
-                             jump_forward=jump_forward)
+        model = load_backend(model, engine)
     check_backend(model)
     if image and model.codec.image_config is None:
         raise ValueError(f"{image} needs a Qwen3.5 vision-language checkpoint with a vision tower "
@@ -29,7 +26,19 @@ def open_backend(model, backend: str = "torch", device: str = "auto", dtype=None
 
 class Judge:
     """Base of the judges. A subclass provides ``stream(examples)`` yielding results that carry
-    ``index`` (position in ``examples``) and ``prompt_tokens``."""
+    ``index`` (position in ``examples``) and ``prompt_tokens``; :meth:`_open` sets the engine
+    and the model every judge has."""
+
+    def _open(self, model, engine: EngineOptions | None, image: str | None = None) -> None:
+        """``self.engine``, ``self.backend`` (see :func:`open_backend`), ``self.codec`` and the
+        batching limits ``self.max_batch_tokens`` / ``self.max_batch_size``."""
+        self.engine = EngineOptions() if engine is None else engine
+        if not isinstance(self.engine, EngineOptions):
+            raise TypeError(f"engine must be an EngineOptions, got {type(engine).__name__}")
+        self.backend = open_backend(model, self.engine, image)
+        self.codec = self.backend.codec
+        self.max_batch_tokens = self.engine.max_batch_tokens or self.backend.default_batch_tokens
+        self.max_batch_size = self.engine.max_batch_size
 
     def stream(self, examples: Iterable):
         raise NotImplementedError

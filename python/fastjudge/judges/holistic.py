@@ -28,10 +28,11 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..engine_options import EngineOptions
 from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
 from ..runtime.requests import Choice, Image, Request
-from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .base import Judge, open_backend
+from ..runtime.scheduler import run_requests
+from .base import Judge
 
 TEMPLATES = ("vqascore", "fastjudge")
 NORMALIZATIONS = ("vocab", "yes-no")
@@ -60,6 +61,13 @@ def vqascore_prompt(image: Image, text: str) -> tuple[tuple, str]:
 
 @dataclass
 class HolisticResult:
+    """One image-text pair's holistic yes/no judgment (VQAScore by default).
+
+    ``index``: the example's position in the input; ``id``: its ``id``. ``score``: P(yes),
+    over the vocabulary (``normalize="vocab"``) or renormalised over {yes, no}; ``probs``:
+    ``[P(yes), P(no)]`` under the same normalization; ``decision``: "yes" when P(yes) >= P(no).
+    ``prompt_tokens``: the prompt's length; ``error``: why the item was not judged."""
+
     index: int
     id: object = None
     score: float | None = None  # P(yes): over the vocabulary or renormalised over {yes, no}
@@ -74,25 +82,22 @@ class HolisticJudge(Judge):
     ignored). ``template`` and ``normalize``: see the module docstring (``normalize`` defaults
     to ``"vocab"`` for ``"vqascore"`` and to ``"yes-no"`` for ``"fastjudge"``).
     ``max_image_pixels``: the pixel budget of an image (see :mod:`fastjudge.io.images`); a
-    larger one is that item's error."""
+    larger one is that item's error. ``engine``: how the model runs
+    (:class:`~fastjudge.engine_options.EngineOptions`; ignored when ``model`` is an open
+    backend)."""
 
-    def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
-                 image_root: str | os.PathLike | None = None, max_batch_tokens: int | None = None,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
-                 max_input_tokens: int | None = None, template: str = "vqascore",
-                 normalize: str | None = None, max_image_pixels: int | None = None):
+    def __init__(self, model, template: str = "vqascore", normalize: str | None = None,
+                 image_root: str | os.PathLike | None = None, max_image_pixels: int | None = None,
+                 *, engine: EngineOptions | None = None):
         if template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
         normalize = normalize or ("vocab" if template == "vqascore" else "yes-no")
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
         self.template, self.normalize = template, normalize
-        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="the holistic judge")
+        self._open(model, engine, image="the holistic judge")
         self.image_root = image_root
         self.max_image_pixels = max_image_pixels or MAX_IMAGE_PIXELS
-        self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
-        self.max_batch_size = max_batch_size
-        self.codec = self.backend.codec
         self.yes_no_ids = self._answer_ids()
         self._prompt = vqascore_prompt if template == "vqascore" else holistic_prompt
 

@@ -16,6 +16,10 @@ reference answers as given (no stripping), filtered with their repetitions kept,
 quoted; the yes/no demonstrations when the most common raw reference is yes or no.
 ``official_repo=PATH`` instead runs the authors' own prompt builder and rating rule from the
 user's checkout of their repository (:mod:`.lave_official`).
+
+Over 400 lines: the examples, the demonstrations, fastjudge's own prompting and rating
+(:class:`FastjudgeLave`) and the judge that runs it or the authors' (:class:`LaveJudge`) are
+one metric's data handling, read together when comparing it with the authors' code.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..engine_options import EngineOptions
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
-from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from .base import Judge, open_backend
-from .lave_official import load_prompt_builder, official_rating, rating_probs, split_prompt, tracked_ids
+from ..runtime.scheduler import run_requests
+from .base import Judge
+from .lave_official import OfficialLave, Rating
 
 RATINGS = (1, 2, 3)
 RATING_CUE = " So rating="
@@ -67,6 +72,17 @@ class VQAExample:
 
 @dataclass
 class LaveResult:
+    """One example's LAVE judgment.
+
+    ``index``: the example's position in the input; ``id``: its ``id``. ``rating``: 1, 2 or 3
+    (incorrect, ambiguous or incomplete, correct); ``score = (rating - 1) / 2``. ``probs``: the
+    distribution over ratings 1, 2, 3 at the step that produced the rating (None when the
+    rating was not read from such a step); ``soft_score``: the expected score under ``probs``
+    (with fastjudge's prompts, the score itself when there are no ``probs``). ``rationale``:
+    the decoded explanation in rationale mode. ``prompt_tokens``: the prompt's length.
+    ``error``: why the item was not judged (all judgment fields then None); ``rating_source``:
+    how the rating was obtained (below)."""
+
     index: int
     id: object = None
     score: float | None = None
@@ -162,74 +178,28 @@ def _quote(answers: Iterable[str]) -> str:
     return ", ".join(f"'{a}'" for a in answers)
 
 
-class LaveJudge(Judge):
-    """Rates VQA answers with LAVE. See the module docstring for the two modes.
+class FastjudgeLave:
+    """fastjudge's own LAVE prompts (its wording and demonstrations, the authors' data handling)
+    and rating reading: one step over the three rating tokens in score-only mode; in rationale
+    mode the last character of the rationale, else ``on_unparsable``'s rule."""
 
-    ``model`` is a local Hugging Face checkpoint directory (or an already opened backend, to
-    share one model between judges). ``jump_forward``: Qwen jump-forward decoding (exact).
-
-    ``official_repo``: a checkout of the LAVE authors' repository, whose ``lave.py`` is run
-    (as a plugin is) to build every prompt, with their demonstration files unless ``demos`` /
-    ``binary_demos`` name others; ``rationale`` then defaults to on, ``filter_p`` must stay at
-    their 0.25, and ratings follow their rule (free generation; the token before EOS; rating 2
-    when it is not a digit 1-3), whatever ``on_unparsable`` says. ``probs`` / ``soft_score``
-    are then the distribution over the rating tokens at the step that produced the rating, or
-    null when no rating token was produced.
-
-    Prompt-length policy: a prompt longer than the backend's ``max_input_tokens`` is never
-    truncated (truncation would cut the test example or silently change the demonstrations);
-    the item gets an ``error`` naming its length and the limit, and the job goes on.
-    """
-
-    def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
-                 rationale: bool | None = None, num_shots: int = 8, demos=None, binary_demos=None,
-                 filter_refs: bool = True, filter_p: float = 0.25, use_caption: bool = False,
-                 max_batch_tokens: int | None = None, max_new_tokens: int = 100,
-                 on_unparsable: str = "constrain", max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 allow_pickle: bool = False, max_input_tokens: int | None = None,
-                 official_repo: str | os.PathLike | None = None, jump_forward: bool = True):
-        if on_unparsable not in ON_UNPARSABLE:
-            raise ValueError(f"on_unparsable must be one of {ON_UNPARSABLE}, got {on_unparsable!r}")
-        if num_shots < 0:
-            raise ValueError("num_shots must be >= 0")
-        if not 0 <= filter_p < 1:
-            raise ValueError("filter_p must be in [0, 1)")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens,
-                                    jump_forward=jump_forward)
-        self.codec = self.backend.codec
-        # off by default; on by default with the authors' code, as in their code
-        self.rationale = (official_repo is not None) if rationale is None else bool(rationale)
-        self.num_shots = num_shots
-        self.filter_refs = filter_refs
-        self.filter_p = filter_p
-        self.use_caption = use_caption
-        self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
-        self.max_batch_size = max_batch_size
-        self.max_new_tokens = max_new_tokens
-        self.on_unparsable = on_unparsable
-        self._answer_ids = self._rating_ids("")
-        self._cue_ids = self.codec.response_ids(RATING_CUE)
-        self._cue_rating_ids = self._rating_ids(RATING_CUE)
-        if official_repo is not None:
-            self._official = load_prompt_builder(
-                official_repo, num_shots=num_shots, rationalize=self.rationale,
-                filter_refs=filter_refs, filter_p=filter_p, use_caption=use_caption, demos=demos,
-                binary_demos=binary_demos)
-            # a rating may be written word-initial or glued to "=": read the one produced
-            self._rating_families = tuple(dict.fromkeys((self._answer_ids, self._cue_rating_ids)))
-            return
-        self._official = None
+    def __init__(self, codec, *, rationale: bool, num_shots: int, demos, binary_demos,
+                 filter_refs: bool, filter_p: float, use_caption: bool, max_new_tokens: int,
+                 on_unparsable: str, answer_ids: tuple[int, ...], cue_rating_ids: tuple[int, ...]):
+        self.codec = codec
+        self.rationale, self.filter_refs, self.filter_p = rationale, filter_refs, filter_p
+        self.use_caption, self.on_unparsable = use_caption, on_unparsable
+        self.cue_rating_ids = cue_rating_ids
+        self.cue_ids = codec.response_ids(RATING_CUE)
+        self.spec = Text(max_new_tokens, track_ids=cue_rating_ids) if rationale else Choice(answer_ids)
         self.general_demos = load_demonstrations(demos, "general")[:num_shots]
         self.binary_demos = load_demonstrations(binary_demos, "binary")[:num_shots]
         if use_caption:
             for d in self.general_demos + self.binary_demos:
                 if not d.caption:
                     raise ValueError("use_caption=True needs a caption in every demonstration")
-        self._prefixes = {binary: self._prefix(binary) for binary in (False, True)}
+        self.prefixes = {binary: self._prefix(binary) for binary in (False, True)}
 
-    # -- prompt ----------------------------------------------------------------------------------
     def _block(self, question: str, refs: Sequence[str], prediction: str, caption: str | None) -> str:
         lines = []
         if self.use_caption:
@@ -253,6 +223,99 @@ class LaveJudge(Judge):
                          + " " + self._demo_output(d))
         return "\n\n".join(parts) + "\n\n"
 
+    def prompt_parts(self, question: str, answers: list[str], prediction: str,
+                     caption: str | None) -> tuple[str, str]:
+        refs = filter_references(answers, self.filter_p) if self.filter_refs else sorted(answers)
+        return self.prefixes[is_binary_question(answers)], self._block(question, refs, prediction, caption)
+
+    def read(self, out: Output) -> Rating | None:
+        """The rating of a rationale; None when it has none and a constrained step should
+        follow (:meth:`followup`)."""
+        last = self.codec.decode(out.token_ids).rstrip()[-1:]
+        if last in ("1", "2", "3"):
+            probs = None
+            if out.token_ids and out.token_ids[-1] in self.cue_rating_ids and out.tracked_logits is not None:
+                probs = choice_probs(out.tracked_logits[-1])
+            return Rating(int(last), probs, "parsed")
+        if self.on_unparsable == "official":
+            return Rating(2, None, "official-fallback")
+        return None
+
+    def followup(self, out: Output, request: Request) -> Request:
+        """The rationale, the rating cue, and one step restricted to the three ratings."""
+        return replace(request, spec=Choice(self.cue_rating_ids),
+                       response_prefix=tuple(out.token_ids) + tuple(self.cue_ids))
+
+
+class LaveJudge(Judge):
+    """Rates VQA answers with LAVE. See the module docstring for the two modes.
+
+    ``model`` is a local Hugging Face checkpoint directory, opened as ``engine``
+    (:class:`~fastjudge.engine_options.EngineOptions`) says, or an already opened backend, to
+    share one model between judges. The other arguments are the metric's.
+
+    ``official_repo``: a checkout of the LAVE authors' repository, whose ``lave.py`` is run
+    (as a plugin is) to build every prompt, with their demonstration files unless ``demos`` /
+    ``binary_demos`` name others; ``rationale`` then defaults to on, ``filter_p`` must stay at
+    their 0.25, and ratings follow their rule (free generation; the token before EOS; rating 2
+    when it is not a digit 1-3), whatever ``on_unparsable`` says. ``probs`` / ``soft_score``
+    are then the distribution over the rating tokens at the step that produced the rating, or
+    null when no rating token was produced. The two ways of prompting and rating are two
+    objects behind this one judge: :class:`FastjudgeLave` and
+    :class:`~fastjudge.judges.lave_official.OfficialLave` (``self.style``).
+
+    Prompt-length policy: a prompt longer than the backend's ``max_input_tokens`` is never
+    truncated (truncation would cut the test example or silently change the demonstrations);
+    the item gets an ``error`` naming its length and the limit, and the job goes on.
+    """
+
+    def __init__(self, model, rationale: bool | None = None, num_shots: int = 8, demos=None,
+                 binary_demos=None, filter_refs: bool = True, filter_p: float = 0.25,
+                 use_caption: bool = False, max_new_tokens: int = 100,
+                 on_unparsable: str = "constrain", official_repo: str | os.PathLike | None = None,
+                 *, engine: EngineOptions | None = None):
+        if on_unparsable not in ON_UNPARSABLE:
+            raise ValueError(f"on_unparsable must be one of {ON_UNPARSABLE}, got {on_unparsable!r}")
+        if num_shots < 0:
+            raise ValueError("num_shots must be >= 0")
+        if not 0 <= filter_p < 1:
+            raise ValueError("filter_p must be in [0, 1)")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        self._open(model, engine)
+        # off by default; on by default with the authors' code, as in their code
+        self.rationale = (official_repo is not None) if rationale is None else bool(rationale)
+        self.num_shots = num_shots
+        self.filter_refs = filter_refs
+        self.filter_p = filter_p
+        self.use_caption = use_caption
+        self.max_new_tokens = max_new_tokens
+        self.on_unparsable = on_unparsable
+        self._answer_ids = self._rating_ids("")
+        self._cue_rating_ids = self._rating_ids(RATING_CUE)
+        shared = dict(rationale=self.rationale, num_shots=num_shots, demos=demos,
+                      binary_demos=binary_demos, filter_refs=filter_refs, filter_p=filter_p,
+                      use_caption=use_caption, max_new_tokens=max_new_tokens)
+        if official_repo is not None:
+            # a rating may be written word-initial or glued to "=": read the one produced
+            families = tuple(dict.fromkeys((self._answer_ids, self._cue_rating_ids)))
+            self.style = OfficialLave(official_repo, self.codec, rating_families=families, **shared)
+        else:
+            self.style = FastjudgeLave(self.codec, on_unparsable=on_unparsable,
+                                       answer_ids=self._answer_ids,
+                                       cue_rating_ids=self._cue_rating_ids, **shared)
+
+    @property
+    def general_demos(self) -> list[Demonstration]:
+        """fastjudge's general-question demonstrations (not with ``official_repo``)."""
+        return self.style.general_demos
+
+    @property
+    def binary_demos(self) -> list[Demonstration]:
+        """fastjudge's yes/no-question demonstrations (not with ``official_repo``)."""
+        return self.style.binary_demos
+
+    # -- prompt ----------------------------------------------------------------------------------
     def _answers(self, example: VQAExample) -> list[str]:
         """The validated reference answers, as given; ValueError names what is wrong."""
         if not isinstance(example.question, str) or not example.question.strip():
@@ -273,12 +336,7 @@ class LaveJudge(Judge):
         as given; the caption stripped (what the authors' code does)."""
         answers = self._answers(example)
         caption = example.caption.strip() if self.use_caption else None
-        if self._official is not None:
-            return split_prompt(self._official.build_prompt(example.prediction, answers,
-                                                            example.question, caption))
-        refs = filter_references(answers, self.filter_p) if self.filter_refs else sorted(answers)
-        return self._prefixes[is_binary_question(answers)], self._block(
-            example.question, refs, example.prediction, caption)
+        return self.style.prompt_parts(example.question, answers, example.prediction, caption)
 
     def build_prompt(self, example: VQAExample) -> str:
         """The judge's prompt text for ``example`` (decoder-only backends wrap it in the
@@ -315,51 +373,19 @@ class LaveJudge(Judge):
                             f"{self.backend.max_input_tokens}; not truncated (use fewer shots, "
                             "shorter references, or raise max_input_tokens)")
             return None, result
-        if self._official is not None:
-            spec = Text(self.max_new_tokens, track_ids=tracked_ids(self._rating_families))
-        elif self.rationale:
-            spec = Text(self.max_new_tokens, track_ids=self._cue_rating_ids)
-        else:
-            spec = Choice(self._answer_ids)
-        return encoded.request(index, spec), result
+        return encoded.request(index, self.style.spec), result
 
-    def _set_rating(self, result: LaveResult, rating: int, probs: np.ndarray | None, source: str) -> None:
-        result.rating = rating
-        result.score = (rating - 1) / 2
-        result.rating_source = source
-        if probs is not None:
-            result.probs = [float(p) for p in probs]
-            result.soft_score = float(np.dot(probs, [0.0, 0.5, 1.0]))
-        elif self._official is None:
+    def _set_rating(self, result: LaveResult, rating: Rating) -> None:
+        result.rating = rating.rating
+        result.score = (rating.rating - 1) / 2
+        result.rating_source = rating.source
+        if rating.probs is not None:
+            result.probs = [float(p) for p in rating.probs]
+            result.soft_score = float(np.dot(rating.probs, [0.0, 0.5, 1.0]))
+        elif isinstance(self.style, FastjudgeLave):
+            # fastjudge's rule: a rating without a distribution is its own soft score; the
+            # authors' code gives none
             result.soft_score = result.score
-
-    def _finish_official(self, out: Output, result: LaveResult) -> None:
-        """The authors' rating rule (:mod:`.lave_official`) on a free generation."""
-        if self.rationale:
-            result.rationale = self.codec.decode(out.token_ids)
-        rating = official_rating(out.token_ids, self.codec.decode)
-        if rating is None:
-            self._set_rating(result, 2, None, "official-fallback")
-        else:
-            probs = rating_probs(self._rating_families, out.tracked_logits, out.token_ids)
-            self._set_rating(result, rating, probs, "parsed")
-
-    def _finish_text(self, out: Output, result: LaveResult, request: Request) -> Request | None:
-        """Rating from a rationale; a constrained follow-up request when it has none."""
-        text = self.codec.decode(out.token_ids)
-        result.rationale = text
-        last = text.rstrip()[-1:]
-        if last in ("1", "2", "3"):
-            probs = None
-            if out.token_ids and out.token_ids[-1] in self._cue_rating_ids and out.tracked_logits is not None:
-                probs = choice_probs(out.tracked_logits[-1])
-            self._set_rating(result, int(last), probs, "parsed")
-            return None
-        if self.on_unparsable == "official":
-            self._set_rating(result, 2, None, "official-fallback")
-            return None
-        return replace(request, spec=Choice(self._cue_rating_ids),
-                       response_prefix=tuple(out.token_ids) + tuple(self._cue_ids))
 
     def stream(self, examples: Iterable[VQAExample]) -> Iterator[LaveResult]:
         """Results as soon as their batch finishes (not in input order; each has ``.index``).
@@ -378,23 +404,27 @@ class LaveJudge(Judge):
             for out in outputs:
                 result = results[out.index]
                 if out.probs is not None:  # score-only
-                    self._set_rating(result, RATINGS[int(np.argmax(out.probs))], out.probs, "choice")
+                    self._set_rating(result, _chosen(out, "choice"))
                     yield result
                     continue
-                if self._official is not None:
-                    self._finish_official(out, result)
-                    yield result
+                if self.rationale:
+                    result.rationale = self.codec.decode(out.token_ids)
+                rating = self.style.read(out)
+                if rating is None:
+                    followups.append(self.style.followup(out, by_index[out.index]))
                     continue
-                followup = self._finish_text(out, result, by_index[out.index])
-                if followup is None:
-                    yield result
-                else:
-                    followups.append(followup)
+                self._set_rating(result, rating)
+                yield result
         for outputs in self._run(followups):
             for out in outputs:
                 result = results[out.index]
-                self._set_rating(result, RATINGS[int(np.argmax(out.probs))], out.probs, "constrained")
+                self._set_rating(result, _chosen(out, "constrained"))
                 yield result
 
     def _run(self, requests: Sequence[Request]) -> Iterator[list[Output]]:
         return run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size)
+
+
+def _chosen(out: Output, source: str) -> Rating:
+    """The most probable rating of a step restricted to the three rating tokens."""
+    return Rating(RATINGS[int(np.argmax(out.probs))], out.probs, source)

@@ -12,8 +12,9 @@ first EOS (the last generated token when no EOS comes), decoded on its own; anyt
 exactly "1", "2" or "3" is rating 2. An EOS as the very first token leaves the decoder start
 token in that place, which is never a rating. The score is ``(rating - 1) / 2``.
 
-This module knows no result class: :class:`~fastjudge.judges.lave.LaveJudge` asks it for
-prompts, the rating of a generation and the distribution behind that rating.
+:class:`OfficialLave` is this way of prompting and rating behind the one
+:class:`~fastjudge.judges.lave.LaveJudge` face (``LaveJudge.style``): it gives prompts, the
+request's output spec and the :class:`Rating` of a generation; it knows no result class.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..runtime.requests import choice_probs
+from ..runtime.requests import Output, Text, choice_probs
 
 BUILDER_FILE = "lave.py"
 BUILDER_CLASS = "LaveBase"
@@ -132,3 +133,42 @@ def rating_probs(families: Sequence[tuple[int, ...]], tracked: np.ndarray | None
 def tracked_ids(families: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """The ids whose logits a generation keeps for :func:`rating_probs`."""
     return tuple(t for family in families for t in family)
+
+
+class Rating(NamedTuple):
+    """A rating as read from a model output: 1-3, the distribution over the three rating
+    tokens behind it (None when there is none) and how it was obtained (``rating_source``)."""
+
+    rating: int
+    probs: np.ndarray | None
+    source: str
+
+
+class OfficialLave:
+    """LAVE prompted and rated by the authors' code: prompts from their ``LaveBase`` in the
+    checkout at ``repo`` (:func:`load_prompt_builder`), free greedy generation of up to
+    ``max_new_tokens`` tokens, and their rating rule (:func:`official_rating`), whose
+    distribution is read from whichever of ``rating_families`` holds the rating token."""
+
+    def __init__(self, repo: str | os.PathLike, codec, *, rationale: bool, num_shots: int,
+                 demos, binary_demos, filter_refs: bool, filter_p: float, use_caption: bool,
+                 max_new_tokens: int, rating_families: Sequence[tuple[int, ...]]):
+        self.builder = load_prompt_builder(
+            repo, num_shots=num_shots, rationalize=rationale, filter_refs=filter_refs,
+            filter_p=filter_p, use_caption=use_caption, demos=demos, binary_demos=binary_demos)
+        self.decode = codec.decode
+        self.rating_families = tuple(rating_families)
+        self.spec = Text(max_new_tokens, track_ids=tracked_ids(self.rating_families))
+
+    def prompt_parts(self, question: str, answers: list[str], prediction: str,
+                     caption: str | None) -> tuple[str, str]:
+        return split_prompt(self.builder.build_prompt(prediction, answers, question, caption))
+
+    def read(self, out: Output) -> Rating:
+        """The authors' rating of a free generation: rating 2 when theirs falls back."""
+        rating = official_rating(out.token_ids, self.decode)
+        if rating is None:
+            return Rating(2, None, "official-fallback")
+        return Rating(rating, rating_probs(self.rating_families, out.tracked_logits, out.token_ids),
+                      "parsed")
+

@@ -5,7 +5,10 @@ A :class:`JudgeSpec` says how to build its judge (the judge's constructor option
 into an example (strictly for HTTP requests, as given for file rows) and which result fields
 its output rows carry. ``fastjudge lave``, ``visexmem``, ``demo``, ``serve`` and ``rescore``
 derive their command-line options and the judge they build from these declarations, so a new
-judge option is one :class:`Option` here. A new judge is one :func:`register_judge` call.
+judge option is one :class:`Option` here. The engine's options (backend, device, dtype,
+batching, ...) are declared once in :class:`fastjudge.engine_options.EngineOptions`; their flags
+(:data:`ENGINE_OPTIONS`) are generated from it and every factory passes the judge one
+``engine=`` object. A new judge is one :func:`register_judge` call.
 
 This module imports nothing heavy; the factories import their judge when called.
 """
@@ -17,11 +20,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ..engine_options import EngineOptions, engine_fields
 from . import items
 from .items import ItemError
 
 __all__ = ["Option", "ItemError", "JudgeSpec", "JUDGES", "register_judge", "get_judge",
-           "add_options", "add_judge_options", "option_values", "MODEL_OPTIONS", "LAVE_OPTIONS",
+           "add_options", "add_judge_options", "option_values", "engine_options", "ENGINE_OPTIONS",
+           "LAVE_OPTIONS",
            "VISEXMEM_OPTIONS", "IMAGE_TEXT_OPTIONS", "HOLISTIC_OPTIONS", "LAVE_RESULT_FIELDS"]
 
 
@@ -81,8 +86,9 @@ def option_values(args, options: Iterable[Option]) -> dict:
 class JudgeSpec:
     """How to build and feed one judge.
 
-    * ``factory(args)``: the judge, from parsed command-line arguments (``args.model`` and the
-      judge's options). The judge has ``stream(examples)`` yielding results with ``index``
+    * ``factory(args)``: the judge, from parsed command-line arguments (``args.model``, the
+      engine's options, :data:`ENGINE_OPTIONS`, and the judge's). The judge has
+      ``stream(examples)`` yielding results with ``index``
       (into ``examples``), ``error`` and the result fields.
     * ``parse_item(obj, where)``: one JSON item of an HTTP request -> example; raises
       :class:`ItemError` naming ``where`` and what is wrong.
@@ -94,7 +100,8 @@ class JudgeSpec:
     * ``means``: numeric result fields whose mean the job summary prints, with labels.
     * ``result_row(result)``: the result fields of one result as a dict (default: the
       attributes named in ``result_fields``).
-    * ``options``: the judge's constructor options, offered by every command that builds it.
+    * ``options``: the judge's own constructor options (the metric's; the engine's are
+      :data:`ENGINE_OPTIONS`), offered by every command that builds it.
     * ``add_args(parser)``: further options of a judge registered with its own factory (an
       option that another judge already defines is kept as that judge defined it).
 
@@ -126,19 +133,22 @@ class JudgeSpec:
 
 
 # -- options ---------------------------------------------------------------------------------
-# Keyword arguments every built-in judge's constructor takes (the model it runs on).
-MODEL_OPTIONS = (
-    Option("device", str, "auto", "cpu, cuda, cuda:N or auto (default)"),
-    Option("dtype", str, None, "float32 or bfloat16 (default: bfloat16 on CUDA and on CPUs with "
-                               "native bf16 support, else float32)"),
-    Option("max_batch_tokens", int, None, "token budget of one batch (default: the backend's)"),
-    Option("max_input_tokens", int, None, "longest prompt in tokens; a longer item gets an "
-                                          "error (default: the backend's limit)"),
-    Option("allow_pickle", bool, False,
-           "allow pickle-based weights (*.bin); only for trusted checkpoints"),
-)
+def _engine_option(f) -> Option:
+    return Option(f.name, f.metadata["type"], f.default, f.metadata["help"], f.metadata["choices"])
 
-LAVE_OPTIONS = MODEL_OPTIONS + (
+
+# How the model runs (every command that builds a judge offers these): generated from the one
+# declaration of the engine's options, :class:`fastjudge.engine_options.EngineOptions`.
+ENGINE_OPTIONS = tuple(_engine_option(f) for f in engine_fields())
+
+
+def engine_options(args) -> EngineOptions:
+    """The engine a command's judge runs on, from its parsed arguments."""
+    return EngineOptions.from_args(args)
+
+
+# The options below are the metric's: keyword arguments of the judges' constructors.
+LAVE_OPTIONS = (
     Option("rationale", bool, None,
            "decode a rationale before the rating (slower; the paper's setting); default: off, "
            "on with --official-repo"),
@@ -167,7 +177,7 @@ MAX_IMAGE_PIXELS = Option("max_image_pixels", int, None,
                           "pixel budget: a larger image is refused from its header, before "
                           "decoding, as that item's error (default: 67108864, 8192 x 8192)")
 
-IMAGE_TEXT_OPTIONS = MODEL_OPTIONS + (IMAGE_ROOT, MAX_IMAGE_PIXELS)
+IMAGE_TEXT_OPTIONS = (IMAGE_ROOT, MAX_IMAGE_PIXELS)
 
 HOLISTIC_OPTIONS = IMAGE_TEXT_OPTIONS + (
     Option("template", str, "vqascore", "vqascore: VQAScore's question and answer word as "
@@ -195,8 +205,6 @@ VISEXMEM_OPTIONS = IMAGE_TEXT_OPTIONS + (
     Option("max_claims", int, 12, "most claims per caption (%(default)s)"),
     Option("max_claim_chars", int, 120, "longest claim text (%(default)s)"),
     Option("max_explanation_chars", int, 300, "longest explanation (%(default)s)"),
-    Option("jump_forward", bool, True, "run grammar-forced tokens one decode step each instead "
-           "of in one multi-token step (same outputs, slower; for comparisons)"),
 )
 
 
@@ -204,7 +212,7 @@ VISEXMEM_OPTIONS = IMAGE_TEXT_OPTIONS + (
 def _build_lave(args):
     from .lave import LaveJudge
 
-    return LaveJudge(args.model, **option_values(args, LAVE_OPTIONS))
+    return LaveJudge(args.model, engine=engine_options(args), **option_values(args, LAVE_OPTIONS))
 
 
 def _image_text_values(args, options) -> dict:
@@ -219,13 +227,15 @@ def _image_text_values(args, options) -> dict:
 def _build_visexmem(args):
     from .visexmem import VisExJudge
 
-    return VisExJudge(args.model, **_image_text_values(args, VISEXMEM_OPTIONS))
+    return VisExJudge(args.model, engine=engine_options(args),
+                      **_image_text_values(args, VISEXMEM_OPTIONS))
 
 
 def _build_holistic(args):
     from .holistic import HolisticJudge
 
-    return HolisticJudge(args.model, **_image_text_values(args, HOLISTIC_OPTIONS))
+    return HolisticJudge(args.model, engine=engine_options(args),
+                         **_image_text_values(args, HOLISTIC_OPTIONS))
 
 
 # Result fields of a LAVE output row (``fastjudge lave``, ``fastjudge rescore --judge lave``).
@@ -295,11 +305,11 @@ class _NewOptionsOnly:
 
 
 def add_judge_options(parser) -> None:
-    """Every registered judge's options, each once (``fastjudge serve``, ``rescore``): the
-    model options on ``parser`` itself, the others in a group named after the first judge
+    """Every registered judge's options, each once (``fastjudge serve``, ``rescore``,
+    ``bench``): the engine's options on ``parser`` itself, the others in a group named after the first judge
     that declares them, followed by that judge's ``add_args``."""
     seen: set[str] = set()
-    add_options(parser, MODEL_OPTIONS, seen)
+    add_options(parser, ENGINE_OPTIONS, seen)
     for spec in JUDGES.values():
         group = parser.add_argument_group(f"--judge {spec.name}")
         add_options(group, spec.options, seen)

@@ -1,8 +1,9 @@
 """Triton kernels, installed as ``fastjudge.kernels``.
 
-Each kernel lives in one file with its launcher and a torch reference of the same math, so
-the reference doubles as the CPU fallback and the test oracle. Triton itself is imported
-lazily by each kernel file: this package imports on machines without Triton.
+Each kernel has one file with its launcher and a torch reference of the same math (the CPU
+fallback and the test oracle), and its ``@triton.jit`` functions in a ``*_triton.py`` file
+beside it, imported on the kernel's first use: this package imports on machines without
+Triton, and ``TRITON_INTERPRET`` is read when a kernel is first needed.
 
 - `choice_head`: final RMSNorm + the K candidate rows of the LM head (+ full-vocabulary
   log-sum-exp without ``[B, V]`` logits) -> ``choice_logits``, ``choice_logprobs``,
@@ -15,13 +16,12 @@ Dispatch: Triton on CUDA tensors when Triton is installed, the torch reference o
 Triton interpreter; every entry point also takes ``impl="auto" | "torch" | "triton"``.
 """
 
-from .dispatch import triton_available
-
 # The functions named like their modules (choice_head.choice_head, crop_encode.crop_encode) are
 # not re-exported: `fastjudge.kernels.crop_encode` stays the module.
 from . import choice_head, crop_encode, dispatch  # noqa: E402
 from .choice_head import ChoiceHead, choice_logits, choice_logprobs  # noqa: E402
 from .crop_encode import CropEncodeConfig, smart_resize  # noqa: E402
+from .dispatch import triton_available
 
-__all__ = ["triton_available", "dispatch", "choice_head", "crop_encode", "ChoiceHead", "choice_logits", "choice_logprobs",
-           "CropEncodeConfig", "smart_resize"]
+__all__ = ["triton_available", "dispatch", "choice_head", "crop_encode", "ChoiceHead", "choice_logits",
+           "choice_logprobs", "CropEncodeConfig", "smart_resize"]

@@ -12,12 +12,15 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5) produces for that crop as an image:
    the downscale factor). uint8 images are resampled to uint8 as the processors do, chosen by
    ``config.uint8_mode``:
 
-   - ``"pil"`` (default): a width pass, rounded half up and clipped to uint8, then a height pass,
-     rounded and clipped again. This is PIL's algorithm (the slow processor; qwen-vl-utils, with
-     which Qwen's VL models were trained) and torch's CPU uint8 kernel (the fast processor on
-     CPU), both with fixed-point weights where this file uses float32 ones. Pillow up to 12.3
-     always runs the width pass first; Pillow 13.0 runs the height pass first for some sizes
-     (e.g. 500x375 -> 504x364), and then differs by up to ~25 uint8 steps;
+   - ``"pil"`` (default): one pass per axis, each rounded half up and clipped to uint8, in
+     Pillow's order (:func:`pillow_height_first`: width first, except that Pillow 13 runs the
+     height pass first when the height shrinks by more than twice what the width loses, e.g.
+     500x375 -> 504x364; the wrong order differs by up to ~25 uint8 steps). This is PIL's
+     algorithm (the slow processor; qwen-vl-utils, with which Qwen's VL models were trained,
+     and so VQAScore) with fixed-point weights where the torch reference and the kernel use
+     float32 ones; on CPU, uint8 RGB images are resampled by Pillow itself
+     (``crop_encode_reference(..., resampler="pillow")``, what :func:`crop_encode` runs there),
+     so the host path gives exactly Pillow's pixels;
    - ``"float"``: one float32 pass, clamped and rounded half to even once: the fast processor on
      a CUDA device (torchvision casts to float there). At strong edges it differs from the CPU
      processors by up to 25 uint8 steps, because the bicubic overshoot of the first pass is not
@@ -38,37 +41,30 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5) produces for that crop as an image:
 ``pixel_values`` of all boxes are concatenated in box order, like the processor's output for a
 list of images.
 
-Measured faithfulness (tests/test_kernels.py; `benchmarks/gpu_check.py` repeats it on CUDA):
+The kernel evaluates the filter with ATen's FMA-contracted formulas (bit-identical weights)
+and accumulates with FMAs in ATen's order, so that resampled values on an exact rounding tie
+(frequent at small rational scales) round the same way as the reference. Measured agreement
+(kernel vs reference vs transformers' processors and Pillow): docs/kernels.md.
 
-- Triton kernel (interpreter, CPU) vs the torch reference `crop_encode_reference`: float32
-  images max |diff| 7.2e-7 (bicubic) / 2.4e-7 (bilinear); uint8 images, both modes: identical
-  (0 differing elements). The kernel evaluates the filter with ATen's FMA-contracted formulas
-  (bit-identical weights) and accumulates with FMAs in ATen's order, so that resampled values on
-  an exact rounding tie (frequent at small rational scales) round the same way; a compiler that
-  orders the sums differently may still flip such a tie by one uint8 step (1/255/std = 0.0078
-  for std 0.5), which the tests allow for at most 0.1 % of the elements.
-- torch reference (``"pil"``) vs transformers 5.24's processors on the same crops (uint8 RGB,
-  480x640 images, 6 boxes incl. the whole image, a 1-pixel box, 600x40 and 17x480 strips;
-  Qwen3-VL settings: patch 16, merge 2, mean = std = 0.5; 2716 patches):
-  ``Qwen2VLImageProcessorPil`` (PIL): random-noise images max |diff| 0.0157 (2 uint8 steps), mean
-  2.4e-6, 0.03 % of elements differ; smooth images max 0.0078 (1 step), mean 3.4e-8.
-  ``Qwen2VLImageProcessor`` (torchvision, CPU): noise max 0.0157, mean 2.4e-5, 0.3 % differ;
-  smooth max 0.0078, mean 6.3e-7. The residue is PIL's / torch's fixed-point weights.
-  With ``uint8_mode="float"`` instead: max 0.196 (25 steps), mean 1.0e-3 (noise) / 4.4e-4
-  (smooth) against either CPU processor.
+The Triton kernel is an ``@triton.jit`` function in ``crop_encode_triton.py``, imported on
+first use; this file holds its launcher and the torch reference of the same preprocessing (the
+tests' oracle and, for non-RGB or float images, the CPU path).
 
-Over 400 lines: the Triton kernel, its launcher and the torch reference of the same
-preprocessing live in one file by design (the reference is the CPU path and the tests' oracle).
+Over 400 lines: the processor's config and sizes, the box checks, the torch reference, the
+Pillow path and the launcher are one preprocessing and share every helper; the reference is
+the kernel's oracle, so they stay side by side.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -78,8 +74,8 @@ from .dispatch import interpreting, use_triton
 _RESAMPLE = {2: "bilinear", 3: "bicubic"}
 
 # int64 box-table columns: image base offset, channel/row/column strides, y0, x0, crop h, crop w,
-# grid width, first patch row, max filter taps along y and x
-_T_COLS = 12
+# grid width, first patch row, max filter taps along y and x, height pass first (1) or not (0)
+_T_COLS = 13
 
 
 @dataclass(frozen=True)
@@ -196,6 +192,33 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def _pillow_version() -> tuple[int, ...]:
+    try:
+        import PIL
+    except ImportError:  # no Pillow: follow the newest rule
+        return (999,)
+    return tuple(int(p) for p in PIL.__version__.split(".")[:2] if p.isdigit())
+
+
+PILLOW_VERSION = _pillow_version()
+
+
+def pillow_height_first(in_w: int, in_h: int, out_w: int, out_h: int,
+                        version: tuple[int, ...] | None = None) -> bool:
+    """Whether Pillow resizes a ``in_w x in_h`` image to ``out_w x out_h`` height pass first.
+
+    Pillow up to 12.x always runs the width pass first. From 13.0 on (python-pillow/Pillow
+    pull request 9549, ``ImagingResampleInner`` in ``src/libImaging/Resample.c``) it runs the
+    height pass first when the height shrinks by more than twice the pixels the width loses
+    (a width that grows counts as losing a negative number): the rows of the second pass are
+    then fewer. The order matters because the intermediate image is rounded to uint8; the rule
+    is tested against Pillow's own output in tests/test_pillow_resize.py. ``version``: the
+    Pillow release whose rule applies (default: the installed one)."""
+    if (PILLOW_VERSION if version is None else version) < (13,):
+        return False
+    return out_h < in_h and in_h - out_h > 2 * (in_w - out_w)
+
+
 # ----------------------------------------------------------------------------------------------
 # inputs
 # ----------------------------------------------------------------------------------------------
@@ -300,19 +323,54 @@ def _resample(crop: torch.Tensor, out_h: int, out_w: int, config: CropEncodeConf
     x = crop.float()[None]
     kw = dict(mode=config.resample, align_corners=False, antialias=True)
     if quantize == _Q_PASSES:
-        # the width pass, rounded half up and clipped to uint8, then the height pass
-        if w != out_w:
-            x = F.interpolate(x, size=(h, out_w), **kw).clamp_(0, 255).add_(0.5).floor_()
-        if h != out_h:
-            x = F.interpolate(x, size=(out_h, out_w), **kw).clamp_(0, 255).add_(0.5).floor_()
+        # one pass per axis, each rounded half up and clipped to uint8, in Pillow's order
+        sizes = [(h, out_w), (out_h, out_w)]
+        if pillow_height_first(w, h, out_w, out_h):
+            sizes = [(out_h, w), (out_h, out_w)]
+        for size in sizes:
+            if size != tuple(x.shape[2:]):
+                x = F.interpolate(x, size=size, **kw).clamp_(0, 255).add_(0.5).floor_()
         return x[0]
     x = F.interpolate(x, size=(out_h, out_w), **kw)[0]
     return x.clamp_(0, 255).round_() if quantize == _Q_FINAL else x
 
 
-def crop_encode_reference(images, boxes, config: CropEncodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same pipeline as the kernel, box by box, with F.interpolate(antialias=True)."""
+_PIL_FILTERS = {"bicubic": 3, "bilinear": 2}  # PIL.Image.Resampling values
+
+
+def _resample_pillow(crop: torch.Tensor, out_h: int, out_w: int, config: CropEncodeConfig,
+                     quantize: int) -> torch.Tensor:
+    """One uint8 RGB crop resampled by Pillow itself (``Image.resize``): bit for bit what
+    qwen-vl-utils and transformers' PIL image processor compute. Float32 as ``_resample``."""
+    from PIL import Image as PILImage
+
+    h, w = crop.shape[1:]
+    if (h, w) == (out_h, out_w):
+        return crop.to(torch.float32, copy=True)
+    pil = PILImage.fromarray(crop.permute(1, 2, 0).contiguous().numpy(), mode="RGB")
+    resized = pil.resize((out_w, out_h), resample=_PIL_FILTERS[config.resample])
+    return torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1).float()
+
+
+def _pillow_applies(imgs: list[torch.Tensor], config: CropEncodeConfig) -> bool:
+    """Pillow can stand in for the resampling: uint8 RGB images in ``"pil"`` mode."""
+    return (imgs[0].dtype == torch.uint8 and config.uint8_mode == "pil" and config.channels == 3
+            and imgs[0].device.type == "cpu" and importlib.util.find_spec("PIL") is not None)
+
+
+def crop_encode_reference(images, boxes, config: CropEncodeConfig,
+                          resampler: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """The same pipeline as the kernel, box by box. ``resampler="torch"``: F.interpolate
+    (antialias=True) per pass, in Pillow's pass order for uint8 ``"pil"`` mode -- the kernel's
+    float32-weight math, its test oracle; ``"pillow"``: Pillow's own resize (fixed-point
+    weights; uint8 RGB ``"pil"`` mode on CPU only), exactly the pixels of the Pillow-based
+    preprocessing."""
     imgs = _image_list(images)
+    if resampler not in ("torch", "pillow"):
+        raise ValueError(f"resampler must be 'torch' or 'pillow', got {resampler!r}")
+    if resampler == "pillow" and not _pillow_applies(imgs, config):
+        raise ValueError("the Pillow resampler needs Pillow and uint8 RGB CPU images in 'pil' mode")
+    resample = _resample_pillow if resampler == "pillow" else _resample
     _check_images(imgs, config)
     bxs = _boxes(boxes, len(imgs), [tuple(i.shape[1:]) for i in imgs], config)
     mean, std = config.fused_mean_std(imgs[0].device)
@@ -320,137 +378,21 @@ def crop_encode_reference(images, boxes, config: CropEncodeConfig) -> tuple[torc
     quantize = _quantize_mode(imgs[0].dtype, config)
     out, grids = [], []
     for b in bxs:
-        r = _resample(imgs[b.image][:, b.y0:b.y1, b.x0:b.x1], b.out_h, b.out_w, config, quantize)
+        r = resample(imgs[b.image][:, b.y0:b.y1, b.x0:b.x1], b.out_h, b.out_w, config, quantize)
         out.append(_patchify(r.sub_(mean).div_(std), config))  # in place: r is ours
         grids.append((1, b.out_h // config.patch_size, b.out_w // config.patch_size))
     return (out[0] if len(out) == 1 else torch.cat(out)), torch.tensor(grids, dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernel. Plain functions here; `_kernel()` wraps them with triton.jit on first use (in
-# place, so that the kernel's call to `_aa_weight` finds the jitted helper), so this module
-# imports without Triton and TRITON_INTERPRET is read when the kernel is first needed.
+# Triton kernel: a module-level @triton.jit function in crop_encode_triton.py, imported on first
+# use, so this module imports without Triton and TRITON_INTERPRET is read when the kernel is
+# first needed.
 # ----------------------------------------------------------------------------------------------
-def _aa_weight(pos, center, inv_scale, CUBIC: tl.constexpr):
-    """ATen's antialias filter at source pixel ``pos``: Keys cubic (a = -0.5) or triangle."""
-    t = tl.abs((pos.to(tl.float32) - center + 0.5) * inv_scale)
-    if CUBIC:  # FMA-contracted like ATen's compiled cubic_convolution1/2: bit-identical weights
-        return tl.where(t < 1.0, tl.fma(tl.fma(t, 1.5, -2.5) * t, t, 1.0),
-                        tl.where(t < 2.0, tl.fma(tl.fma(tl.fma(t, -0.5, 2.5), t, -4.0), t, 2.0), 0.0))
-    else:
-        return tl.maximum(1.0 - t, 0.0)
-
-
-def _crop_encode_kernel(img_ptr, table_ptr, scales_ptr, patch_box_ptr, mean_ptr, std_ptr, out_ptr, n_rows,
-                        P: tl.constexpr, M: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-                        ROWS: tl.constexpr, BLOCK_E: tl.constexpr, NCOLS: tl.constexpr, CUBIC: tl.constexpr,
-                        QUANTIZE: tl.constexpr):
-    """ROWS output patch rows per program ([ROWS, C*p*p] resampled values), each stored T times.
-    Every row carries its own box parameters, so one program may span boxes."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    box = tl.load(patch_box_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    tb = table_ptr + box * NCOLS
-    base = tl.load(tb + 0)[:, None]
-    sc = tl.load(tb + 1)[:, None]
-    sh = tl.load(tb + 2)[:, None]
-    sw = tl.load(tb + 3)[:, None]
-    y0 = tl.load(tb + 4)[:, None]
-    x0 = tl.load(tb + 5)[:, None]
-    crop_h = tl.load(tb + 6).to(tl.int32)[:, None]
-    crop_w = tl.load(tb + 7).to(tl.int32)[:, None]
-    grid_w = tl.load(tb + 8).to(tl.int32)
-    local = rows - tl.load(tb + 9).to(tl.int32)
-    taps_y = tl.load(tb + 10).to(tl.int32)
-    taps_x = tl.load(tb + 11).to(tl.int32)
-    fb = scales_ptr + box * 6  # float32: scale, support, 1/scale (1 when upscaling), per axis
-    scale_h = tl.load(fb + 0)[:, None]
-    scale_w = tl.load(fb + 1)[:, None]
-    support_h = tl.load(fb + 2)[:, None]
-    support_w = tl.load(fb + 3)[:, None]
-    inv_h = tl.load(fb + 4)[:, None]
-    inv_w = tl.load(fb + 5)[:, None]
-
-    # which patch: merge blocks row-major over the grid, patches row-major inside a block
-    blocks_w = grid_w // M
-    blk = local // (M * M)
-    within = local % (M * M)
-    gy = ((blk // blocks_w) * M + within // M)[:, None]
-    gx = ((blk % blocks_w) * M + within % M)[:, None]
-
-    e = tl.arange(0, BLOCK_E)[None, :]
-    mask = row_ok[:, None] & (e < C * P * P)
-    c = e // (P * P)
-    oy = gy * P + (e // P) % P  # [ROWS, BLOCK_E] pixel of the resized crop
-    ox = gx * P + e % P
-
-    # ATen's _compute_indices_min_size_weights_aa: centre, first tap, tap count, normalized weights
-    center_y = scale_h * (oy.to(tl.float32) + 0.5)
-    center_x = scale_w * (ox.to(tl.float32) + 0.5)
-    ymin = tl.maximum((center_y - support_h + 0.5).to(tl.int32), 0)
-    xmin = tl.maximum((center_x - support_w + 0.5).to(tl.int32), 0)
-    ysize = tl.minimum(tl.minimum((center_y + support_h + 0.5).to(tl.int32), crop_h) - ymin, taps_y[:, None])
-    xsize = tl.minimum(tl.minimum((center_x + support_w + 0.5).to(tl.int32), crop_w) - xmin, taps_x[:, None])
-    ny = tl.max(tl.where(row_ok, taps_y, 0), axis=0)
-    nx = tl.max(tl.where(row_ok, taps_x, 0), axis=0)
-    total_y = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    for j in range(0, ny):
-        total_y += tl.where(j < ysize, _aa_weight(ymin + j, center_y, inv_h, CUBIC), 0.0)
-    total_x = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    for i in range(0, nx):
-        total_x += tl.where(i < xsize, _aa_weight(xmin + i, center_x, inv_w, CUBIC), 0.0)
-    total_y = tl.where(total_y != 0.0, total_y, 1.0)
-    total_x = tl.where(total_x != 0.0, total_x, 1.0)
-
-    # horizontal pass per source row, then the vertical combination (ATen's order)
-    src = img_ptr + base + c.to(tl.int64) * sc
-    acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    for j in range(0, ny):
-        yj = ymin + j
-        y_ok = mask & (j < ysize)
-        row_ptr = src + (y0 + yj.to(tl.int64)) * sh
-        racc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-        for i in range(0, nx):
-            xi = xmin + i
-            ok = y_ok & (i < xsize)
-            v = tl.load(row_ptr + (x0 + xi.to(tl.int64)) * sw, mask=ok, other=0).to(tl.float32)
-            wx = tl.where(ok, _aa_weight(xi, center_x, inv_w, CUBIC) / total_x, 0.0)
-            racc = tl.fma(v, wx, racc)  # ATen's CPU loops compile to FMAs
-        if QUANTIZE == 2:  # PIL: the intermediate image is uint8 (clip, round half up)
-            racc = tl.floor(tl.minimum(tl.maximum(racc, 0.0), 255.0) + 0.5)
-        wy = tl.where(y_ok, _aa_weight(yj, center_y, inv_h, CUBIC) / total_y, 0.0)
-        acc = tl.fma(racc, wy, acc)
-
-    if QUANTIZE == 2:
-        acc = tl.floor(tl.minimum(tl.maximum(acc, 0.0), 255.0) + 0.5)
-    elif QUANTIZE == 1:  # torchvision: clamp, round half to even
-        acc = tl.minimum(tl.maximum(acc, 0.0), 255.0)
-        r = tl.floor(acc + 0.5)
-        odd = (r.to(tl.int32) % 2) == 1
-        acc = tl.where(((r - acc) == 0.5) & odd, r - 1.0, r)
-    mean = tl.load(mean_ptr + c, mask=mask, other=0.0)
-    std = tl.load(std_ptr + c, mask=mask, other=1.0)
-    val = (acc - mean) / std
-    out_row = out_ptr + rows.to(tl.int64)[:, None] * (C * T * P * P) + c * (T * P * P) + e % (P * P)
-    for k in range(T):
-        tl.store(out_row + k * (P * P), val, mask=mask)
-
-
-_KERNEL = None
-
-
 def _kernel():
-    global _KERNEL, _aa_weight, tl
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl_mod
+    from .crop_encode_triton import crop_encode_kernel
 
-        tl = tl_mod  # the functions above resolve `tl` from this module's globals
-        _aa_weight = triton.jit(_aa_weight)
-        _KERNEL = triton.jit(_crop_encode_kernel)
-    return _KERNEL
-
-
+    return crop_encode_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -495,11 +437,13 @@ def crop_encode_triton(images, boxes, config: CropEncodeConfig,
     taps = (torch.ceil(support) * 2 + 1).to(torch.int64)
     table, counts = [], []
     start = 0
+    quantize = _quantize_mode(imgs[0].dtype, config)
     for n, b in enumerate(bxs):
         gh, gw = b.out_h // p, b.out_w // p
         sc, sy, sx = strides[b.image]
+        y_first = quantize == _Q_PASSES and pillow_height_first(b.x1 - b.x0, b.y1 - b.y0, b.out_w, b.out_h)
         table.append([bases[b.image], sc, sy, sx, b.y0, b.x0, b.y1 - b.y0, b.x1 - b.x0, gw, start,
-                      int(taps[n, 0]), int(taps[n, 1])])
+                      int(taps[n, 0]), int(taps[n, 1]), int(y_first)])
         counts.append(gh * gw)
         start += gh * gw
     total = start
@@ -517,7 +461,7 @@ def crop_encode_triton(images, boxes, config: CropEncodeConfig,
     kernel[(-(-total // rows),)](
         flat, table_t, scales_t, patch_box, mean, std, out, total,
         P=p, M=m, T=T, C=C, ROWS=rows, BLOCK_E=_next_pow2(C * p * p), NCOLS=_T_COLS,
-        CUBIC=config.resample == "bicubic", QUANTIZE=_quantize_mode(imgs[0].dtype, config))
+        CUBIC=config.resample == "bicubic", QUANTIZE=quantize)
     grids = torch.tensor([(1, b.out_h // p, b.out_w // p) for b in bxs], dtype=torch.long)
     return out, grids
 
@@ -532,12 +476,18 @@ def crop_encode(images, boxes, config: CropEncodeConfig, impl: str = "auto") -> 
     ``grid_thw [M, 3]`` int64 (CPU). Boxes outside the image, empty or inverted boxes, and aspect
     ratios over 200 raise ValueError.
 
-    impl: ``"auto"`` (Triton on CUDA; torch on CPU unless FASTJUDGE_FORCE_TRITON=1 with
-    TRITON_INTERPRET=1), ``"torch"`` or ``"triton"``.
+    impl: ``"auto"`` (Triton on CUDA; on CPU Pillow's own resize for uint8 RGB images in
+    ``"pil"`` mode, else the torch reference; Triton on CPU with FASTJUDGE_FORCE_TRITON=1 and
+    TRITON_INTERPRET=1), ``"torch"``, ``"pillow"`` or ``"triton"``.
     """
-    if use_triton(_image_list(images)[0].device, impl):
+    imgs = _image_list(images)
+    if impl == "pillow" or (impl == "auto" and not use_triton(imgs[0].device, impl)
+                            and _pillow_applies(imgs, config)):
+        return crop_encode_reference(images, boxes, config, resampler="pillow")
+    if use_triton(imgs[0].device, impl):
         return crop_encode_triton(images, boxes, config)
     return crop_encode_reference(images, boxes, config)
 
 
-__all__ = ["CropEncodeConfig", "smart_resize", "crop_encode", "crop_encode_reference", "crop_encode_triton"]
+__all__ = ["CropEncodeConfig", "smart_resize", "pillow_height_first", "crop_encode",
+           "crop_encode_reference", "crop_encode_triton"]

@@ -4,16 +4,22 @@
 * :mod:`.stats` -- Spearman / Kendall tau-b, vectorized bootstrap CIs.
 * :mod:`.significance` -- the LAVE paper's significance test between two metrics' correlations.
 * :mod:`.human_ratings` -- LAVE's human score, Krippendorff's alpha.
-* :mod:`.bench` -- pairwise accuracy (tie calibration), Winoground scores, Spearman per
-  benchmark, Cohen's kappa.
+* :mod:`.image_text_meta_eval` -- image-text benchmark meta-evaluation: pairwise accuracy (tie
+  calibration), Winoground scores, Spearman per benchmark, Cohen's kappa, T2IScoreScore's rank
+  and sep.
 * :mod:`.error_graphs` -- T2IScoreScore's rank and sep over error graphs.
 * :mod:`.meta_eval` -- ``fastjudge meta-eval``: metrics vs human judgments from JSONL files.
 """
 
-from .bench import (cohen_kappa, pairwise_accuracy, spearman_by_benchmark, tie_calibrated_pairwise_accuracy,
-                    winoground_scores)
 from .error_graphs import ts2_rank, ts2_sep
 from .human_ratings import human_score, krippendorff_alpha
+from .image_text_meta_eval import (
+    cohen_kappa,
+    pairwise_accuracy,
+    spearman_by_benchmark,
+    tie_calibrated_pairwise_accuracy,
+    winoground_scores,
+)
 from .significance import CorrelationComparison, compare_correlations
 from .stats import BootstrapCI, bootstrap_ci, bootstrap_replicates, kendall, spearman
 from .vqa import exact_match, normalize_answer, vqa_accuracy, vqa_accuracy_many, vqa_overall_accuracy

@@ -12,7 +12,6 @@ from collections import Counter
 from html import escape
 from pathlib import Path
 
-
 MAX_LINE_BYTES = 32 << 20  # a longer line (room for an image_b64) is reported, not parsed
 THUMB_SIDE = 480  # thumbnails fit in a THUMB_SIDE square
 

@@ -7,8 +7,8 @@ import sys
 from collections import Counter
 from html import escape
 
-from .html import iter_rows, lave_row, safe_json, visex_row, _num
-from .svg import histogram, scatter
+from .html import _num, iter_rows, lave_row, safe_json, visex_row
+from .svg import histogram, scatter, score_bins
 
 CSS = """body{font-family:sans-serif;margin:16px;max-width:1200px}.row{border:1px solid #ccc;
 padding:8px;margin:8px 0}.figure{position:relative;display:inline-block;line-height:0}
@@ -16,11 +16,12 @@ padding:8px;margin:8px 0}.figure{position:relative;display:inline-block;line-hei
 box-sizing:border-box}.box span{background:#e33;color:#fff;font-size:11px;line-height:12px;
 position:absolute;top:0;left:0;padding:1px}.box.hi{border-color:#0c0;background:rgba(0,200,0,.2)}
 table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:2px 4px;font-size:13px}
-.bar{display:inline-block;width:60px;height:8px;background:#eee}.bar span{display:block;height:8px;
-background:#4a7bd0}.warn{color:#a60}.err{color:#c00}tr.claim:hover{background:#efe}"""
+.chart{margin:4px 24px 8px 0;vertical-align:top}.bar{display:inline-block;width:60px;height:8px;
+background:#eee}.bar span{display:block;height:8px;background:#4a7bd0}.warn{color:#a60}
+.err{color:#c00}tr.claim:hover{background:#efe}"""
 
-JS = """window.__errors=0;window.addEventListener('error',function(){window.__errors++;});
-function applyFilters(){var r=document.getElementById('f-rating').value,e=document.getElementById('f-err').checked,
+JS = """function applyFilters(){var r=document.getElementById('f-rating').value,
+e=document.getElementById('f-err').checked,
 g=parseFloat(document.getElementById('f-gap').value||'0');document.querySelectorAll('.row').forEach(function(s){
 var ok=(!r||s.dataset.rating===r)&&(!e||s.dataset.error==='1')&&(!g||parseFloat(s.dataset.gap||'0')>=g);
 s.style.display=ok?'':'none';});}
@@ -29,13 +30,7 @@ function set(on){tr.closest('.row').querySelectorAll('.box').forEach(function(b)
 if(ids.indexOf(b.dataset.eid)>=0)b.classList.toggle('hi',on);});}
 tr.addEventListener('mouseenter',function(){set(true)});tr.addEventListener('mouseleave',function(){set(false)});
 tr.addEventListener('click',function(){set(true)});});
-['f-rating','f-err','f-gap'].forEach(function(id){document.getElementById(id).addEventListener('input',applyFilters);});
-window.addEventListener('load',function(){var out={rows:document.querySelectorAll('.row').length,boxes:[]};
-document.querySelectorAll('.figure').forEach(function(f,i){var img=f.querySelector('img').getBoundingClientRect();
-f.querySelectorAll('.box').forEach(function(b){var r=b.getBoundingClientRect();out.boxes.push({figure:i,
-eid:b.dataset.eid,x:r.left-img.left,y:r.top-img.top,w:r.width,h:r.height,img_w:img.width,img_h:img.height});});});
-out.errors=window.__errors;out.scripts=document.scripts.length;
-document.getElementById('selftest').textContent=JSON.stringify(out);});"""
+['f-rating','f-err','f-gap'].forEach(function(id){document.getElementById(id).addEventListener('input',applyFilters);});"""
 
 
 MAX_SCATTER_POINTS = 2000  # the correlations use every pair; the plot draws at most these
@@ -76,12 +71,19 @@ def _meta(human_path, scores: dict) -> str:
             f"{len(human.problems)} unreadable human rows.</p>" + scatter(pts, "human", "judge"))
 
 
+def _score_histogram(scores: list[float]) -> str:
+    if not scores:
+        return histogram([], "Scores", "score")
+    bars, edges = score_bins(scores)
+    return histogram(bars, f"Scores of {len(scores)} rows", "score", edges=edges)
+
+
 def build_report(input_path, human=None, image_root=None, limit=2000, sort="score",
                  scores_path=None) -> str:
     if limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
     other = _read_scores(scores_path) if scores_path else {}
-    kept, problems, score_counts, ratings, all_scores = [], [], Counter(), Counter(), {}
+    kept, problems, scores, ratings, all_scores = [], [], [], Counter(), {}
     total = errors = 0
     for row, problem in iter_rows(input_path):
         if problem:
@@ -91,7 +93,7 @@ def build_report(input_path, human=None, image_root=None, limit=2000, sort="scor
         errors += bool(row.get("error"))
         s = _num(row.get("score"))
         if s is not None:
-            score_counts[round(s, 1) if s <= 1 else round(s)] += 1
+            scores.append(s)
             if row.get("id") is not None:
                 all_scores[str(row["id"])] = s
         if row.get("rating") is not None:
@@ -111,8 +113,8 @@ def build_report(input_path, human=None, image_root=None, limit=2000, sort="scor
     head = (f"<h1>fastjudge report</h1><p id=\"counts\" data-total=\"{total}\" data-shown=\"{len(kept)}\">"
             f"{total} rows, {errors} errors, {len(problems)} unreadable lines; showing {len(kept)}"
             + (f" ({omitted} omitted by --limit)" if omitted else "") + "</p>"
-            + histogram(dict(sorted(score_counts.items())), "scores")
-            + (histogram(dict(sorted(ratings.items())), "ratings") if ratings else "")
+            + _score_histogram(scores)
+            + (histogram(sorted(ratings.items()), "Ratings", "rating") if ratings else "")
             + "".join(f'<p class="err">{escape(p)}</p>' for p in problems[:20]))
     if human:
         head += _meta(human, all_scores)
@@ -123,7 +125,7 @@ def build_report(input_path, human=None, image_root=None, limit=2000, sort="scor
     meta = safe_json({"total": total, "shown": len(kept), "omitted": omitted})
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>fastjudge report</title>"
             f"<style>{CSS}</style></head><body>{head}{filters}{''.join(body)}"
-            f"<pre id=\"selftest\"></pre><script type=\"application/json\" id=\"summary\">{meta}</script>"
+            f"<script type=\"application/json\" id=\"summary\">{meta}</script>"
             f"<script>{JS}</script></body></html>")
 
 

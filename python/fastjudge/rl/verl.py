@@ -104,9 +104,10 @@ def get_judge(**reward_kwargs):
         device = str(reward_kwargs.get(DEVICE_OPTION) or os.environ.get("FASTJUDGE_DEVICE") or "auto")
         key = (str(model), device)
         if key not in _loaded:  # loaded under the lock: concurrent first calls load it once
+            from ..engine_options import EngineOptions
             from ..judges.lave import LaveJudge
 
-            _loaded[key] = LaveJudge(str(model), device=_checked_device(device))
+            _loaded[key] = LaveJudge(str(model), engine=EngineOptions(device=_checked_device(device)))
         return _loaded[key]
 
 

@@ -20,6 +20,7 @@ from .guards import BearerAuth, JsonErrors
 from . import openrlhf
 from .openai_routes import openai_routes
 from .metrics import Metrics
+from .openai_routes import openai_routes
 from .openapi import openapi_document
 
 SYSTEM_FAILURE_RETRY_AFTER_S = 5  # the Retry-After of a 503: time for a device to recover

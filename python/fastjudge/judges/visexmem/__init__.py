@@ -12,8 +12,18 @@
 from .claims import AGGREGATES, LINK_FIELDS, aggregate, given_parts, validate_parts
 from .controls import MODES, IntegerReading
 from .judge import EVIDENCE_LAYOUTS, STAGES, VisExJudge
-from .prompts import (DECISION_PREFIX, DECOMPOSE_TASK, EXPLAIN_CLAIM_TASK, EXPLAIN_OVERALL_TASK,
-                      HOLISTIC_INTRO, HOLISTIC_SCORE_TASK, INTRO, PROPOSE_TASK, SELECT_TASK, VERIFY_TASK)
+from .prompts import (
+    DECISION_PREFIX,
+    DECOMPOSE_TASK,
+    EXPLAIN_CLAIM_TASK,
+    EXPLAIN_OVERALL_TASK,
+    HOLISTIC_INTRO,
+    HOLISTIC_SCORE_TASK,
+    INTRO,
+    PROPOSE_TASK,
+    SELECT_TASK,
+    VERIFY_TASK,
+)
 from .records import ClaimResult, ImageTextExample, VisExResult
 from .schemas import PART_TYPES, SCORE_MAX
 

@@ -46,17 +46,32 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
-from ...io.images import (MAX_IMAGE_PIXELS, ImageError, LoadedImage, check_boxes, encode_region, grid_boxes,
-                          load_image, relative_to_pixels)
+from ...engine_options import EngineOptions
+from ...io.images import (
+    MAX_IMAGE_PIXELS,
+    ImageError,
+    LoadedImage,
+    check_boxes,
+    encode_region,
+    grid_boxes,
+    load_image,
+    relative_to_pixels,
+)
 from ...runtime.grammar import Json
 from ...runtime.requests import Choice, Image, Output, Request
-from ...runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
-from ..base import Judge, open_backend
+from ...runtime.scheduler import run_requests
+from ..base import Judge
 from . import prompts
 from .claims import AGGREGATES, LINK_FIELDS, aggregate, given_parts, validate_parts
 from .controls import ControlModes, check_mode, score_reading
-from .prompts import (DECISION_PREFIX, DECOMPOSE_TASK, EXPLAIN_CLAIM_TASK, EXPLAIN_OVERALL_TASK,
-                      PROPOSE_TASK, SELECT_TASK)
+from .prompts import (
+    DECISION_PREFIX,
+    DECOMPOSE_TASK,
+    EXPLAIN_CLAIM_TASK,
+    EXPLAIN_OVERALL_TASK,
+    PROPOSE_TASK,
+    SELECT_TASK,
+)
 from .records import ClaimResult, ImageTextExample, VisExResult
 from .schemas import boxes_schema, evidence_schema, explanation_schema, parts_schema
 
@@ -93,18 +108,17 @@ class VisExJudge(ControlModes, Judge):
     control: ``"single-response"``, ``"holistic-score"``; see ``controls.py``); ``image_root``
     (for relative image paths); ``crop_max_pixels`` (resize evidence crops to at most this many pixels, fewer image
     tokens per claim; default: the checkpoint's processor limit); ``max_image_pixels`` (the pixel
-    budget of an image, see :mod:`fastjudge.io.images`; a larger one is that item's error);
-    ``jump_forward`` (the Qwen backend's jump-forward JSON decoding when ``model`` is a
-    directory; exact, so it only changes speed)."""
+    budget of an image, see :mod:`fastjudge.io.images`; a larger one is that item's error).
+    ``engine``: how the model runs (:class:`~fastjudge.engine_options.EngineOptions`, e.g. its
+    jump-forward JSON decoding, exact, so it only changes speed; ignored when ``model`` is an
+    open backend)."""
 
-    def __init__(self, model, backend: str = "torch", device: str = "auto", dtype=None,
-                 aggregate: str = "mean", explain: bool = True, propose_boxes: bool = False,
+    def __init__(self, model, mode: str = "pipeline", aggregate: str = "mean", explain: bool = True,
+                 propose_boxes: bool = False, evidence_layout: str = "per-claim",
                  max_claims: int = 12, max_claim_chars: int = 120, max_explanation_chars: int = 300,
-                 evidence_layout: str = "per-claim", strict: bool = False, image_root: str | os.PathLike | None = None,
-                 crop_max_pixels: int | None = None, max_batch_tokens: int | None = None,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, allow_pickle: bool = False,
-                 max_input_tokens: int | None = None, max_image_pixels: int | None = None,
-                 mode: str = "pipeline", jump_forward: bool = True):
+                 strict: bool = False, image_root: str | os.PathLike | None = None,
+                 crop_max_pixels: int | None = None, max_image_pixels: int | None = None,
+                 *, engine: EngineOptions | None = None):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
         if evidence_layout not in EVIDENCE_LAYOUTS:
@@ -112,8 +126,7 @@ class VisExJudge(ControlModes, Judge):
         if min(max_claims, max_claim_chars, max_explanation_chars) < 1:
             raise ValueError("max_claims, max_claim_chars and max_explanation_chars must be >= 1")
         check_mode(mode, propose_boxes, evidence_layout)
-        self.backend = open_backend(model, backend, device, dtype, allow_pickle, max_input_tokens, image="VisExMEM",
-                                    jump_forward=jump_forward)
+        self._open(model, engine, image="VisExMEM")
         self.aggregate = aggregate
         self.explain = explain
         self.propose_boxes = propose_boxes
@@ -124,9 +137,6 @@ class VisExJudge(ControlModes, Judge):
         self.strict = strict
         self.image_root = image_root
         self.max_image_pixels = max_image_pixels or MAX_IMAGE_PIXELS
-        self.max_batch_tokens = max_batch_tokens or self.backend.default_batch_tokens
-        self.max_batch_size = max_batch_size
-        self.codec = self.backend.codec
         self.image_config = self.codec.image_config
         self.crop_config = self.image_config
         if crop_max_pixels is not None:
@@ -303,7 +313,7 @@ class VisExJudge(ControlModes, Judge):
             task = f"{head}\n{prompts.box_listing(it.boxes)}\nClaim: {c.text}\n{SELECT_TASK}"
             return self._evidence_request(it, key, task, spec)
 
-        for it, c, out in self._stage("select", ((it, c) for it in items for c in it.claims), make):
+        for it, c, out in self._stage("select", ((item, c) for item in items for c in item.claims), make):
             parsed = self._json(out)
             if parsed is None:
                 it.result.warnings.append(f"{c.part_id}: evidence selection did not finish; no regions used")
@@ -328,7 +338,7 @@ class VisExJudge(ControlModes, Judge):
                                       self.decision_prefix)
 
     def _verify(self, items: list[_Item]) -> None:
-        for it, c, out in self._stage("verify", ((it, c) for it in items for c in it.claims),
+        for it, c, out in self._stage("verify", ((item, c) for item in items for c in item.claims),
                                       self.verification_request):
             c.support = float(out.probs[0])
             c.decision = "yes" if c.support >= 0.5 else "no"

@@ -24,6 +24,15 @@ class ImageTextExample:
 
 @dataclass
 class ClaimResult:
+    """One claim of a caption and its verification.
+
+    ``part_id``, ``text``, ``type`` and the links to other parts (``parent_part_id``,
+    ``head_part_id``, ``target_part_id``) come from the decomposition (or the given claims).
+    ``evidence_ids`` / ``evidence_boxes``: the candidate regions selected for it (``E1``...,
+    pixel boxes ``[x0, y0, x1, y1]``). ``support``: P(yes) renormalised over {yes, no} at the
+    verification step; ``decision``: "yes" when ``support >= 0.5``. ``explanation``: written
+    after the decision, when the judge explains."""
+
     part_id: str
     text: str
     type: str | None  # None: a given claim without a type
@@ -39,6 +48,15 @@ class ClaimResult:
 
 @dataclass
 class VisExResult:
+    """One image-text pair's VisExMEM evaluation.
+
+    ``index``: the example's position in the input; ``id``: its ``id``. ``score``: the
+    aggregate (the judge's ``aggregate``, by default the mean) of the claims' support, in
+    [0, 1]; ``claims``: the :class:`ClaimResult` of each claim; ``explanation``: the overall
+    explanation. ``warnings``: what was repaired or dropped (clipped boxes, fixed part links)
+    without failing the item; ``error``: why the item failed (``claims`` then empty, ``score``
+    None). ``prompt_tokens``: the longest prompt of the item's stages."""
+
     index: int
     id: object = None
     score: float | None = None

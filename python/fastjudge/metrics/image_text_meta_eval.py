@@ -1,4 +1,5 @@
-"""Benchmark-style meta-evaluation scores for image-text metrics, and readers for their files.
+"""Image-text benchmark meta-evaluation: the scores benchmarks use to rank image-text metrics
+against human judgments, and readers for their files.
 
 * :func:`pairwise_accuracy` / :func:`tie_calibrated_pairwise_accuracy` -- Deutsch, Foster and
   Freitag, "Ties Matter: Meta-Evaluating Modern Metrics with Pairwise Accuracy and Tie
