@@ -9,8 +9,8 @@ Qwen3.5 (random ``mini`` shape, head_dim 64), twice each: ``fastjudge build --dt
 ``backend="trtllm"`` (the build directory) and the torch backend (its checkpoint, bfloat16 on
 CUDA). Reported per build: rating agreement and max |Δp| between the two (BF16: the ratings must
 be identical and |Δp| at most 0.02, else the stage fails; FP8: printed; a build the backend
-refuses, such as FP8 Flan-T5 on a release whose T5 loader drops FP8 scales, is reported as such), the build's own calibration agreement, and the
-wall time of each backend over the items (after one warm-up call; TensorRT-LLM's load, compile
+refuses, such as FP8 Flan-T5 on a release whose T5 loader drops FP8 scales, is reported as
+such), the build's own calibration agreement, and the wall time of each backend over the items (after one warm-up call; TensorRT-LLM's load, compile
 and CUDA-graph capture timed apart). Needs TensorRT-LLM (``fastjudge[trtllm]``) and a CUDA
 device; prints why it skips otherwise. Writes OUT_DIR/gpu_check_trtllm.json.
 """
@@ -23,7 +23,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-
 
 BF16_MAX_DPROB = 0.02  # bf16 kernels differ in rounding; the probabilities may not differ more
 

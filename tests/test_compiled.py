@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from conftest import TEST_DEVICE  # noqa: E402
+from test_jump_forward import adversarial_biases, assert_same, biased, json_spec, requests_for  # noqa: E402
+
 from fastjudge.backends.compiled import compile_enabled, row_bucket, width_bucket  # noqa: E402
 from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
 from fastjudge.runtime.requests import Choice, Request, Text  # noqa: E402
-from conftest import TEST_DEVICE  # noqa: E402
-from test_jump_forward import assert_same, biased, adversarial_biases, json_spec, requests_for  # noqa: E402
 
 
 def test_compile_option_and_buckets():

@@ -13,18 +13,15 @@ import asyncio
 import json
 
 import pytest
+from conftest import read_rows, write_lines
 
 import fastjudge.backends as backends
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.cli import main
-from fastjudge.io.jobs import (EXIT_ITEM_ERRORS, EXIT_OK, EXIT_SYSTEM_FAILURE,
-                               EXIT_TOO_MANY_ERRORS, run_job)
+from fastjudge.io.jobs import EXIT_ITEM_ERRORS, EXIT_OK, EXIT_SYSTEM_FAILURE, EXIT_TOO_MANY_ERRORS, run_job
 from fastjudge.judges.registry import get_judge
-from fastjudge.runtime.failures import (DEVICE, OTHER, OUT_OF_MEMORY, SystemFailure, classify,
-                                        prompt_tokens)
+from fastjudge.runtime.failures import DEVICE, OTHER, OUT_OF_MEMORY, SystemFailure, classify, prompt_tokens
 from fastjudge.testing.faults import CUDA_ERROR, FaultyBackend
-
-from conftest import read_rows, write_lines
 
 BATCH_TOKENS = 1100  # about 4 items per backend call (one-shot prompts of ~265 tokens)
 SHOTS = 1  # short prompts keep the tests fast

@@ -299,7 +299,8 @@ def test_vqa_acc_summary_reports_the_script_overall(tmp_path, capsys):
                                         ("red", ["red", "blue"])])]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
-    assert main(["vqa-acc", "--input", str(src), "--output", str(out), "--no-progress"]) == 3  # exit 3: a row is an item error
+    # exit 3: a row is an item error
+    assert main(["vqa-acc", "--input", str(src), "--output", str(out), "--no-progress"]) == 3
     accs = [r["vqa_accuracy"] for r in map(json.loads, out.read_text().splitlines()) if r["error"] is None]
     line = [x for x in capsys.readouterr().err.splitlines() if "overall accuracy" in x]
     assert line == [f"fastjudge vqa-acc overall accuracy (vqaEval.py rounding): "

@@ -80,8 +80,7 @@ def client(app):
 def hf_greedy(vl_dir):
     """transformers' greedy continuation of a user turn holding text and one image, the ids and
     pixels made by the Qwen3-VL processor (the video processor needs torchvision: left out)."""
-    from transformers import (AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration,
-                              Qwen3VLProcessor)
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
     tokenizer = AutoTokenizer.from_pretrained(str(vl_dir))

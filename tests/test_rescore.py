@@ -137,7 +137,8 @@ def test_ray_parquet_input_and_resume(ray_cluster, t5_dir, tmp_path, capsys):
     head = "".join(json.dumps(r) + "\n" for r in expected[:3])
     out.write_text(head, encoding="utf-8")
     capsys.readouterr()
-    assert run("rescore", t5_dir, inp, out, "--ray", "--num-workers", "2") == (3 if any(r["error"] for r in expected[3:]) else 0)
+    item_errors = any(r["error"] for r in expected[3:])
+    assert run("rescore", t5_dir, inp, out, "--ray", "--num-workers", "2") == (3 if item_errors else 0)
     err = capsys.readouterr().err
     assert "7 items (3 already done)" not in err and "4 items (3 already done)" in err
     text = out.read_text(encoding="utf-8")
@@ -180,7 +181,8 @@ def test_parquet_output_parts_and_resume(t5_dir, mixed_input, tmp_path, capsys):
     last = pq.read_table(out / parts[-1]).to_pylist()
     (out / parts[-1]).rename(out / ".part-00002.parquet.tmp")
     capsys.readouterr()
-    assert run("rescore", t5_dir, mixed_input, out, "--rows-per-part", "3") == (3 if any(r["error"] for r in last) else 0)
+    item_errors = any(r["error"] for r in last)
+    assert run("rescore", t5_dir, mixed_input, out, "--rows-per-part", "3") == (3 if item_errors else 0)
     err = capsys.readouterr().err
     assert "removed 1 unfinished part file" in err and "2 items (6 already done)" in err
     assert sorted(p.name for p in out.iterdir()) == parts  # tmp gone, new part 00002

@@ -257,8 +257,13 @@ def test_async_reward_functions_are_awaited_together(lave_judge, visex):
     logs as the sync functions, the model run on the judge's batcher thread."""
     import threading
 
-    from fastjudge.rl import (holistic_reward_fn_async, lave_reward_fn, lave_reward_fn_async,
-                              visexmem_reward_fn, visexmem_reward_fn_async)
+    from fastjudge.rl import (
+        holistic_reward_fn_async,
+        lave_reward_fn,
+        lave_reward_fn_async,
+        visexmem_reward_fn,
+        visexmem_reward_fn_async,
+    )
 
     threads = []
     inner_stream = lave_judge.stream

@@ -10,10 +10,22 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
+from conftest import TEST_DEVICE  # noqa: E402
+from test_jump_forward import adversarial_biases, biased, json_spec, requests_for  # noqa: E402
+
+from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.checkpoints import build_random_qwen  # noqa: E402
+from fastjudge.demo import tokenizer_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen_backend(tmp_path_factory):
+    model_dir = build_random_qwen(tmp_path_factory.mktemp("steps-qwen"), tokenizer_corpus(), arch="qwen3_5", seed=7)
+    return TorchQwenBackend(model_dir, device=TEST_DEVICE, dtype="float32")
+
 from fastjudge.backends import t5_decode, torch_qwen, torch_t5  # noqa: E402
 from fastjudge.bench.step_profile import profile_decoding  # noqa: E402
 from fastjudge.runtime.requests import Request, Text  # noqa: E402
-from test_jump_forward import adversarial_biases, backend, biased, json_spec, qwen_dir, requests_for  # noqa: E402,F401
 
 
 def qwen_profile(backend, rows: int, jump_forward: bool) -> dict:
@@ -30,14 +42,14 @@ def qwen_profile(backend, rows: int, jump_forward: bool) -> dict:
         backend.jump_forward = True
 
 
-def test_qwen_json_step_costs_the_same_at_any_row_count(backend):
+def test_qwen_json_step_costs_the_same_at_any_row_count(qwen_backend):
     """One-token steps (jump-forward off) issue the same ops at 1 and 6 rows; with jump-forward
     a step is as wide as its longest forced run (more rows, wider steps on average), and still
     syncs once."""
-    one, many = qwen_profile(backend, 1, False), qwen_profile(backend, 6, False)
+    one, many = qwen_profile(qwen_backend, 1, False), qwen_profile(qwen_backend, 6, False)
     assert one["syncs"] <= 2 and many["syncs"] <= 2
     assert abs(many["ops"] - one["ops"]) <= 0.1 * one["ops"]
-    assert qwen_profile(backend, 6, True)["syncs"] <= 2
+    assert qwen_profile(qwen_backend, 6, True)["syncs"] <= 2
 
 
 def t5_profile(t5_backend, rows: int) -> dict:

@@ -25,8 +25,16 @@ import numpy as np
 import pytest
 import torch
 
-from fastjudge.backends.trtllm import (NEWER_OPTIONS, CandidateLogits, ManifestError, choice_output, llm_kwargs,
-                                       rest_token, sampling_kwargs, text_output)
+from fastjudge.backends.trtllm import (
+    NEWER_OPTIONS,
+    CandidateLogits,
+    ManifestError,
+    choice_output,
+    llm_kwargs,
+    rest_token,
+    sampling_kwargs,
+    text_output,
+)
 from fastjudge.builders.llm_options import cross_kv_fraction, graph_batch_sizes, limits, llm_options
 from fastjudge.runtime.grammar import Json
 from fastjudge.runtime.requests import Choice, Request, Text, choice_probs

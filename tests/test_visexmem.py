@@ -292,7 +292,7 @@ def test_served_over_http_and_rescored(tmp_path, judge, vl_dir):
     src.write_text(json.dumps({"id": "a", "image": "a.png", "text": "A cup."}) + "\n"
                    + json.dumps({"id": "b", "image": "missing.png", "text": "A cup."}) + "\n")
     assert main(["rescore", "--judge", "holistic", "--model", str(vl_dir), "--input", str(src),
-                 "--output", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 3  # exit 3: a row is an item error
+                 "--output", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 3
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert 0 <= rows["a"]["score"] <= 1 and rows["a"]["decision"] in ("yes", "no")
     assert "not found" in rows["b"]["error"]

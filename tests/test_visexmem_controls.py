@@ -230,7 +230,7 @@ def test_mode_option_and_claims_field_in_a_file_job(tmp_path, vl_dir):
     write_lines(src, [json.dumps({"id": "a", "image": "a.png", "text": "A cup.", "claims": ["A cup."]}),
                       json.dumps({"id": "b", "image": "a.png", "text": "A cup.", "claims": "A cup."})])
     assert main(["visexmem", "--model", str(vl_dir), "--input", str(src), "--output", str(out),
-                 "--device", "cpu", "--dtype", "float32", "--no-progress", "--mode", "holistic-score"]) == 3  # exit 3: a row is an item error
+                 "--device", "cpu", "--dtype", "float32", "--no-progress", "--mode", "holistic-score"]) == 3
     rows = {r["id"]: r for r in read_rows(out)}
     assert rows["a"]["error"] is None and 0 <= rows["a"]["score"] <= 1 and rows["a"]["claims"] == []
     assert "claims must be" in rows["b"]["error"]

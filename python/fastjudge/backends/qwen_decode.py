@@ -151,7 +151,8 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
     ``first_slot ..`` and returns their final prompt hidden states [n, d]. ``stats``: counters
     ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
     jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
-    ``compiled``: the compiled step function (``QwenModel.step``). Returns the outputs and the number of tokens run through the model."""
+    ``compiled``: the compiled step function (``QwenModel.step``). Returns the outputs and the
+    number of tokens run through the model."""
     spec = batch[0].spec
     stats = {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats
     track_ids = getattr(spec, "track_ids", ())

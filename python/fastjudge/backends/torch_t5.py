@@ -19,8 +19,8 @@ import torch
 
 from ..codec import open_codec
 from ..runtime.requests import Choice, Output, Request, choice_probs
-from .loading import load_state_dict, place_checkpoint
 from .compiled import CompiledFunction, compile_enabled
+from .loading import load_state_dict, place_checkpoint
 from .t5_decode import decode_greedy, row_bytes, step_core
 from .t5_model import T5Model, T5Shape, T5Weights
 

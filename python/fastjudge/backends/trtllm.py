@@ -106,7 +106,6 @@ def _is_qwen3_5(model_type: str | None) -> bool:
 def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | None = None) -> str | None:
     """None when the installed TensorRT-LLM (``installed``: its version; default the installed
     distribution's) can serve a ``kind`` judge, else why not and what to install."""
-    from importlib import metadata
     import importlib.util
     from importlib import metadata
 
@@ -121,7 +120,8 @@ def trtllm_mismatch(kind: str, model_type: str | None = None, installed: str | N
     if not SpecifierSet(f">={TRTLLM_SINCE},<{TRTLLM_BELOW}").contains(installed, prereleases=True):
         return (f"TensorRT-LLM {installed} is outside the range fastjudge runs on its PyTorch backend "
                 f"({_install_hint()})")
-    if kind == "qwen3.5" and _is_qwen3_5(model_type) and importlib.util.find_spec("transformers.models.qwen3_5") is None:
+    if kind == "qwen3.5" and _is_qwen3_5(model_type) \
+            and importlib.util.find_spec("transformers.models.qwen3_5") is None:
         return (f"the transformers installed beside TensorRT-LLM {installed} has no qwen3_5 model "
                 f"({_install_hint()})")
     return None
@@ -210,7 +210,8 @@ def sampling_kwargs(spec, eos_token_ids: Sequence[int], logit_scale: float = 1.0
     if isinstance(spec, Text):
         return {"max_tokens": spec.max_new_tokens, **greedy, "return_generation_logits": bool(spec.track_ids)}
     if isinstance(spec, Json):
-        return {"max_tokens": spec.max_new_tokens, **greedy, "guided_decoding": {"grammar": json_grammar_ebnf(spec.schema)}}
+        return {"max_tokens": spec.max_new_tokens, **greedy,
+                "guided_decoding": {"grammar": json_grammar_ebnf(spec.schema)}}
     raise NotImplementedError(f"{type(spec).__name__} requests are not supported by the trtllm backend")
 
 

@@ -34,8 +34,19 @@ from . import agreement as agr
 from .fp8_export import excluded_linears, fp8_state, read_checkpoint, write_fp8_checkpoint
 from .llm_options import limits as llm_limits
 from .manifest import judge_token_ids, lave_template
-from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, finish,
-                       open_source, producer, quantization_section, quantize_and_compare, rel, write_bf16)
+from .pipeline import (
+    BuildOptions,
+    calibration_section,
+    checked_config,
+    compare_checkpoint,
+    finish,
+    open_source,
+    producer,
+    quantization_section,
+    quantize_and_compare,
+    rel,
+    write_bf16,
+)
 
 log = logging.getLogger("fastjudge")
 

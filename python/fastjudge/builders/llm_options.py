@@ -85,7 +85,8 @@ def llm_options(kind: str, model_type: str | None, lim: dict,
         "kv_cache_config": kv,
     }
     if encoder_decoder:
-        kv["cross_kv_cache_fraction"] = cross_kv_fraction(lim["max_input_len"], lim["max_seq_len"] - lim["max_input_len"])
+        kv["cross_kv_cache_fraction"] = cross_kv_fraction(lim["max_input_len"],
+                                                          lim["max_seq_len"] - lim["max_input_len"])
         options["enable_chunked_prefill"] = False
         options["encoder_max_batch_size"] = lim["max_batch_size"]
         options["encoder_cuda_graph_config"] = {"batch_sizes": batch, "seq_lens": _seq_buckets(lim["max_input_len"]),

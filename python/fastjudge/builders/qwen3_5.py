@@ -39,8 +39,19 @@ from .calibration import image_prompts, load_image_captions
 from .fp8_export import excluded_linears, fp8_state, read_checkpoint, write_fp8_checkpoint
 from .llm_options import limits as llm_limits
 from .manifest import judge_token_ids, lave_template
-from .pipeline import (BuildOptions, calibration_section, checked_config, compare_checkpoint, finish, open_source,
-                       producer, quantization_section, quantize_and_compare, rel, write_bf16)
+from .pipeline import (
+    BuildOptions,
+    calibration_section,
+    checked_config,
+    compare_checkpoint,
+    finish,
+    open_source,
+    producer,
+    quantization_section,
+    quantize_and_compare,
+    rel,
+    write_bf16,
+)
 from .quantize import BuildError
 
 log = logging.getLogger("fastjudge")

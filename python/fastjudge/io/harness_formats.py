@@ -239,8 +239,9 @@ def read_lmms_eval(path: str, references: References | None = None) -> Iterator[
 # -- VLMEvalKit ------------------------------------------------------------------------------
 def _as_references(answer: Any) -> list[str]:
     """References from an answer cell: a list stays a list (an ``{"answer": ...}`` element as
-    its answer); a string that is a Python list or tuple literal becomes its elements (literal_eval only: an expression such as a call is not
-    a literal, so it stays one plain string reference)."""
+    its answer); a string that is a Python list or tuple literal becomes its elements
+    (literal_eval only: an expression such as a call is not a literal, so it stays one plain
+    string reference)."""
     if isinstance(answer, str):
         text = answer.strip()
         if text.startswith(("[", "(")):

@@ -54,13 +54,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..runtime.failures import FailedItem, RetryPolicy, SystemFailure, resilient_stream
-from .job_output import (EXIT_INTERRUPTED, EXIT_ITEM_ERRORS, EXIT_OK,  # noqa: F401 (re-exported)
-                         EXIT_SYSTEM_FAILURE, EXIT_TOO_MANY_ERRORS, JobOutput, TooManyErrors)
+from .job_output import (  # noqa: F401 (re-exported)
+    EXIT_INTERRUPTED,
+    EXIT_ITEM_ERRORS,
+    EXIT_OK,
+    EXIT_SYSTEM_FAILURE,
+    EXIT_TOO_MANY_ERRORS,
+    JobOutput,
+    TooManyErrors,
+)
 from .jsonl import STDOUT, InputLine, read_jsonl
 from .parquet import is_parquet
 from .ray_pool import WorkerFailure, score_on_ray
 from .retry_errors import drop_error_rows, finish_dropping
-
 
 
 # -- input -----------------------------------------------------------------------------------

@@ -10,10 +10,24 @@
 
 from .inputs import references_of as _references  # noqa: F401 - the names before the split
 from .inputs import text_of as _text  # noqa: F401
-from .trl import (holistic_reward_fn, holistic_reward_fn_async, lave_reward_fn,
-                  lave_reward_fn_async, visexmem_reward_fn, visexmem_reward_fn_async)
-from .verl import (DEVICE_OPTION, MODEL_OPTION, compute_score, compute_score_async,
-                   compute_score_batch, compute_score_float, configure, get_judge)
+from .trl import (
+                  holistic_reward_fn,
+                  holistic_reward_fn_async,
+                  lave_reward_fn,
+                  lave_reward_fn_async,
+                  visexmem_reward_fn,
+                  visexmem_reward_fn_async,
+)
+from .verl import (
+                  DEVICE_OPTION,
+                  MODEL_OPTION,
+                  compute_score,
+                  compute_score_async,
+                  compute_score_batch,
+                  compute_score_float,
+                  configure,
+                  get_judge,
+)
 
 __all__ = ["lave_reward_fn", "visexmem_reward_fn", "holistic_reward_fn", "lave_reward_fn_async",
            "visexmem_reward_fn_async", "holistic_reward_fn_async", "compute_score",

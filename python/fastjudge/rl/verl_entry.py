@@ -12,8 +12,7 @@ functions as ``pkg://fastjudge.rl``. ``python -m fastjudge.rl.verl_entry`` print
 
 import os
 
-from fastjudge.rl.verl import (compute_score, compute_score_async, compute_score_batch,
-                               compute_score_float)
+from fastjudge.rl.verl import compute_score, compute_score_async, compute_score_batch, compute_score_float
 
 __all__ = ["compute_score", "compute_score_async", "compute_score_batch", "compute_score_float"]
 

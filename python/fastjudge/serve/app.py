@@ -13,12 +13,10 @@ from .. import __version__
 from ..judges.registry import ItemError, get_judge
 from ..runtime.async_batcher import AsyncBatcher, QueueFullError
 from ..runtime.failures import SystemFailure
-from .bodies import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError,
-                     load_embedded_json, read_json)
+from . import openrlhf
+from .bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError, load_embedded_json, read_json
 from .chat_generation import DEFAULT_MAX_COMPLETION_TOKENS, ChatJudge, served_model_id
 from .guards import BearerAuth, JsonErrors
-from . import openrlhf
-from .openai_routes import openai_routes
 from .metrics import Metrics
 from .openai_routes import openai_routes
 from .openapi import openapi_document

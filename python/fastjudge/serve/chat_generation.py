@@ -154,8 +154,7 @@ class ChatJudge:
     def _images(self, example: ChatExample) -> tuple[list[dict], tuple]:
         """The messages with each image as the codec's image slot text, and the images encoded
         for the vision tower, in order (a :class:`PromptError` for an image that cannot be)."""
-        from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, \
-            image_tensor, read_image
+        from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
 
         codec = self.backend.codec
         if not any(isinstance(m["content"], list) for m in example.messages):

@@ -34,8 +34,15 @@ import time
 from ..runtime.async_batcher import QueueFullError
 from ..runtime.failures import SystemFailure
 from .bodies import RequestError, read_json
-from .openai_protocol import (OpenAIError, chunk_bodies, completion_body, error_body,
-                              images_of, models_body, parse_chat_request)
+from .openai_protocol import (
+    OpenAIError,
+    chunk_bodies,
+    completion_body,
+    error_body,
+    images_of,
+    models_body,
+    parse_chat_request,
+)
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
