@@ -10,8 +10,8 @@ Qwen3.5 (random ``mini`` shape, head_dim 64), twice each: ``fastjudge build --dt
 CUDA). Reported per build: rating agreement and max |Δp| between the two (BF16: the ratings must
 be identical and |Δp| at most 0.02, else the stage fails; FP8: printed; a build the backend
 refuses, such as FP8 Flan-T5 on a release whose T5 loader drops FP8 scales, is reported as
-such), the build's own calibration agreement, and the wall time of each backend over the items (after one warm-up call; TensorRT-LLM's load, compile
-and CUDA-graph capture timed apart). Needs TensorRT-LLM (``fastjudge[trtllm]``) and a CUDA
+such), the build's own calibration agreement, and the wall time of each backend over the items
+(after one warm-up call; TensorRT-LLM's load, compile and CUDA-graph capture timed apart). Needs TensorRT-LLM (``fastjudge[trtllm]``) and a CUDA
 device; prints why it skips otherwise. Writes OUT_DIR/gpu_check_trtllm.json.
 """
 
