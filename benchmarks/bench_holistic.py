@@ -173,6 +173,8 @@ def main(argv=None) -> int:
                          "several captions per image, then 1)")
     ap.add_argument("--size", default="448x336", help="image WIDTHxHEIGHT (multiples of 28: no resizing)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", default="off", choices=["off", "on", "auto"],
+                    help="fastjudge's compiled steps (docs/engine.md)")
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            judge = HolisticJudge(model_dir, engine=EngineOptions(device=args.device, dtype=dtype))
+            judge = HolisticJudge(model_dir, engine=EngineOptions(device=args.device, dtype=dtype,
+                                                                  compile=args.compile))
             base = PerSampleBaseline(model_dir, dtype, device)
             for k, pairs in workloads.items():
                 rows.append(dict(shape=shape, captions=k, **bench_one(judge, base, pairs, args)))

@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each (median)")
+    ap.add_argument("--compile", default="off", choices=["off", "on", "auto"],
+                    help="fastjudge's compiled steps (docs/engine.md)")
     ap.add_argument("--eos-scale", type=float, default=2.5)
     ap.add_argument("--rating-scale", type=float, default=2.5)
     ap.add_argument("--max-batch-tokens", type=int, default=None,
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         model_dir = varied_length_checkpoint(Path(tmp) / args.shape, args.shape, args.eos_scale,
                                              args.rating_scale)
         backend = TorchT5Backend(model_dir, device=args.device, dtype=dtype,
-                                 max_decode_rows=args.max_decode_rows)
+                                 max_decode_rows=args.max_decode_rows, compile=args.compile)
         judge = LaveJudge(backend, official_repo=args.official_repo,
                           engine=EngineOptions(max_batch_tokens=args.max_batch_tokens))
         prompts = [judge.build_prompt(e) for e in examples]

@@ -27,7 +27,6 @@ step independent of the row count (within 10 %).
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from fastjudge.bench.step_profile import profile_decoding
+from fastjudge.engine_options import EngineOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -47,9 +47,9 @@ def qwen_path(model_dir: Path, rows: int, jump_forward: bool) -> dict:
     from fastjudge import VisExJudge
     from fastjudge.backends import torch_qwen
 
-    opts = {"jump_forward": jump_forward} if "jump_forward" in inspect.signature(VisExJudge).parameters else {}
-    judge = VisExJudge(model_dir, device="cpu", dtype=torch.float32, max_claims=3, max_claim_chars=40,
-                       max_batch_size=rows, max_batch_tokens=1 << 20, **opts)
+    judge = VisExJudge(model_dir, max_claims=3, max_claim_chars=40,
+                       engine=EngineOptions(device="cpu", dtype="float32", max_batch_size=rows,
+                                            max_batch_tokens=1 << 20, jump_forward=jump_forward))
     items, _ = judge.prepare(make_examples(rows, 448, 336))
     judge._decompose(list(items))  # warm-up: grammar compiled, image embeddings cached
     items, _ = judge.prepare(make_examples(rows, 448, 336))
@@ -65,7 +65,8 @@ def t5_path(model_dir: Path, rows: int) -> dict:
     from fastjudge.backends import t5_decode, torch_t5
     from fastjudge.demo import sample_rows
 
-    judge = LaveJudge(model_dir, device="cpu", dtype=torch.float32, rationale=True, max_new_tokens=24)
+    judge = LaveJudge(model_dir, rationale=True, max_new_tokens=24,
+                      engine=EngineOptions(device="cpu", dtype="float32"))
     sample = sample_rows()
     examples = [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), f"{r['id']}-{i}")
                 for i, r in enumerate((sample * (rows // len(sample) + 1))[:rows])]

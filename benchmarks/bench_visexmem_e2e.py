@@ -225,7 +225,7 @@ def bench_shape(shape: str, model_dir: Path, examples, args, dtype) -> dict:
     settings = {"both": [True, False], "on": [True], "off": [False]}[args.jump_forward]
     judges = {}
     for jf in settings:
-        engine = EngineOptions(device=args.device, dtype=dtype, jump_forward=jf)
+        engine = EngineOptions(device=args.device, dtype=dtype, jump_forward=jf, compile=args.compile)
         judges[jf] = VisExJudge(model_dir, **budgets, engine=engine)
     base = TransformersPipeline(next(iter(judges.values())).backend, model_dir, dtype, args.batch_size,
                                 device=args.device, **budgets)
@@ -308,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="448x336", help="image WIDTHxHEIGHT")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--jump-forward", default="both", choices=["on", "off", "both"])
+    ap.add_argument("--compile", default="off", choices=["off", "on", "auto"],
+                    help="fastjudge's compiled steps (docs/engine.md); compile time is outside the timed runs")
     ap.add_argument("--batch-size", type=int, default=8, help="transformers batch size")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", choices=DEVICES, help="both sides run here")

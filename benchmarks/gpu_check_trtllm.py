@@ -11,8 +11,9 @@ CUDA). Reported per build: rating agreement and max |Δp| between the two (BF16:
 be identical and |Δp| at most 0.02, else the stage fails; FP8: printed; a build the backend
 refuses, such as FP8 Flan-T5 on a release whose T5 loader drops FP8 scales, is reported as
 such), the build's own calibration agreement, and the wall time of each backend over the items
-(after one warm-up call; TensorRT-LLM's load, compile and CUDA-graph capture timed apart). Needs TensorRT-LLM (``fastjudge[trtllm]``) and a CUDA
-device; prints why it skips otherwise. Writes OUT_DIR/gpu_check_trtllm.json.
+(after one warm-up call; TensorRT-LLM's load, compile and CUDA-graph capture timed apart). Needs
+TensorRT-LLM (``fastjudge[trtllm]``) and a CUDA device; prints why it skips otherwise. Writes
+OUT_DIR/gpu_check_trtllm.json.
 """
 
 from __future__ import annotations
