@@ -39,8 +39,8 @@ class EngineOptions:
         "float32 or bfloat16 (default: bfloat16 on CUDA and on CPUs with native bf16 support, "
         "else float32; float32 is the precision faithfulness is tested in)"))
     compile: str = field(default="auto", metadata=_flag(
-        "torch.compile the torch backends' model steps: off, on, or auto (default: where it "
-        "pays, i.e. on CUDA)", choices=COMPILE_MODES))
+        "torch.compile the torch backends' decoding and score-only steps (CUDA graphs on CUDA): "
+        "off, on, or auto (default: on for CUDA, off on the CPU; docs/engine.md)", choices=COMPILE_MODES))
     max_batch_tokens: int | None = field(default=None, metadata=_flag(
         "token budget of one batch (default: the backend's)", int))
     max_batch_size: int = field(default=DEFAULT_MAX_BATCH_SIZE, metadata=_flag(

@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
+from ..engine_options import COMPILE_MODES
+
 log = logging.getLogger("fastjudge")
 
-COMPILE_CHOICES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CAPACITY_QUANTUM = 64  # token capacities round up to this, so caches of nearby sizes share a shape
 
@@ -32,8 +33,8 @@ def compile_enabled(option: str | bool | None, device: torch.device) -> bool:
     compiles on ``device``."""
     if option is None or option is True or option is False:
         return bool(option) if option is not None else device.type == "cuda"
-    if option not in COMPILE_CHOICES:
-        raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {option!r}")
+    if option not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {option!r}")
     return option == "on" or (option == "auto" and device.type == "cuda")
 
 

@@ -82,7 +82,6 @@ class TorchQwenBackend:
         self._grammars = None  # runtime.grammar.GrammarCache, built on the first Json request
         self.tokens_computed = 0  # real (non-padding) tokens run through the model
         self.jump_forward = bool(jump_forward)
-        self.compile = compile
         if max_decode_rows is not None and max_decode_rows < 1:
             raise ValueError(f"max_decode_rows must be positive, got {max_decode_rows}")
         self.max_decode_rows = max_decode_rows

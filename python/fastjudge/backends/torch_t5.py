@@ -56,7 +56,6 @@ class TorchT5Backend:
         # T5 uses relative positions, so no architectural length limit exists; the default cap
         # bounds memory and is far above LAVE prompts (~1k tokens with 8 demonstrations).
         self.max_input_tokens = max_input_tokens or 4096
-        self.compile = compile
         # Planner budget (rows x longest prompt) of one call. The backend bounds its own memory
         # below it: the encoder runs in packs of ``encode_tokens`` (large enough for full GEMMs,
         # small enough that activations stay cache-friendly on CPU) and decoding holds the
