@@ -67,7 +67,7 @@ def count_steps(events, steps: int) -> dict:
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
         ops += e.name.startswith("aten::") and parent is None
-    wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill)
+    wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill if _inside(a, decode))
     steps = max(steps, 1)
     return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, ms=wall / 1000 / steps)
 
