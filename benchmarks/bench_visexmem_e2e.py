@@ -11,7 +11,7 @@ neither side resizes and both see the same pixels.
 * fastjudge: ``VisExJudge.score`` (jump-forward on and/or off, ``--jump-forward``): shared
   image + caption prefixes, grammar-constrained batched decoding, batched verification.
 * transformers: the judge's own stage logic -- its prompt builders, JSON schemas, parsing,
-  part-link repair and aggregation (``visexmem_transformers.TransformersPipeline``
+  part-link repair and aggregation (``fastjudge.reference.visexmem.TransformersPipeline``
   subclasses ``VisExJudge`` and replaces only the model calls), so both sides run exactly the
   same prompts and schemas -- with every model call the way a transformers user writes it:
   the prompt text with one ``<|vision_start|><|image_pad|><|vision_end|>`` per image through the
@@ -77,7 +77,7 @@ from fastjudge.judges.visexmem.judge import STAGES
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 from bench_visexmem import COLORS, OBJECTS, build_checkpoint, fresh  # noqa: E402
-from visexmem_transformers import TransformersPipeline  # noqa: E402
+from fastjudge.reference.visexmem import TransformersPipeline
 
 SHOWN = ("decompose", "select", "verify", "explain")  # aggregation runs inside the pipeline's rest
 TARGET = 5.0  # items/s against transformers
