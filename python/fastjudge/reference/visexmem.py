@@ -21,6 +21,7 @@ Every mode (``pipeline``, ``single-response``, ``holistic-score``) runs through 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -186,6 +187,28 @@ class TransformersPipeline(VisExJudge):
             if progress:
                 progress(min(self.batch_size, len(examples) - start))
         return results
+
+
+def zero_unmasked_utf8_rows(model_dir) -> list[int]:
+    """Make a random-weight checkpoint comparable with this reference: zero the LM-head rows
+    of the tokens whose bytes end in a narrow UTF-8 lead byte (``E0``, ``ED``, ``F0``, ``F4``).
+
+    xgrammar (0.2.9) lets a few invalid UTF-8 forms through inside JSON strings (a surrogate
+    after ``ED``, overlong forms after ``E0``/``F0``); fastjudge masks them
+    (``runtime/grammar.py``), its HF logits processor does not. A trained model practically
+    never writes such bytes; random weights do. Zeroed rows give those tokens logit 0, never
+    the greedy choice where free text is allowed. Returns the zeroed token ids."""
+    import xgrammar as xgr
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    vocab = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir))).decoded_vocab
+    rows = [i for i, raw in enumerate(vocab) if raw and raw[-1] in (0xE0, 0xED, 0xF0, 0xF4)]
+    path = Path(model_dir) / "model.safetensors"
+    state = load_file(str(path))
+    state["lm_head.weight"][rows] = 0
+    save_file(state, str(path), metadata={"format": "pt"})
+    return rows
 
 
 def _pil(loaded):

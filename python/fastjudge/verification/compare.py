@@ -52,20 +52,21 @@ def default_tolerance(dtype, build: bool = False) -> Tolerance:
 @dataclass(frozen=True)
 class Output:
     """One output of a judge: ``units(result)`` -> {key suffix: value} (None values skipped);
-    ``margin(reference_result, a, b)``: how far apart the reference put outcomes ``a`` and
-    ``b`` (``match`` outputs with a probability behind them)."""
+    ``margin(reference_result, suffix, a, b)``: how far apart the reference put outcomes ``a``
+    and ``b`` of the unit ``suffix`` (``match`` outputs with a probability behind them)."""
 
     name: str
     kind: str  # "match", "value", "score" (a value with Spearman), "text"
     units: Callable[[Any], dict]
-    margin: Callable[[Any, Any, Any], float] | None = None
+    margin: Callable[[Any, str, Any, Any], float] | None = None
+    per_claim: bool = False  # compared only on items whose claims are identical on both sides
 
 
 def _one(value) -> dict:
     return {"": value}
 
 
-def _lave_margin(ref, a, b) -> float:
+def _lave_margin(ref, suffix, a, b) -> float:
     if ref.probs is None or a is None or b is None:
         return math.inf
     return abs(ref.probs[a - 1] - ref.probs[b - 1])
@@ -73,6 +74,12 @@ def _lave_margin(ref, a, b) -> float:
 
 def _claim_key(c) -> str:
     return f"/{c.part_id}"
+
+
+def _support_margin(ref, suffix, a, b) -> float:
+    """A yes/no decision's margin: |P(yes) - P(no)| of the reference's claim."""
+    claim = next((c for c in ref.claims or () if _claim_key(c) == suffix), None)
+    return math.inf if claim is None or claim.support is None else abs(2 * claim.support - 1)
 
 
 def _claim_structure(r) -> tuple:
@@ -91,7 +98,7 @@ OUTPUTS: dict[str, tuple[Output, ...]] = {
     "holistic": (
         Output("error", "match", lambda r: _one(r.error is not None)),
         Output("decision", "match", lambda r: _one(r.decision),
-               lambda ref, a, b: abs(ref.probs[0] - ref.probs[1]) if ref.probs else math.inf),
+               lambda ref, suffix, a, b: abs(ref.probs[0] - ref.probs[1]) if ref.probs else math.inf),
         Output("probs", "value", lambda r: _one(r.probs or None)),
         Output("score", "score", lambda r: _one(r.score)),
     ),
@@ -99,11 +106,12 @@ OUTPUTS: dict[str, tuple[Output, ...]] = {
         Output("error", "match", lambda r: _one(r.error is not None)),
         Output("claims", "match", lambda r: _one(_claim_structure(r) if r.error is None else None)),
         Output("decision", "match", lambda r: {_claim_key(c): c.decision for c in r.claims or ()},
-               lambda ref, a, b: abs(2 * ref.support - 1) if ref.support is not None else math.inf),
-        Output("support", "value", lambda r: {_claim_key(c): c.support for c in r.claims or ()}),
+               _support_margin, per_claim=True),
+        Output("support", "value", lambda r: {_claim_key(c): c.support for c in r.claims or ()}, per_claim=True),
         Output("score", "score", lambda r: _one(r.score)),
         Output("explanation", "text", lambda r: {**_one(r.explanation),
-                                                 **{_claim_key(c): c.explanation for c in r.claims or ()}}),
+                                                 **{_claim_key(c): c.explanation for c in r.claims or ()}},
+               per_claim=True),
     ),
 }
 
@@ -155,6 +163,8 @@ def compare_output(output: Output, ids, ours, theirs, tolerance: Tolerance) -> O
     rep = OutputReport(output.name, output.kind)
     rows = []  # (key, ours, theirs, reference result)
     for ident, a, b in zip(ids, ours, theirs):
+        if output.per_claim and _claim_structure(a) != _claim_structure(b):
+            continue  # different claims: the "claims" output lists them
         ua, ub = output.units(a), output.units(b)
         for suffix in dict.fromkeys([*ua, *ub]):
             x, y = ua.get(suffix), ub.get(suffix)
@@ -162,16 +172,16 @@ def compare_output(output: Output, ids, ours, theirs, tolerance: Tolerance) -> O
                 continue
             if output.kind in ("value", "score") and (x is None or y is None):
                 continue  # a value one side lacks: its item's disagreement shows in a match output
-            rows.append((f"{ident}{suffix}", x, y, b))
+            rows.append((f"{ident}{suffix}", x, y, b, suffix))
     rep.units = len(rows)
     if output.kind in ("match", "text"):
         differing = []
-        for key, x, y, ref in rows:
+        for key, x, y, ref, suffix in rows:
             if x == y:
                 rep.identical += 1
                 continue
             tie = output.margin is not None and tolerance.max_abs is not None and \
-                output.margin(ref, x, y) <= tolerance.max_abs
+                output.margin(ref, suffix, x, y) <= tolerance.max_abs
             rep.near_ties += tie
             differing.append({"id": key, "fastjudge": _short(x), "reference": _short(y),
                               **({"near_tie": True} if tie else {})})
@@ -180,7 +190,7 @@ def compare_output(output: Output, ids, ours, theirs, tolerance: Tolerance) -> O
             agree = (rep.identical + rep.near_ties) / len(rows)
             rep.passed = agree >= tolerance.min_agreement - 1e-12
         return rep
-    gaps = sorted(((_gap(x, y), key, x, y) for key, x, y, _ in rows), key=lambda g: -g[0])
+    gaps = sorted(((_gap(x, y), key, x, y) for key, x, y, _, _ in rows), key=lambda g: -g[0])
     if gaps:
         rep.max_abs = gaps[0][0]
         rep.median_abs = statistics.median(g[0] for g in gaps)
@@ -190,7 +200,7 @@ def compare_output(output: Output, ids, ours, theirs, tolerance: Tolerance) -> O
         if tolerance.max_abs is not None:
             rep.passed = rep.max_abs <= tolerance.max_abs
     if output.kind == "score":
-        rep.spearman = spearman([float(x) for _, x, _, _ in rows], [float(y) for _, _, y, _ in rows])
+        rep.spearman = spearman([float(r[1]) for r in rows], [float(r[2]) for r in rows])
     return rep
 
 
