@@ -136,6 +136,8 @@ def spearman(xs, ys) -> float | None:
 
 
 def _short(value, width: int = 60):
+    if value is None or isinstance(value, (bool, int)):
+        return value
     if isinstance(value, float):
         return round(value, 6)
     if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
