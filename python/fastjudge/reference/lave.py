@@ -38,6 +38,7 @@ class _LaveReference:
         self.encoder_decoder = bool(self.model.config.is_encoder_decoder)
         self.eos = sorted(judge.codec.eos_token_ids)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
+        self.generated_lengths: list[int] = []  # tokens each generation wrote (EOS excluded), last score call
 
     # -- inputs --------------------------------------------------------------------------------
     def prompt_ids(self, example) -> list[int]:
@@ -93,11 +94,13 @@ class _LaveReference:
             stop = next((i for i, t in enumerate(row) if t in self.eos), None)
             tokens.append(row if stop is None else row[:stop])
             stopped.append(stop is not None)
+        self.generated_lengths += [len(t) for t in tokens]
         return tokens, stopped, logits, out.sequences
 
     # -- running -------------------------------------------------------------------------------
     def score(self, examples, progress=None) -> list[LaveResult]:
         results = [LaveResult(index=i, id=getattr(ex, "id", None)) for i, ex in enumerate(examples)]
+        self.generated_lengths = []
         todo = []
         for res, ex in zip(results, examples):
             try:
