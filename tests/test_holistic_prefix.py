@@ -124,11 +124,10 @@ def test_shared_prefix_matches_transformers_generate(judge, vl_dir):
     """Two captions of one image and one of another image of the same size, scored in one
     batch from shared prefix states, against ``generate`` on each whole prompt alone
     (float32, 1e-4 relative)."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
+    from fastjudge.reference.holistic import VQAScoreReference
     from test_holistic import REL_TOL, vqascore_generate
 
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
+    reference = VQAScoreReference(vl_dir, judge, dtype="float32")
     exs = [ex for ex in examples() if ex.image.shape[:2] == SIZES[0] and ex.id[0] < 2][:3]
     assert len({ex.id[0] for ex in exs}) == 2
     requests = [judge._request(i, ex) for i, ex in enumerate(exs)]
@@ -136,7 +135,7 @@ def test_shared_prefix_matches_transformers_generate(judge, vl_dir):
     outs = {o.index: o for o in judge.backend.run(requests)}
     worst = 0.0
     for i, request in enumerate(requests):
-        theirs = vqascore_generate(hf, judge.codec.tokenizer, request)
+        theirs = vqascore_generate(reference, request)
         ours = np.exp(outs[i].logprobs)
         worst = max(worst, *(abs(a - b) / b for a, b in zip(ours, theirs)))
     assert worst < REL_TOL, worst
