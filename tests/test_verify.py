@@ -72,7 +72,7 @@ def test_lave_score_only_command(t5_dir, tmp_path, capsys):
                "--device", TEST_DEVICE, "--dtype", "float32", "--no-progress", "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "lave (score-only), 12 items" in printed and "rating       identical 12/12 (100.0%)" in printed
+    assert "lave (score-only) on flan-t5-tiny" in printed and ", 12 items," in printed and "rating       identical 12/12 (100.0%)" in printed
     report = json.loads(out.read_text())
     assert report["passed"] and report["items"] == 12 and report["tolerance"]["max_abs"] == FLOAT32.max_abs
     got = {o["name"]: o for o in report["comparisons"][0]["outputs"]}
@@ -127,7 +127,8 @@ def test_holistic(vl_dir, pairs, template):
 
 @pytest.mark.parametrize("mode", ["pipeline", "single-response", "holistic-score"])
 def test_visexmem(vl_unmasked_dir, pairs, mode):
-    report = run("visexmem", vl_unmasked_dir, pairs, sample=2, seed=1, mode=mode, **SMALL_BUDGETS)
+    # one pair: the reference's constrained generate steps are slow on a CPU
+    report = run("visexmem", vl_unmasked_dir, pairs, sample=1, seed=1, mode=mode, **SMALL_BUDGETS)
     got = outputs(report)
     assert report.passed, report.comparisons
     assert report.mode == mode and got["score"]["units"] >= 1
@@ -191,3 +192,17 @@ def test_near_tie_disagreement_is_excused_and_listed():
     assert not got["rating"].passed and not got["probs"].passed
     assert math.isclose(got["probs"].max_abs, 1e-5, rel_tol=1e-6)
     assert got["probs"].worst[0]["id"] == "a"
+
+
+def test_build_directory_against_torch_and_reference(t5_dir, tmp_path):
+    """``--build``: the build's checkpoint (here the source checkpoint itself, where a real build
+    holds its FP8 checkpoint) against the source on the torch backend and against the reference,
+    under the FP8 builds' rule (98 % rating agreement, probabilities reported)."""
+    build = tmp_path / "build"
+    shutil.copytree(t5_dir, build / "checkpoint")
+    report = run("lave", t5_dir, VQA, sample=5, build=str(build))
+    assert report.passed and report.tolerance["min_agreement"] == 0.98 and report.tolerance["max_abs"] is None
+    assert [(c["fastjudge"], c["reference"]) for c in report.comparisons] == [
+        ("fastjudge build (torch, FP8 checkpoint)", "fastjudge torch"),
+        ("fastjudge build (torch, FP8 checkpoint)", "reference")]
+    assert outputs(report, 0)["probs"]["max_abs"] == 0.0  # the same weights on the same backend

@@ -200,10 +200,12 @@ def _fmt(v) -> str:
 
 def format_report(report: VerifyReport) -> str:
     tol = report.tolerance
-    lines = [f"fastjudge verify: {report.judge} ({report.mode}), {report.items} items, {report.device}, "
+    lines = [f"fastjudge verify: {report.judge} ({report.mode}) on {Path(report.model).name}, "
+             f"{report.items} items, {report.device}, "
              f"{report.dtype}; seconds " + ", ".join(f"{k} {v:.1f}" for k, v in report.seconds.items()),
-             f"tolerance: |diff| <= {_fmt(tol['max_abs'])} on probabilities and scores, "
-             f">= {tol['min_agreement']:.0%} identical ratings/decisions ({tol['basis']})"]
+             "tolerance: " + ("probabilities and scores reported, not checked" if tol["max_abs"] is None else
+                              f"|diff| <= {_fmt(tol['max_abs'])} on probabilities and scores")
+             + f", >= {tol['min_agreement']:.0%} identical ratings/decisions ({tol['basis']})"]
     for comp in report.comparisons:
         lines.append(f"\n{comp['fastjudge']} vs {comp['reference']}: {'PASS' if comp['passed'] else 'FAIL'}")
         for o in comp["outputs"]:
