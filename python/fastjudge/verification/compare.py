@@ -10,7 +10,8 @@ reports, keyed per item (or per claim: ``"ID/P2"``):
   tolerance -- is listed as such and does not fail the check;
 * ``value`` outputs are probabilities and scores: the largest and median |difference| (a
   vector, as LAVE's three rating probabilities, counts its largest entry), for scores also
-  Spearman's rank correlation of the two paths;
+  Spearman's rank correlation of the two paths; where they follow generated text (LAVE's
+  rationale, VisExMEM's claims), only on the items whose text is identical on both sides;
 * ``text`` outputs (rationales, explanations) are reported as identical counts only: greedy
   text follows the model's near-ties and is judged through the ratings it leads to.
 """
@@ -59,7 +60,9 @@ class Output:
     kind: str  # "match", "value", "score" (a value with Spearman), "text"
     units: Callable[[Any], dict]
     margin: Callable[[Any, str, Any, Any], float] | None = None
-    per_claim: bool = False  # compared only on items whose claims are identical on both sides
+    # compared only on the items where gate(ours, theirs) holds: values that follow generated
+    # text (a rationale, VisExMEM's claims) mean the same thing only after the same text
+    gate: Callable[[Any, Any], bool] | None = None
 
 
 def _one(value) -> dict:
@@ -74,6 +77,14 @@ def _lave_margin(ref, suffix, a, b) -> float:
 
 def _claim_key(c) -> str:
     return f"/{c.part_id}"
+
+
+def _same_rationale(a, b) -> bool:
+    return a.rationale == b.rationale
+
+
+def _same_claims(a, b) -> bool:
+    return _claim_structure(a) == _claim_structure(b)
 
 
 def _support_margin(ref, suffix, a, b) -> float:
@@ -91,8 +102,8 @@ OUTPUTS: dict[str, tuple[Output, ...]] = {
     "lave": (
         Output("error", "match", lambda r: _one(r.error is not None)),
         Output("rating", "match", lambda r: _one(r.rating), _lave_margin),
-        Output("probs", "value", lambda r: _one(r.probs)),
-        Output("soft_score", "score", lambda r: _one(r.soft_score)),
+        Output("probs", "value", lambda r: _one(r.probs), gate=_same_rationale),
+        Output("soft_score", "score", lambda r: _one(r.soft_score), gate=_same_rationale),
         Output("rationale", "text", lambda r: _one(r.rationale)),
     ),
     "holistic": (
@@ -106,12 +117,12 @@ OUTPUTS: dict[str, tuple[Output, ...]] = {
         Output("error", "match", lambda r: _one(r.error is not None)),
         Output("claims", "match", lambda r: _one(_claim_structure(r) if r.error is None else None)),
         Output("decision", "match", lambda r: {_claim_key(c): c.decision for c in r.claims or ()},
-               _support_margin, per_claim=True),
-        Output("support", "value", lambda r: {_claim_key(c): c.support for c in r.claims or ()}, per_claim=True),
+               _support_margin, gate=_same_claims),
+        Output("support", "value", lambda r: {_claim_key(c): c.support for c in r.claims or ()}, gate=_same_claims),
         Output("score", "score", lambda r: _one(r.score)),
         Output("explanation", "text", lambda r: {**_one(r.explanation),
                                                  **{_claim_key(c): c.explanation for c in r.claims or ()}},
-               per_claim=True),
+               gate=_same_claims),
     ),
 }
 
@@ -165,8 +176,8 @@ def compare_output(output: Output, ids, ours, theirs, tolerance: Tolerance) -> O
     rep = OutputReport(output.name, output.kind)
     rows = []  # (key, ours, theirs, reference result)
     for ident, a, b in zip(ids, ours, theirs):
-        if output.per_claim and _claim_structure(a) != _claim_structure(b):
-            continue  # different claims: the "claims" output lists them
+        if output.gate is not None and not output.gate(a, b):
+            continue  # different generated text: its own output lists the item
         ua, ub = output.units(a), output.units(b)
         for suffix in dict.fromkeys([*ua, *ub]):
             x, y = ua.get(suffix), ub.get(suffix)
