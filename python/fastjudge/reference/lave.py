@@ -12,7 +12,7 @@
 * :class:`AuthorsLave` -- the LAVE authors' scoring (``lave_ft5.py`` of their repository:
   ``LaveFT5.batch_compute``, ``generate`` and ``postprocess``) on the prompts of their own
   builder (``LaveJudge(official_repo=...)`` runs it): ``generate`` with ``max_new_tokens``
-  (100, theirs) and the checkpoint's generation settings otherwise; in each returned row
+  (100, theirs), greedy (Flan-T5's own setting); in each returned row
   (decoder start token first) the token just before the first EOS (no EOS: the last column),
   decoded on its own; rating 2 unless that text is exactly "1", "2" or "3"; score (r - 1) / 2.
 """
@@ -170,8 +170,10 @@ class AuthorsLave(_LaveReference):
 
     @torch.inference_mode()
     def _score_batch(self, results, rows) -> None:
-        # their generate call: the checkpoint's own generation settings, max_new_tokens only
-        tokens, _, logits, _ = self._generate(rows)
+        # their generate call (the checkpoint's own settings, max_new_tokens), held to greedy
+        # decoding at the judge's stop tokens: a checkpoint that asks for sampling would make
+        # any two runs differ
+        tokens, _, logits, _ = self._generate(rows, do_sample=False, num_beams=1, eos_token_id=self.eos)
         families = self.judge._rating_families
         for r, (res, toks) in enumerate(zip(results, tokens)):
             if self.judge.rationale:
