@@ -189,6 +189,41 @@ class TransformersPipeline(VisExJudge):
         return results
 
 
+class ClaimSupportReference:
+    """One claim's verification as a transformers user writes it, batch size 1: the whole image
+    and the claim's evidence crops (PIL crops) through ``Qwen2VLImageProcessorPil``, the judge's
+    prompt text (one ``<|vision_start|><|image_pad|><|vision_end|>`` per image) through the chat
+    template with thinking off and the decision prefix after it, each pad expanded to its
+    image's token count, one forward pass with ``logits_to_keep=1``; P(yes) renormalised over
+    {yes, no} (``yes_no_ids``: the judge's)."""
+
+    def __init__(self, model_dir, dtype="float32", yes_no_ids=(), device="cpu"):
+        from ..judges.visexmem import prompts as vx_prompts
+
+        self.device = torch.device(device)
+        self.model, self.tok = load_model(model_dir, dtype, device)
+        self.processor, self.merge = image_processor(model_dir)
+        self.image_token_id = self.model.config.image_token_id
+        self.yes_no = list(yes_no_ids)
+        self.decision_prefix = vx_prompts.DECISION_PREFIX
+
+    def inputs(self, image, user: str, boxes):
+        """``user``: the judge's prompt with one placeholder per image; ``boxes``: the crops
+        after the whole image, in prompt order."""
+        images = [image] + [image.crop(tuple(b)) for b in boxes]
+        enc = self.processor(images=images, return_tensors="pt")
+        text = expand_image_pads([chat_text(self.tok, user) + self.decision_prefix], enc["image_grid_thw"],
+                                 self.merge)[0]
+        ids = self.tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+        return ids.to(self.device), enc["pixel_values"].to(self.device), enc["image_grid_thw"].to(self.device)
+
+    @torch.inference_mode()
+    def support(self, ids, pixel_values, grid) -> float:
+        logits = self.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid,
+                            mm_token_type_ids=(ids == self.image_token_id).int(), logits_to_keep=1).logits[0, -1]
+        return float(torch.softmax(logits[self.yes_no].double(), 0)[0])
+
+
 def zero_unmasked_utf8_rows(model_dir) -> list[int]:
     """Make a random-weight checkpoint comparable with this reference: zero the LM-head rows
     of the tokens whose bytes end in a narrow UTF-8 lead byte (``E0``, ``ED``, ``F0``, ``F4``).
