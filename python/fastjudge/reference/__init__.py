@@ -12,11 +12,12 @@ with like. Nothing here is on fastjudge's fast path: these are the slow, obvious
 * :mod:`.holistic`: VQAScore as t2v_metrics computes it, one pair at a time
   (:class:`VQAScoreReference`);
 * :mod:`.visexmem`: the VisExMEM stages with every model call made through transformers and
-  xgrammar (:class:`TransformersPipeline`).
+  xgrammar (:class:`TransformersPipeline`), and one claim's verification at batch size 1
+  (:class:`ClaimSupportReference`, the verification benchmark's baseline).
 
-Every class takes its judge (for the prompt text, the rating rule's settings and the schemas)
-and a checkpoint directory, and has ``score(examples, progress=None) -> list`` of that judge's
-result type; ``progress(n)`` is called as items finish.
+The judge-level classes take their judge (for the prompt text, the rating rule's settings and
+the schemas) and a checkpoint directory, and have ``score(examples, progress=None) -> list`` of
+that judge's result type; ``progress(n)`` is called as items finish.
 """
 
 from __future__ import annotations
