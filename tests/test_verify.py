@@ -206,3 +206,13 @@ def test_build_directory_against_torch_and_reference(t5_dir, tmp_path):
         ("fastjudge build (torch, FP8 checkpoint)", "fastjudge torch"),
         ("fastjudge build (torch, FP8 checkpoint)", "reference")]
     assert outputs(report, 0)["probs"]["max_abs"] == 0.0  # the same weights on the same backend
+
+
+@pytest.mark.parametrize("judge, options", [("holistic", dict(template="fastjudge")),
+                                            ("visexmem", dict(SMALL_BUDGETS, mode="holistic-score"))])
+def test_image_judges_fail_below_the_bfloat16_difference(judge, options, vl_unmasked_dir, pairs):
+    report = run(judge, vl_unmasked_dir, pairs, dtype="bfloat16", tolerance=1e-9, **options)
+    got = outputs(report)
+    assert not report.passed and not got["score"]["passed"]
+    assert got["score"]["max_abs"] > 1e-9 and got["score"]["worst"][0]["id"] in ("ball", "tri", "tri2")
+    assert got["error"]["passed"]  # the same items fail on both sides: only the values differ
