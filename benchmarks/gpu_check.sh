@@ -45,7 +45,7 @@ fi
 VERIFY_ARGS=(--device cuda --sample 8)
 prev=""
 for a in "$@"; do
-  [ "$a" = "--dry-run" ] && VERIFY_ARGS[1]=cpu
+  [ "$a" = "--dry-run" ] && VERIFY_ARGS[1]=cpu && VERIFY_ARGS+=(--quick)
   [ "$prev" = "--lave-repo" ] && VERIFY_ARGS+=(--lave-repo "$a")
   prev="$a"
 done

@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--sample", type=int, default=16, help="items per LAVE run (the pair files hold 3)")
     ap.add_argument("--lave-repo", default=None, help="checkout of the LAVE authors' repository")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the runs without generation (LAVE score-only, holistic, VisExMEM "
+                         "holistic-score): for a CPU dry run")
     args = ap.parse_args(argv)
 
     import torch
@@ -85,6 +88,9 @@ def main(argv=None) -> int:
     rows = []
     for dtype in args.dtypes:
         for judge, model, items, options in runs(models, vqa, pairs, args.lave_repo):
+            if args.quick and (options.get("rationale") or options.get("official_repo")
+                               or (judge == "visexmem" and options.get("mode") != "holistic-score")):
+                continue
             start = time.perf_counter()
             try:
                 report = fastjudge.verify(judge, model, items, sample=args.sample, device=args.device, dtype=dtype,
