@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
 from fastjudge import HolisticJudge, ImageTextExample
 from fastjudge.checkpoints import build_random_qwen_vl

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .compare import BFLOAT16, FLOAT32, FP8_BUILD, Tolerance, default_tolerance
-from .run import VerifyReport, build_judge, format_report, run_verify
+from .run import VerifyReport, build_judge, format_report
 
 __all__ = ["verify", "VerifyReport", "Tolerance", "FLOAT32", "BFLOAT16", "FP8_BUILD", "default_tolerance",
            "build_judge", "format_report"]
