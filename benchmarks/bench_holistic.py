@@ -7,8 +7,9 @@ workload per value (default: 4, then 1). Several captions of one image are the c
 image-text evaluation sets (COCO's five references, a positive caption beside hard negatives
 as in SugarCrepe or Winoground); 1 caption per image is the case with nothing to share:
 
-* baseline: what t2v_metrics' ``Qwen3VLModel.forward``
-  (``t2v_metrics/models/vqascore_models/qwen3vl_model.py``) does for each pair alone: the image
+* baseline: ``fastjudge.reference.holistic.VQAScoreReference``, what t2v_metrics'
+  ``Qwen3VLModel.forward`` (``t2v_metrics/models/vqascore_models/qwen3vl_model.py``) does for
+  each pair alone: the image
   through transformers' image processor (``Qwen2VLImageProcessorPil``, built from the
   checkpoint's preprocessor_config.json; t2v_metrics resizes with qwen-vl-utils first and then
   calls the processor without resizing -- with image sides that are multiples of 28, as here,
@@ -49,21 +50,12 @@ from fastjudge.backends.caches import ImageEmbeddingCache
 from fastjudge.backends.torch_qwen import DEFAULT_PREFIX_CACHE_BYTES
 from fastjudge.checkpoints import QWEN_SHAPES
 from fastjudge.engine_options import EngineOptions
-from fastjudge.judges.holistic import VQASCORE_QUESTION
+from fastjudge.reference.holistic import VQAScoreReference
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
-from bench_visexmem import (  # noqa: E402
-    CAPTIONS,
-    COLORS,
-    IMAGE_PAD,
-    OBJECTS,
-    PLACEHOLDER,
-    Baseline,
-    build_checkpoint,
-    synthetic_image,
-)
+from bench_visexmem import CAPTIONS, COLORS, OBJECTS, build_checkpoint, synthetic_image  # noqa: E402
 
 TARGET = 10.0
 
@@ -93,41 +85,7 @@ def fresh(backend) -> None:
     backend.codec._prefix_ids.clear()
 
 
-class PerSampleBaseline(Baseline):
-    """t2v_metrics' VQAScore path for Qwen3.5, one pair at a time through transformers (the
-    model, tokenizer and PIL image processor loaded as ``bench_visexmem.Baseline`` loads them)."""
-
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
-        super().__init__(model_dir, dtype, yes_no_ids=(), device=device)
-        self.yes = self.tok.encode("Yes", add_special_tokens=False)[0]
-
-    def inputs(self, image, text: str):
-        """Input ids, pixel values and grid of one pair, as the processor call gives them."""
-        enc = self.processor(images=[image], return_tensors="pt")
-        user = PLACEHOLDER + VQASCORE_QUESTION.format(text)
-        prompt = self.tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                              add_generation_prompt=True, enable_thinking=False)
-        count = int(enc["image_grid_thw"][0].prod()) // self.merge ** 2
-        prompt = prompt.replace(IMAGE_PAD, IMAGE_PAD * count)
-        ids = self.tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        return ids.to(self.device), enc["pixel_values"].to(self.device), enc["image_grid_thw"].to(self.device)
-
-    @torch.inference_mode()
-    def score(self, ids, pixel_values, grid) -> float:
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
-                                  image_grid_thw=grid, mm_token_type_ids=(ids == self.image_token_id).int(),
-                                  max_new_tokens=1, do_sample=False, temperature=1.0, output_scores=True,
-                                  return_dict_in_generate=True)
-        self.tok.decode(out.sequences[0][ids.shape[1]:], skip_special_tokens=True)
-        return float(torch.softmax(out.scores[-1][0].float(), dim=-1)[self.yes])
-
-    def run(self, pairs: list[ImageTextExample]) -> list[float]:
-        from PIL import Image
-
-        return [self.score(*self.inputs(Image.fromarray(ex.image), ex.text)) for ex in pairs]
-
-
-def checks(judge: HolisticJudge, base: PerSampleBaseline, pairs, ours, theirs) -> dict:
+def checks(judge: HolisticJudge, base: VQAScoreReference, pairs, ours, theirs) -> dict:
     """Input identity (ids, pixels) and the score difference between the two paths."""
     from PIL import Image
 
@@ -142,7 +100,7 @@ def checks(judge: HolisticJudge, base: PerSampleBaseline, pairs, ours, theirs) -
     return dict(same_ids=same_ids, pixel_diff=pixel_diff, max_rel=max(rel))
 
 
-def bench_one(judge: HolisticJudge, base: PerSampleBaseline, pairs, args) -> dict:
+def bench_one(judge: HolisticJudge, base: VQAScoreReference, pairs, args) -> dict:
     """Both paths timed in turns (baseline run, then fastjudge run, ``--repeats`` times after one
     warm-up turn), so a change in machine load reaches both; the ratio is the median of the
     turns' ratios."""
@@ -150,7 +108,7 @@ def bench_one(judge: HolisticJudge, base: PerSampleBaseline, pairs, args) -> dic
     for turn in range(args.repeats + 1):
         fresh(judge.backend)
         t = time.perf_counter()
-        theirs = base.run(pairs)
+        theirs = [r.score for r in base.score(pairs)]
         f = time.perf_counter()
         results = judge.score(pairs)
         t, f = f - t, time.perf_counter() - f
@@ -191,7 +149,7 @@ def main(argv=None) -> int:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
             judge = HolisticJudge(model_dir, engine=EngineOptions(device=args.device, dtype=dtype,
                                                                   compile=args.compile))
-            base = PerSampleBaseline(model_dir, dtype, device)
+            base = VQAScoreReference(model_dir, judge, device=device, dtype=dtype)
             for k, pairs in workloads.items():
                 rows.append(dict(shape=shape, captions=k, **bench_one(judge, base, pairs, args)))
                 print(f"[{shape}, {k} captions/image] baseline {rows[-1]['t_base']:.2f}s "

@@ -4,7 +4,8 @@ Both run in this process on the same random-weight Flan-T5-shaped checkpoint, dt
 with the prompts of the authors' own builder (``lave.py`` of the checkout given with
 ``--official-repo``, its demonstration files, their defaults: rationale, 8 shots, filter):
 
-* authors' path (``LaveFT5.batch_compute`` in their ``lave_ft5.py``): transformers
+* authors' path (``fastjudge.reference.lave.AuthorsLave``: ``LaveFT5.batch_compute`` in their
+  ``lave_ft5.py``): transformers
   ``T5ForConditionalGeneration.generate`` on one pad-longest batch of all items,
   ``max_new_tokens=100``; the rating is the token before each row's first EOS, decoded alone;
 * fastjudge: ``LaveJudge(model, official_repo=...)``: packed encoder; greedy decoding with
@@ -44,6 +45,7 @@ from fastjudge.backends.torch_t5 import TorchT5Backend
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions
+from fastjudge.reference.lave import AuthorsLave
 
 MAX_NEW_TOKENS = 100  # the authors' generation limit
 
@@ -54,33 +56,6 @@ def sample_examples(n: int) -> list[VQAExample]:
             if line.strip()]
     return [VQAExample(r["question"], r["references"], r["prediction"], None, f"{i}")
             for i, r in enumerate(rows[j % len(rows)] for j in range(n))]
-
-
-class AuthorsPath:
-    """The authors' scoring loop on their prompts: one padded batch through ``generate``."""
-
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
-        from transformers import AutoTokenizer, T5ForConditionalGeneration
-
-        self.model = T5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval().to(device)
-        self.device = device
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-
-    @torch.inference_mode()
-    def score(self, prompts: list[str]) -> tuple[list[float], list[int]]:
-        """Scores and each row's generated length (EOS excluded)."""
-        enc = self.tok(prompts, padding="longest", return_tensors="pt").to(self.device)
-        seqs = self.model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                                   max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True).sequences
-        is_eos = seqs == self.tok.eos_token_id  # column 0 is the decoder start token
-        first_eos = is_eos.float().argmax(dim=1)  # 0 when a row has none
-        tokens = seqs[torch.arange(len(seqs), device=seqs.device), first_eos - 1].tolist()  # none: the last column
-        scores = []
-        for t in tokens:
-            text = self.tok.decode([t], clean_up_tokenization_spaces=True)
-            scores.append((int(text) - 1) / 2 if text in ("1", "2", "3") else 0.5)
-        lengths = torch.where(is_eos.any(dim=1), first_eos - 1, seqs.shape[1] - 1)
-        return scores, lengths.tolist()
 
 
 def varied_length_checkpoint(out_dir: Path, shape: str, eos_scale: float, rating_scale: float) -> Path:
@@ -121,14 +96,15 @@ def main(argv=None) -> int:
                                  max_decode_rows=args.max_decode_rows, compile=args.compile)
         judge = LaveJudge(backend, official_repo=args.official_repo,
                           engine=EngineOptions(max_batch_tokens=args.max_batch_tokens))
-        prompts = [judge.build_prompt(e) for e in examples]
-        authors = AuthorsPath(model_dir, dtype, device)
-        authors.score(prompts[:2])  # warm-up: allocator, kernels, position-bias tables
+        # their batch_compute: every item in one batch
+        authors = AuthorsLave(model_dir, judge, device=device, dtype=dtype, batch_size=len(examples))
+        authors.score(examples[:2])  # warm-up: allocator, kernels, position-bias tables
         judge.score(examples[:2])
         t_authors, t_fast = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            authors_scores, lengths = authors.score(prompts)
+            authors_scores = [r.score for r in authors.score(examples)]
+            lengths = authors.generated_lengths
             t_authors.append(time.perf_counter() - start)
             start = time.perf_counter()
             results = judge.score(examples)

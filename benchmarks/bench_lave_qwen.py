@@ -4,8 +4,9 @@ Both run in this process on the same random-weight Qwen3.5 text checkpoint (hybr
 DeltaNet + gated attention) and the same LAVE prompts (8 demonstrations, chat template with
 thinking disabled):
 
-* baseline: ``AutoModelForCausalLM``, full prompts in pad-longest (left-padded) batches in input
-  order, ``logits_to_keep=1``, argmax over the three rating-token logits;
+* baseline: ``fastjudge.reference.lave.TransformersLave``: the transformers model, full prompts
+  through the chat template in pad-longest (left-padded) batches in input order,
+  ``logits_to_keep=1``, argmax over the three rating-token logits;
 * fastjudge: ``LaveJudge.score``: each demonstration prefix runs once, its KV and DeltaNet
   conv/recurrent state are cached, suffixes run in length-sorted right-padded batches.
 
@@ -29,33 +30,11 @@ from fastjudge import LaveJudge
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions
+from fastjudge.reference.lave import TransformersLave
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lave_t5 import sample_examples, timed  # noqa: E402  (shared sample source and timer)
-
-
-class Baseline:
-    """What a transformers user writes for score-only LAVE with a decoder-only judge."""
-
-    def __init__(self, model_dir: Path, dtype, rating_ids, batch_size: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        self.tok.padding_side = "left"
-        self.rating_ids = list(rating_ids)
-        self.batch_size = batch_size
-
-    @torch.inference_mode()
-    def score(self, texts: list[str]) -> list[int]:
-        ratings = []
-        for i in range(0, len(texts), self.batch_size):
-            enc = self.tok(texts[i : i + self.batch_size], return_tensors="pt", padding="longest",
-                           add_special_tokens=False)
-            logits = self.model(**enc, logits_to_keep=1).logits[:, -1, self.rating_ids]
-            ratings += (logits.argmax(-1) + 1).tolist()
-        return ratings
 
 
 def main(argv=None) -> int:
@@ -75,15 +54,15 @@ def main(argv=None) -> int:
                                          vocab_size=4000)
             judge = LaveJudge(model_dir, engine=EngineOptions(device="cpu", dtype=dtype))
             backend = judge.backend
-            texts = [backend.codec.format_prompt(judge.build_prompt(e)) for e in examples]
             prompt_tokens = sum(len(backend.codec.encode_prompt(judge.build_prompt(e))) for e in examples)
-            base = Baseline(model_dir, dtype, judge.rating_token_ids, args.batch_size)
+            base = TransformersLave(model_dir, judge, dtype=dtype, batch_size=args.batch_size)
 
             def fresh_cache():
                 backend.prefix_cache = PrefixCache(backend.prefix_cache.index.capacity_bytes)
                 backend.tokens_computed = 0
 
-            t_base, base_ratings = timed(lambda: base.score(texts), args.repeats)
+            t_base, base_results = timed(lambda: base.score(examples), args.repeats)
+            base_ratings = [r.rating for r in base_results]
             t_fast, results = timed(lambda: judge.score(examples), args.repeats, fresh_cache)
             cache = backend.prefix_cache
             computed = backend.tokens_computed

@@ -3,8 +3,9 @@
 Both run in this process on the same random-weight checkpoint and the same 64 LAVE prompts
 (8 demonstrations each, built by ``LaveJudge.build_prompt``):
 
-* baseline: ``T5ForConditionalGeneration``, pad-longest batches in input order, one decoder
-  step, argmax over the three rating-token logits;
+* baseline: ``fastjudge.reference.lave.TransformersLave``: ``T5ForConditionalGeneration``,
+  pad-longest batches in input order, one decoder step, argmax over the three rating-token
+  logits (its prompt building and tokenization timed with it, as fastjudge's are);
 * fastjudge: ``LaveJudge.score`` (C++-planned length-sorted packing, fused projections,
   SDPA attention, reassociated cross-attention, K-row LM head).
 
@@ -31,6 +32,7 @@ from fastjudge import LaveJudge, VQAExample
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions
+from fastjudge.reference.lave import TransformersLave
 
 
 def sample_examples(n: int) -> list[VQAExample]:
@@ -61,28 +63,6 @@ def encoder_flops(shape: dict, lengths: list[int]) -> float:
     per_token = 2 * (4 * d * inner + 3 * d * ff)
     attention = sum(4 * n * n * inner for n in lengths)
     return shape["num_layers"] * (per_token * sum(lengths) + attention)
-
-
-class Baseline:
-    """What a transformers user writes for score-only LAVE."""
-
-    def __init__(self, model_dir: Path, dtype: torch.dtype, rating_ids, batch_size: int):
-        from transformers import AutoTokenizer, T5ForConditionalGeneration
-
-        self.model = T5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        self.rating_ids = list(rating_ids)
-        self.batch_size = batch_size
-
-    @torch.inference_mode()
-    def score(self, prompts: list[str]) -> list[int]:
-        ratings = []
-        for i in range(0, len(prompts), self.batch_size):
-            enc = self.tok(prompts[i : i + self.batch_size], return_tensors="pt", padding="longest")
-            start = torch.full((enc.input_ids.shape[0], 1), self.model.config.decoder_start_token_id)
-            logits = self.model(**enc, decoder_input_ids=start).logits[:, -1, self.rating_ids]
-            ratings += (logits.argmax(-1) + 1).tolist()
-        return ratings
 
 
 def timed(fn, repeats: int, before=None) -> tuple[float, object]:
@@ -119,8 +99,9 @@ def main(argv=None) -> int:
                 judge = LaveJudge(model_dir, engine=EngineOptions(dtype=dtype, device="cpu"))
                 prompts = [judge.build_prompt(e) for e in examples]
                 lengths = [len(judge.backend.codec.encode_prompt(p)) for p in prompts]
-                base = Baseline(model_dir, dtype, judge.rating_token_ids, args.batch_size)
-                t_base, base_ratings = timed(lambda: base.score(prompts), args.repeats)
+                base = TransformersLave(model_dir, judge, dtype=dtype, batch_size=args.batch_size)
+                t_base, base_results = timed(lambda: base.score(examples), args.repeats)
+                base_ratings = [r.rating for r in base_results]
                 t_fast, results = timed(lambda: judge.score(examples), args.repeats)
                 agree = sum(r.rating == b for r, b in zip(results, base_ratings)) / len(results)
                 peak = gemm_rate(dtype)

@@ -57,6 +57,8 @@ from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions
 from fastjudge.judges import visexmem as vx
 from fastjudge.judges.visexmem import ClaimResult
+from fastjudge.reference.models import PLACEHOLDER
+from fastjudge.reference.visexmem import ClaimSupportReference
 from fastjudge.runtime.prefix_cache import PrefixCache
 from fastjudge.runtime.requests import Image
 from fastjudge.runtime.scheduler import run_requests
@@ -64,8 +66,6 @@ from fastjudge.runtime.scheduler import run_requests
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lave_t5 import timed  # noqa: E402  (shared timer: median after one warm-up run)
 
-PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-IMAGE_PAD = "<|image_pad|>"
 TARGET = 5.0
 MAX_IMAGE_TOKENS = 256  # merged tokens per image allowed by the benchmark's preprocessor config
 PIPELINE_BUDGETS = dict(max_claims=3, max_claim_chars=40, max_explanation_chars=60)
@@ -140,46 +140,13 @@ def build_checkpoint(out: Path, shape: str) -> Path:
 
 
 # -- baseline ------------------------------------------------------------------------------------
-class Baseline:
-    """Every claim's full input independently through transformers' image processor, chat
-    template and ``Qwen3_5ForConditionalGeneration`` (batch size 1)."""
+class Baseline(ClaimSupportReference):
+    """Every claim's full input independently through transformers
+    (``fastjudge.reference.visexmem.ClaimSupportReference``), timed."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, yes_no_ids, device: str | torch.device = "cpu"):
-        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3_5ForConditionalGeneration
-
-        self.device = torch.device(device)
-        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval().to(self.device)
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        pre = json.loads((model_dir / "preprocessor_config.json").read_text())
-        pre.pop("image_processor_type", None)
-        self.processor = Qwen2VLImageProcessorPil(**pre)
-        self.merge = pre["merge_size"]
-        self.image_token_id = self.model.config.image_token_id
-        self.yes_no = list(yes_no_ids)
+        super().__init__(model_dir, dtype, yes_no_ids, device)
         self.seconds = defaultdict(float)
-
-    def prompt(self, user: str) -> str:
-        text = self.tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                            add_generation_prompt=True, enable_thinking=False)
-        return text + vx.DECISION_PREFIX
-
-    def inputs(self, image, user: str, boxes: list[list[int]]):
-        """``user``: the judge's prompt with one placeholder per image; ``boxes``: the crops
-        after the whole image, in prompt order."""
-        images = [image] + [image.crop(tuple(b)) for b in boxes]
-        enc = self.processor(images=images, return_tensors="pt")
-        text = self.prompt(user)
-        counts = (enc["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
-        parts = text.split(IMAGE_PAD)
-        text = parts[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, parts[1:]))
-        ids = self.tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-        return ids.to(self.device), enc["pixel_values"].to(self.device), enc["image_grid_thw"].to(self.device)
-
-    @torch.inference_mode()
-    def support(self, ids, pixel_values, grid) -> float:
-        logits = self.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid,
-                            mm_token_type_ids=(ids == self.image_token_id).int(), logits_to_keep=1).logits[0, -1]
-        return float(torch.softmax(logits[self.yes_no].double(), 0)[0])
 
     def run(self, examples, prompts) -> list[float]:
         """``prompts[i]``: per claim of example i, ``(user text, crop boxes)``."""

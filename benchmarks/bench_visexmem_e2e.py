@@ -11,7 +11,7 @@ neither side resizes and both see the same pixels.
 * fastjudge: ``VisExJudge.score`` (jump-forward on and/or off, ``--jump-forward``): shared
   image + caption prefixes, grammar-constrained batched decoding, batched verification.
 * transformers: the judge's own stage logic -- its prompt builders, JSON schemas, parsing,
-  part-link repair and aggregation (``visexmem_transformers.TransformersPipeline``
+  part-link repair and aggregation (``fastjudge.reference.visexmem.TransformersPipeline``
   subclasses ``VisExJudge`` and replaces only the model calls), so both sides run exactly the
   same prompts and schemas -- with every model call the way a transformers user writes it:
   the prompt text with one ``<|vision_start|><|image_pad|><|vision_end|>`` per image through the
@@ -77,7 +77,8 @@ from fastjudge.judges.visexmem.judge import STAGES
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 from bench_visexmem import COLORS, OBJECTS, build_checkpoint, fresh  # noqa: E402
-from visexmem_transformers import TransformersPipeline  # noqa: E402
+
+from fastjudge.reference.visexmem import TransformersPipeline, zero_unmasked_utf8_rows
 
 SHOWN = ("decompose", "select", "verify", "explain")  # aggregation runs inside the pipeline's rest
 TARGET = 5.0  # items/s against transformers
@@ -129,18 +130,9 @@ def make_examples(n: int, width: int, height: int) -> list[ImageTextExample]:
 
 def build_biased(out: Path, shape: str) -> Path:
     """``build_checkpoint`` with the LM-head rows of tokens ending in a narrow UTF-8 lead byte
-    zeroed (module docstring)."""
-    import xgrammar as xgr
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
+    zeroed (module docstring; ``fastjudge.reference.visexmem.zero_unmasked_utf8_rows``)."""
     model_dir = build_checkpoint(out, shape)
-    vocab = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(model_dir))).decoded_vocab
-    rows = [i for i, raw in enumerate(vocab) if raw and raw[-1] in (0xE0, 0xED, 0xF0, 0xF4)]
-    path = model_dir / "model.safetensors"
-    state = load_file(str(path))
-    state["lm_head.weight"][rows] = 0
-    save_file(state, str(path), metadata={"format": "pt"})
+    zero_unmasked_utf8_rows(model_dir)
     return model_dir
 
 

@@ -37,5 +37,23 @@ else
   echo "gpu_check: TensorRT-LLM not installed: the trtllm backend's checks are skipped" >&2
 fi
 
+# ---- begin: fastjudge verify on the tiny checkpoints (float32 and bfloat16) ----------------
+# benchmarks/verify_tiny.py runs `fastjudge verify` for every judge and mode against its
+# reference path; reports in OUT_DIR/verify_tiny.txt, the table in OUT_DIR/verify/verify_tiny.json.
+# At most 150 s; its result is printed and does not stop the checks after it.
+VERIFY_ARGS=(--device cuda --sample 8)
+prev=""
+for a in "$@"; do
+  [ "$a" = "--dry-run" ] && VERIFY_ARGS[1]=cpu && VERIFY_ARGS+=(--quick)
+  [ "$prev" = "--lave-repo" ] && VERIFY_ARGS+=(--lave-repo "$a")
+  prev="$a"
+done
+if timeout 150 "$PY" benchmarks/verify_tiny.py "$OUT/verify" "${VERIFY_ARGS[@]}" >"$OUT/verify_tiny.txt" 2>"$OUT/verify_tiny.err"; then
+  echo "gpu_check: fastjudge verify on the tiny checkpoints: PASS ($OUT/verify_tiny.txt)" >&2
+else
+  echo "gpu_check: fastjudge verify on the tiny checkpoints: FAIL (status $?; $OUT/verify_tiny.txt)" >&2
+fi
+# ---- end: fastjudge verify ----------------------------------------------------------------
+
 unset TRITON_INTERPRET
 exec timeout 470 "$PY" benchmarks/gpu_check.py "$OUT" "$@"

@@ -534,7 +534,7 @@ def test_trtllm_backend_clear_error_without_tensorrt_llm(t5_build, qwen_build):
 
     for build in (t5_build, qwen_build):
         with pytest.raises(TensorRTLLMUnavailable, match=r"pip install 'fastjudge\[trtllm\]'"):
-            load_backend(build, backend="trtllm")
+            load_backend(build, EngineOptions(backend="trtllm"))
     with pytest.raises(ImportError, match="torch backend"):
         LaveJudge(str(t5_build), engine=EngineOptions(backend="trtllm"))
 

@@ -18,6 +18,7 @@ from conftest import read_rows, write_lines
 import fastjudge.backends as backends
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.cli import main
+from fastjudge.engine_options import EngineOptions
 from fastjudge.io.jobs import EXIT_ITEM_ERRORS, EXIT_OK, EXIT_SYSTEM_FAILURE, EXIT_TOO_MANY_ERRORS, run_job
 from fastjudge.judges.registry import get_judge
 from fastjudge.runtime.failures import DEVICE, OTHER, OUT_OF_MEMORY, SystemFailure, classify, prompt_tokens
@@ -66,8 +67,8 @@ def clean_rows(t5_backend, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clean")
     inp, out = jsonl_input(tmp / "in.jsonl", items(24)), tmp / "out.jsonl"
     spec = get_judge("lave")
-    code = run_job("lave", spec, lambda: LaveJudge(t5_backend, max_batch_tokens=BATCH_TOKENS,
-                                                   num_shots=SHOTS),
+    code = run_job("lave", spec, lambda: LaveJudge(t5_backend, num_shots=SHOTS,
+                                                   engine=EngineOptions(max_batch_tokens=BATCH_TOKENS)),
                    str(inp), str(out), chunk_size=1024, progress=False)
     assert code == EXIT_OK
     return read_rows(out)
@@ -75,8 +76,8 @@ def clean_rows(t5_backend, tmp_path_factory):
 
 def job(backend, inp, out, **options):
     spec = get_judge("lave")
-    return run_job("lave", spec, lambda: LaveJudge(backend, max_batch_tokens=BATCH_TOKENS,
-                                                   num_shots=SHOTS),
+    return run_job("lave", spec, lambda: LaveJudge(backend, num_shots=SHOTS,
+                                                   engine=EngineOptions(max_batch_tokens=BATCH_TOKENS)),
                    str(inp), str(out), chunk_size=1024, progress=False, backoff_s=0.01,
                    **options)
 
@@ -385,7 +386,7 @@ def test_server_answers_503_never_a_reward_and_recovers(t5_backend):
 def test_openai_route_answers_an_openai_503(vl_dir):
     """/v1/chat/completions: the error object the openai client reads (``InternalServerError``
     after its retries, which wait Retry-After), then a normal completion."""
-    real = backends.load_backend(str(vl_dir), device="cpu", dtype="float32")
+    real = backends.load_backend(str(vl_dir), EngineOptions(device="cpu", dtype="float32"))
     faulty = FaultyBackend(real, errors=10**6, message=CUDA_ERROR)
     body = {"model": "judge", "max_tokens": 3,
             "messages": [{"role": "user", "content": "Is 'ski' right for 'skiing'?"}]}

@@ -40,10 +40,10 @@ def judge(vl_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(vl_dir):
-    from transformers import Qwen3_5ForConditionalGeneration
+def reference(vl_dir, judge):
+    from fastjudge.reference.holistic import VQAScoreReference
 
-    return Qwen3_5ForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
+    return VQAScoreReference(vl_dir, judge, dtype="float32")
 
 
 def image(seed: int, h: int, w: int) -> np.ndarray:
@@ -55,19 +55,15 @@ def examples() -> list[ImageTextExample]:
     return [ImageTextExample(image(k, *hw), text, id=k) for k, (hw, text) in enumerate(zip(sizes, CAPTIONS))]
 
 
-@torch.inference_mode()
-def vqascore_generate(hf, tokenizer, request) -> tuple[float, float]:
-    """P("Yes"), P("No") as t2v_metrics reads them: one greedy ``generate`` step, softmax over
-    the whole vocabulary of its scores, at each word's first token."""
+def vqascore_generate(reference, request) -> tuple[float, float]:
+    """P("Yes"), P("No") as t2v_metrics reads them (``fastjudge.reference.holistic``: one greedy
+    ``generate`` step, softmax over the whole vocabulary of its scores, at each word's first
+    token), on the ids and pixel values fastjudge built."""
     ids = torch.tensor([list(request.prompt_ids)])
     pixel_values = torch.cat([torch.as_tensor(im.pixel_values) for im in request.images])
     grid = torch.tensor([im.grid_thw for im in request.images])
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
-                      image_grid_thw=grid, mm_token_type_ids=(ids == hf.config.image_token_id).int(),
-                      max_new_tokens=1, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    probs = torch.softmax(out.scores[-1][0].double(), dim=-1)
-    yes, no = (tokenizer.encode(word, add_special_tokens=False)[0] for word in ("Yes", "No"))
-    return float(probs[yes]), float(probs[no])
+    yes, no = reference.probs(ids, pixel_values, grid)
+    return yes, no
 
 
 def test_vqascore_prompt_is_the_metric_user_turn(judge):
@@ -92,16 +88,15 @@ def test_vqascore_prompt_is_the_metric_user_turn(judge):
     assert judge.yes_no_ids == tuple(tok.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
 
 
-def test_vqascore_matches_transformers_generate(judge, hf):
+def test_vqascore_matches_transformers_generate(judge, reference):
     """All pairs scored together (batched, right-padded) against ``generate`` on each pair
     alone, within 1e-4 relative in float32; ``probs`` carry P("No") the same way."""
     exs = examples()
     results = judge.score(exs)
-    tok = judge.codec.tokenizer
     worst = 0.0
     for ex, r in zip(exs, results):
         assert r.error is None, r.error
-        yes, no = vqascore_generate(hf, tok, judge._request(0, ex))
+        yes, no = vqascore_generate(reference, judge._request(0, ex))
         for ours, theirs in ((r.score, yes), (r.probs[1], no)):
             worst = max(worst, abs(ours - theirs) / theirs)
         assert r.decision == ("yes" if r.probs[0] >= r.probs[1] else "no")

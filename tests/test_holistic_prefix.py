@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 from conftest import TEST_DEVICE
 
 from fastjudge import HolisticJudge, ImageTextExample
@@ -126,9 +125,10 @@ def test_shared_prefix_matches_transformers_generate(judge, vl_dir):
     batch from shared prefix states, against ``generate`` on each whole prompt alone
     (float32, 1e-4 relative)."""
     from test_holistic import REL_TOL, vqascore_generate
-    from transformers import Qwen3_5ForConditionalGeneration
 
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).eval()
+    from fastjudge.reference.holistic import VQAScoreReference
+
+    reference = VQAScoreReference(vl_dir, judge, dtype="float32")
     exs = [ex for ex in examples() if ex.image.shape[:2] == SIZES[0] and ex.id[0] < 2][:3]
     assert len({ex.id[0] for ex in exs}) == 2
     requests = [judge._request(i, ex) for i, ex in enumerate(exs)]
@@ -136,7 +136,7 @@ def test_shared_prefix_matches_transformers_generate(judge, vl_dir):
     outs = {o.index: o for o in judge.backend.run(requests)}
     worst = 0.0
     for i, request in enumerate(requests):
-        theirs = vqascore_generate(hf, judge.codec.tokenizer, request)
+        theirs = vqascore_generate(reference, request)
         ours = np.exp(outs[i].logprobs)
         worst = max(worst, *(abs(a - b) / b for a, b in zip(ours, theirs)))
     assert worst < REL_TOL, worst

@@ -9,7 +9,8 @@ its own, rating 2 unless it is exactly "1", "2" or "3") and ``data/lave_demos.js
 ``data/lave_demos_binary.json``. The project may not contain their text, so the tests build a
 stand-in checkout: the same file layout, class interface and data handling, in words of our own.
 It proves the loading path; the scoring is checked against a transcription of the authors'
-scoring loop run with transformers on the tiny Flan-T5 checkpoint.
+scoring loop (``fastjudge.reference.lave.AuthorsLave``) run with transformers on the tiny
+Flan-T5 checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from conftest import TEST_DEVICE, read_rows, write_lines
 
 from fastjudge import LaveJudge, VQAExample
@@ -282,51 +282,24 @@ RATING_SCALE = 2.5
 EOS_SCALE = 2.5
 
 
-def hf_model(model_dir):
-    from transformers import T5ForConditionalGeneration
-
-    return T5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def authors_scoring(model, tokenizer, prompts: list[str]):
-    """Transcription of the authors' scoring (``lave_ft5.py``: ``LaveFT5.generate`` and
-    ``LaveFT5.postprocess`` as ``LaveFT5.batch_compute`` runs them): all prompts in one
-    pad-longest batch through ``generate`` with ``max_new_tokens=100`` and the checkpoint's own
-    generation settings; in each row of the returned sequences (decoder start token first) the
-    token just before the first EOS (no EOS: the last column), decoded on its own (what
-    ``batch_decode`` of a 1-D tensor did in the transformers releases of their time); rating 2
-    unless that text is exactly "1", "2" or "3"; score (r - 1) / 2. Also returns each row's
-    generated ids up to EOS and the step logits, to check texts and probabilities."""
-    enc = tokenizer(prompts, padding="longest", return_tensors="pt")
-    out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                         max_new_tokens=100, return_dict_in_generate=True, output_logits=True)
-    seqs = out.sequences
-    eos = tokenizer.eos_token_id
-    at = (seqs == eos).float().argmax(dim=1) - 1
-    picked = seqs[torch.arange(len(seqs)), at].tolist()
-    texts = [tokenizer.decode([t], clean_up_tokenization_spaces=True) for t in picked]
-    ratings = [int(t) if t in ("1", "2", "3") else 2 for t in texts]
-    generated = []
-    for row in seqs[:, 1:].tolist():
-        generated.append(row[: row.index(eos)] if eos in row else row)
-    logits = torch.stack(out.logits, dim=1)  # [rows, steps, vocab]
-    return [(r - 1) / 2 for r in ratings], generated, logits
-
-
 @pytest.fixture(scope="module")
 def authors_runs(varied_dir, checkout):
-    """The authors' scoring of the fixture items in both modes: {rationale: (prompts, scores,
-    generated ids, step logits)}."""
-    from transformers import AutoTokenizer
+    """The authors' scoring of the fixture items in both modes (``fastjudge.reference.lave.
+    AuthorsLave``, the transcription of their ``LaveFT5.batch_compute``: every item in one
+    pad-longest batch through ``generate`` with ``max_new_tokens=100``; the token just before
+    the first EOS, decoded on its own; rating 2 unless that is exactly "1", "2" or "3"), in
+    float32 on the CPU: {rationale: (their builder's prompts, results, generated lengths)}."""
+    from fastjudge.reference.lave import AuthorsLave
 
-    model, tokenizer = hf_model(varied_dir), AutoTokenizer.from_pretrained(str(varied_dir))
+    items = scored_examples()
     runs = {}
     for rationale in (True, False):
         builder = stand_in_builder(checkout, rationalize=rationale)
-        prompts = [builder.build_prompt(ex.prediction, answers(ex), ex.question)
-                   for ex in scored_examples()]
-        runs[rationale] = (prompts, *authors_scoring(model, tokenizer, prompts))
+        prompts = [builder.build_prompt(ex.prediction, answers(ex), ex.question) for ex in items]
+        judge = LaveJudge(varied_dir, official_repo=checkout, rationale=rationale,
+                          engine=EngineOptions(device="cpu", dtype="float32"))
+        authors = AuthorsLave(varied_dir, judge, dtype="float32", batch_size=len(items))
+        runs[rationale] = (prompts, authors.score(items), authors.generated_lengths)
     return runs
 
 
@@ -338,28 +311,24 @@ def scored_examples() -> list[VQAExample]:
 @pytest.mark.parametrize("batching", [{}, {"max_batch_size": 1},
                                       {"max_batch_size": 3, "max_batch_tokens": 1500}])
 def test_scores_equal_the_authors(varied_dir, checkout, authors_runs, rationale, batching):
-    prompts, scores, generated, logits = authors_runs[rationale]
+    prompts, theirs, lengths = authors_runs[rationale]
     judge = LaveJudge(varied_dir, official_repo=checkout, rationale=rationale,
                       engine=EngineOptions(device=TEST_DEVICE, dtype="float32", **batching))
     items = scored_examples()
     results = judge.score(items)
     assert [judge.build_prompt(ex) for ex in items] == prompts
-    assert [r.score for r in results] == scores
+    assert [r.score for r in results] == [t.score for t in theirs]
     # the fixture covers the rule's cases: rows end at varied lengths, on a rating or not,
     # and rationales run to the limit
-    lengths = sorted(len(g) for g in generated)
-    assert len(set(lengths)) > (3 if rationale else 1), lengths
-    assert not rationale or 100 in lengths, lengths
+    assert len(set(lengths)) > (3 if rationale else 1), sorted(lengths)
+    assert not rationale or 100 in lengths, sorted(lengths)
     assert {r.rating_source for r in results} == {"parsed", "official-fallback"}
-    codec = judge.backend.codec
-    for r, ids, steps in zip(results, generated, logits):
-        assert r.error is None
-        assert r.rationale == (codec.decode(ids) if rationale else None)
-        if r.rating_source == "parsed":
-            assert r.rating == int(codec.decode(ids[-1:]))
-            family = next(f for f in rating_families(codec) if ids[-1] in f)
-            ref = torch.softmax(steps[len(ids) - 1, list(family)].double(), -1).numpy()
-            np.testing.assert_allclose(r.probs, ref, rtol=1e-4, atol=1e-6)
+    for r, t in zip(results, theirs):
+        assert r.error is None and t.error is None
+        assert (r.rating, r.rating_source, r.rationale) == (t.rating, t.rating_source, t.rationale)
+        assert rationale or r.rationale is None
+        if r.rating_source == "parsed":  # the rating tokens' distribution at the step that wrote it
+            np.testing.assert_allclose(r.probs, t.probs, rtol=1e-4, atol=1e-6)
             assert r.soft_score == pytest.approx(float(np.dot(r.probs, [0, 0.5, 1])))
         else:
             assert r.rating == 2 and r.score == 0.5

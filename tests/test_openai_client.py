@@ -31,6 +31,7 @@ import httpx  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
+from fastjudge.engine_options import EngineOptions  # noqa: E402
 from fastjudge.judges.holistic import HolisticJudge  # noqa: E402
 from fastjudge.serve import create_app  # noqa: E402
 
@@ -61,7 +62,7 @@ def image_message(text: str, url: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def judge(vl_dir):
-    return HolisticJudge(vl_dir, device="cpu", dtype="float32", max_image_pixels=200 * 200)
+    return HolisticJudge(vl_dir, max_image_pixels=200 * 200, engine=EngineOptions(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,13 @@ def test_public_api():
 
 
 def test_public_names_resolve_lazily_to_their_modules():
-    from fastjudge import engine_options
+    from fastjudge import engine_options, verification
     from fastjudge.judges import holistic, lave, visexmem
 
     homes = {"EngineOptions": engine_options, "LaveJudge": lave, "LaveResult": lave, "VQAExample": lave,
              "VisExJudge": visexmem, "VisExResult": visexmem, "ClaimResult": visexmem,
-             "ImageTextExample": visexmem, "HolisticJudge": holistic, "HolisticResult": holistic}
+             "ImageTextExample": visexmem, "HolisticJudge": holistic, "HolisticResult": holistic,
+             "verify": verification}
     assert set(fastjudge.__all__) == set(homes) | {"__version__"}
     assert set(fastjudge.__all__) <= set(dir(fastjudge))
     for name, module in homes.items():

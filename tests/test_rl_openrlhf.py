@@ -26,6 +26,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
+from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.lave import VQAExample  # noqa: E402
 from fastjudge.serve import create_app  # noqa: E402
 from fastjudge.serve.openrlhf import prompt_question, split_response  # noqa: E402
@@ -196,7 +197,7 @@ def test_image_judge_reads_the_labels_image_under_image_root(vl_dir, tmp_path, q
     query = executor_query(tokenizer, vlm_prompt_ids(qwen_processor, VLM_PROMPT), "a red square<|im_end|>")
     labels = [json.dumps({"image": "coco/1.png"}), json.dumps({"image": "../outside.png"}),
               json.dumps({"image": str(tmp_path / "coco" / "1.png")})]
-    judge = HolisticJudge(vl_dir, device="cpu", dtype="float32", image_root=str(tmp_path))
+    judge = HolisticJudge(vl_dir, image_root=str(tmp_path), engine=EngineOptions(device="cpu", dtype="float32"))
     expected = judge.score([ImageTextExample(image=str(tmp_path / "coco" / "1.png"),
                                              text="a red square")])[0].score
     with TestClient(create_app(judge, "holistic", reward_on_error=-1.0)) as c:

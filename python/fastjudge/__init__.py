@@ -20,10 +20,11 @@ _LAZY_EXPORTS = {
     "ImageTextExample": "fastjudge.judges.visexmem",
     "VisExJudge": "fastjudge.judges.visexmem",
     "VisExResult": "fastjudge.judges.visexmem",
+    "verify": "fastjudge.verification",
 }
 
 __all__ = ["EngineOptions", "LaveJudge", "LaveResult", "VQAExample", "VisExJudge", "VisExResult", "ClaimResult",
-           "ImageTextExample", "HolisticJudge", "HolisticResult", "__version__"]
+           "ImageTextExample", "HolisticJudge", "HolisticResult", "verify", "__version__"]
 
 
 def __getattr__(name: str):

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_parser
 
     add_bench_parser(sub)
+
+    from .verification.run import add_verify_parser
+
+    add_verify_parser(sub)
     return parser
 
 
@@ -160,6 +164,10 @@ def main(argv=None) -> int:
             from .rescore import run_rescore
 
             return run_rescore(args)
+        if args.command == "verify":
+            from .verification.run import run_verify_command
+
+            return run_verify_command(args)
         if args.command == "bench":
             from .bench import run_bench
 
