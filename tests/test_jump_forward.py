@@ -220,7 +220,7 @@ def test_slot_moves_and_pool_size(backend):
     token = torch.tensor([[17]], device=backend.device)
     reference = model.step(token, [1], cache.window(1, 2))[0, 0]
     cache.load(1, states[1])
-    cache.move(1, 0)
+    cache.move([1], [0])
     moved = model.step(token, [1], cache.window(0, 1))[0, 0]
     torch.testing.assert_close(moved, reference, atol=1e-6, rtol=1e-6)
     held = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in cache.layers)

@@ -199,18 +199,25 @@ def _awaits_step(row: _Row) -> bool:
 
 
 def _leave(cache: SlotCache, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> None:
-    """Rows for which ``gone(row)`` holds free their slots: the last live row moves into each
-    (highest slot first, so the row moved in is live)."""
+    """Rows for which ``gone(row)`` holds free their slots: the last live row takes each freed
+    slot (highest slot first, so the row moved in is live), planned on the host and then made
+    as one batched move of every row that changes slot."""
+    origin = list(range(len(live)))  # the slot each live row's state is in now
     for j in reversed(range(len(live))):
         if not gone(rows[live[j]]):
             continue
         last = len(live) - 1
         if j != last:
-            cache.move(last, j)
-            hidden[j] = hidden[last]
-            live[j], feeds[j] = live[last], feeds[last]
+            origin[j], live[j], feeds[j] = origin[last], live[last], feeds[last]
+        origin.pop()
         live.pop()
         feeds.pop()
+    moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
+    if moves:
+        src, dst = (list(x) for x in zip(*moves))
+        cache.move(src, dst)
+        index = torch.tensor(src).to(hidden.device, non_blocking=True)
+        hidden[torch.tensor(dst).to(hidden.device, non_blocking=True)] = hidden[index]
 
 
 def _track_forced(model: QwenModel, rows: Sequence[_Row], out: torch.Tensor, track: torch.Tensor,

@@ -11,7 +11,7 @@ concatenation: a step writes each new token's K/V at its row's length, in place.
 Live rows sit in slots ``0 .. live - 1``, so a step runs on plain leading slices of every
 buffer (views, no gather). A row that finishes frees its slot: the last live row's state is
 copied into it (one row, never a re-gather of every row), and a newcomer takes the first free
-slot (refill). Column ``capacity`` of the K/V buffers is scratch: the right padding of a
+slot (refill). The rows that leave in one step move in one batched copy. Column ``capacity`` of the K/V buffers is scratch: the right padding of a
 multi-token step writes there, past every real token, so padding never lands on a row's state.
 
 Memory: ``slots * (A * 2 * kv_heads * (capacity + 1) * head_dim * b
@@ -106,17 +106,15 @@ class SlotCache:
         self.positions[slot] = state.next_position
         self.held[slot] = state.length
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``src``'s row into slot ``dst`` (its written positions only: what lies past a
-        row's length is never read)."""
-        n = int(self.held[src])
-        for kind, (a, b) in zip(self.kinds, self.layers):
-            if kind == "full_attention":
-                a[dst, :, :n] = a[src, :, :n]
-                b[dst, :, :n] = b[src, :, :n]
-            else:
-                a[dst] = a[src]
-                b[dst] = b[src]
-        self.lengths[dst] = self.lengths[src]
-        self.positions[dst] = self.positions[src]
-        self.held[dst] = n
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """The rows of slots ``src`` into slots ``dst``, all in one gather per buffer (every
+        source read before any slot is written), whatever the number of rows."""
+        device = self.lengths.device
+        s = torch.tensor(src).to(device, non_blocking=True)
+        d = torch.tensor(dst).to(device, non_blocking=True)
+        for pair in self.layers:
+            for t in pair:
+                t[d] = t[s]
+        self.lengths[d] = self.lengths[s]
+        self.positions[d] = self.positions[s]
+        self.held[dst] = self.held[src]

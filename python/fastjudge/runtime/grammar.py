@@ -290,13 +290,14 @@ class JsonMatcher:
         self._utf8 = utf8_guard
         self._pending_lead: int | None = None  # the last token ended in a narrow UTF-8 lead byte
 
-    def fill_row(self, bitmask: torch.Tensor, row: int) -> np.ndarray:
+    def fill_row(self, bitmask: torch.Tensor, row: int, words: np.ndarray | None = None) -> np.ndarray:
         """Row ``row`` of a CPU int32 batch bitmask ``[rows, ceil(V/32)]`` set to the next-token
-        mask: the grammar's, less what would break UTF-8. Returns that row as a numpy view."""
+        mask: the grammar's, less what would break UTF-8. ``words``: the bitmask's numpy view,
+        where the caller keeps one. Returns that row as a numpy view."""
         if self.finished:
             raise GrammarError("the grammar has terminated; nothing more can be decoded")
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        words = bitmask.numpy()[row]
+        words = (bitmask.numpy() if words is None else words)[row]
         if self._utf8 is not None:
             keep, follow, _ = self._utf8
             words &= keep if self._pending_lead is None else follow[self._pending_lead]
@@ -409,17 +410,15 @@ class TokenMask:
         bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
         pin = torch.device(device).type == "cuda"
         self.bitmask = bitmask.pin_memory() if pin else bitmask
+        self.words = self.bitmask.numpy()  # one view: host reads of a row issue no tensor op
 
     def fill(self, row: int, matcher: JsonMatcher) -> np.ndarray:
         """Row ``row`` from ``matcher`` (returned as a numpy view)."""
-        return matcher.fill_row(self.bitmask, row)
-
-    def allow_all(self, row: int) -> None:
-        self.bitmask.numpy()[row] = -1
+        return matcher.fill_row(self.bitmask, row, self.words)
 
     def forced(self, row: int) -> int | None:
         """The one token row ``row`` allows, or None (see :func:`forced_in`)."""
-        return forced_in(self.bitmask.numpy()[row], self.vocab_size)
+        return forced_in(self.words[row], self.vocab_size)
 
     def apply(self, logits: torch.Tensor) -> None:
         """The first ``len(logits)`` rows applied to ``logits`` ``[rows, V]`` (float32), in place."""
