@@ -275,7 +275,8 @@ def step_sizes(backend):
     """The number of rows of every decoding step."""
     model, sizes = backend.model, []
     step = model.step
-    model.step = lambda tokens, counts, cache: (sizes.append(tokens.shape[0]), step(tokens, counts, cache))[1]
+    model.step = lambda tokens, counts, cache, compiled=None: (sizes.append(tokens.shape[0]),
+                                                               step(tokens, counts, cache, compiled))[1]
     try:
         yield sizes
     finally:

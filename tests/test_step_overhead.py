@@ -54,7 +54,7 @@ def test_qwen_json_step_costs_the_same_at_any_row_count(qwen_backend):
 
 def t5_profile(t5_backend, rows: int) -> dict:
     rng = np.random.default_rng(rows)
-    reqs = [Request(i, rng.integers(5, 900, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]
+    reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]
     steps = []
     original = t5_decode.step
 
