@@ -6,8 +6,14 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-import torch
+# Triton reads TRITON_INTERPRET when it is imported (its own @triton.jit helpers are built then),
+# and transformers or torch.compile may import it before the kernel tests do: on the CPU, set it
+# before anything else is imported, so the kernels always run in the interpreter here.
+if not os.environ.get("FASTJUDGE_TEST_DEVICE", "cpu").startswith("cuda"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from fastjudge.checkpoints import build_random_qwen_vl, build_random_t5
 from fastjudge.demo import tokenizer_corpus
