@@ -17,7 +17,7 @@ from fastjudge.cli import main
 
 TOP_FIELDS = {"judge", "model", "backend", "device", "device_name", "dtype", "threads", "data",
               "seed", "image_size", "items", "chunk_size", "warmup_runs", "warmup_items",
-              "peak_memory_kind", "fastjudge_version", "torch_version", "runs"}
+              "peak_memory_kind", "fastjudge_version", "torch_version", "compile_seconds", "runs"}
 RUN_FIELDS = {"batch_tokens", "items", "errors", "seconds", "items_per_s", "prompt_tokens",
               "prompt_tokens_per_s", "generated_tokens", "generated_tokens_per_s",
               "tokens_computed", "decode_stats", "batches", "model_seconds", "batch_latency_p50_ms",

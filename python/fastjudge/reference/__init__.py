@@ -34,7 +34,9 @@ def reference_for(judge, model_dir, *, device="cpu", dtype="float32", batch_size
     if isinstance(judge, LaveJudge):
         from .lave import AuthorsLave, TransformersLave
 
-        cls = AuthorsLave if judge._official is not None else TransformersLave
+        from ..judges.lave_official import OfficialLave
+
+        cls = AuthorsLave if isinstance(judge.style, OfficialLave) else TransformersLave
         return cls(model_dir, judge, device=device, dtype=dtype, batch_size=batch_size)
     if isinstance(judge, HolisticJudge):
         from .holistic import VQAScoreReference

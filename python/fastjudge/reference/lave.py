@@ -160,7 +160,7 @@ class TransformersLave(_LaveReference):
             elif judge.on_unparsable == "official":
                 self._set(res, 2, None, "official-fallback")
             else:  # the cue appended, one step restricted to the ratings
-                z = self._next_token_logits(ids, list(toks) + list(judge._cue_ids), cue_ratings)
+                z = self._next_token_logits(ids, list(toks) + list(judge.style.cue_ids), cue_ratings)
                 probs = choice_probs(z)
                 self._set(res, RATINGS[int(np.argmax(probs))], probs, "constrained")
 
@@ -174,7 +174,7 @@ class AuthorsLave(_LaveReference):
         # decoding at the judge's stop tokens: a checkpoint that asks for sampling would make
         # any two runs differ
         tokens, _, logits, _ = self._generate(rows, do_sample=False, num_beams=1, eos_token_id=self.eos)
-        families = self.judge._rating_families
+        families = self.judge.style.rating_families
         for r, (res, toks) in enumerate(zip(results, tokens)):
             if self.judge.rationale:
                 res.rationale = self.tok.decode(toks, skip_special_tokens=True)

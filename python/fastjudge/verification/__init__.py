@@ -16,18 +16,22 @@ def verify(judge: str, model, input, *, sample: int = 64, seed: int = 0, toleran
            min_agreement: float | None = None, build=None, reference_batch_size: int = 8,
            json: str | None = None, progress: bool = True, print_report: bool = False, **options) -> VerifyReport:
     """``fastjudge verify`` from Python: ``judge`` is "lave", "visexmem" or "holistic";
-    ``options`` are that judge's command options by keyword (``dtype="bfloat16"``,
+    ``options`` are that judge's command options and the engine's (the fields of
+    :class:`~fastjudge.engine_options.EngineOptions`) by keyword (``dtype="bfloat16"``,
     ``rationale=True``, ``official_repo=...``, ``mode="single-response"``...), defaults as on the
     command line. Returns the report (``.passed``; ``.comparisons`` per pair of paths)."""
     from ..judges.registry import get_judge
     from .run import format_report as fmt
     from .run import run_verify as run
 
+    from ..engine_options import engine_fields
+
     spec = get_judge(judge)
-    unknown = set(options) - {o.name for o in spec.options}
+    defaults = {o.name: o.default for o in spec.options} | {f.name: f.default for f in engine_fields()}
+    unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"unknown option(s) for the {judge} judge: {', '.join(sorted(unknown))}")
-    values = {o.name: o.default for o in spec.options} | options
+    values = defaults | options
     args = argparse.Namespace(model=str(model), input=str(input), sample=sample, seed=seed, tolerance=tolerance,
                               min_agreement=min_agreement, build=build, reference_batch_size=reference_batch_size,
                               **values)
