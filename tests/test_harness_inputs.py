@@ -169,7 +169,7 @@ def test_vlmevalkit_json_and_index_type_across_formats(t5_dir, tmp_path):
     for kind, path in paths.items():
         assert detect_format(str(path)) == "vlmevalkit"
         out = tmp_path / f"{kind}.jsonl"
-        assert rescore(t5_dir, path, out) == 0
+        assert rescore(t5_dir, path, out) == 3  # finished, one row an item error (below)
         outputs[kind] = sorted(read_rows(out), key=lambda r: r["id"])
     for kind, rows in outputs.items():
         assert [r["id"] for r in rows] == [3, 4, 5], kind  # ints in every format
@@ -184,7 +184,7 @@ def test_vlmevalkit_json_and_index_type_across_formats(t5_dir, tmp_path):
     (tmp_path / "M_X.json").write_text(json.dumps([{"index": "a-1", "question": "Q?",
                                                     "answer": "x", "prediction": "x"}, 7]))
     out = tmp_path / "x.jsonl"
-    assert rescore(t5_dir, tmp_path / "M_X.json", out) == 0
+    assert rescore(t5_dir, tmp_path / "M_X.json", out) == 3  # a row is an item error
     rows = read_rows(out)
     assert {r["id"] for r in rows} >= {"a-1"}
     assert any("record 2: not a JSON object" in (r["error"] or "") for r in rows)
@@ -242,7 +242,7 @@ def test_lmms_eval_references_from_the_dataset(t5_dir, tmp_path):
     log.write_text("".join(json.dumps(s) + "\n" for s in samples))
     # without the dataset, the literal field name is refused, not judged as the answer
     out = tmp_path / "plain.jsonl"
-    assert rescore(t5_dir, log, out) == 0
+    assert rescore(t5_dir, log, out) == 3  # every row an item error
     assert all("name of a field" in r["error"] and "--references" in r["error"]
                for r in read_rows(out))
     # the dataset as Parquet (rows in split order: doc_id is the position) and as JSONL with ids
@@ -261,7 +261,7 @@ def test_lmms_eval_references_from_the_dataset(t5_dir, tmp_path):
     # a document missing from the file, and a column that does not exist
     pq.write_table(pa.Table.from_pylist(docs[:1]), parquet)
     out = tmp_path / "missing.jsonl"
-    assert rescore(t5_dir, log, out, "--references", str(parquet)) == 0
+    assert rescore(t5_dir, log, out, "--references", str(parquet)) == 3  # line 2 an item error
     by_id = {r["id"]: r for r in read_rows(out)}
     assert by_id[0]["error"] is None
     assert "doc_id 1 is not in the --references file" in by_id["line-2"]["error"]

@@ -132,9 +132,9 @@ def test_decode_state_budget_sets_the_rows(varied, prompts, monkeypatch):
     live = []
     step = t5_decode.step
 
-    def logged_step(model, slots, mask):
+    def logged_step(model, slots, mask, compiled=None):
         live.append(slots.live)
-        return step(model, slots, mask)
+        return step(model, slots, mask, compiled)
 
     monkeypatch.setattr(t5_decode, "step", logged_step)
     probe = TorchT5Backend(varied, device="cpu", dtype="float32")

@@ -8,11 +8,12 @@ Gated DeltaNet layer the conv state ``[slots, conv_dim, kernel - 1]`` and the re
 ``[slots, v_heads, k_dim, v_dim]`` (float32, as the delta rule keeps it). Nothing grows by
 concatenation: a step writes each new token's K/V at its row's length, in place.
 
-Live rows sit in slots ``0 .. live - 1``, so a step runs on plain leading slices of every
-buffer (views, no gather). A row that finishes frees its slot: the last live row's state is
-copied into it (one row, never a re-gather of every row), and a newcomer takes the first free
-slot (refill). The rows that leave in one step move in one batched copy. Column ``capacity`` of the K/V buffers is scratch: the right padding of a
-multi-token step writes there, past every real token, so padding never lands on a row's state.
+Live rows sit in slots ``0 .. live - 1``, so a step runs on plain leading slices of every buffer
+(views, no gather). A row that finishes frees its slot: the last live row's state is copied into
+it (one row, never a re-gather of every row), and a newcomer takes the first free slot (refill).
+The rows that leave in one step move in one batched copy. Column ``capacity`` of the K/V buffers
+is scratch: the right padding of a multi-token step writes there, past every real token, so
+padding never lands on a row's state.
 
 Memory: ``slots * (A * 2 * kv_heads * (capacity + 1) * head_dim * b
 + D * (conv_dim * (kernel - 1) * b + v_heads * k_dim * v_dim * 4))`` bytes, with ``A`` / ``D``

@@ -332,7 +332,7 @@ class TorchQwenBackend:
         each request: each row's suffix runs alone from its prefix state (exact: no padding),
         then the rows decode together (``qwen_decode``) on a static cache sized from the
         requests' token budgets; Json rows under their grammar."""
-        from ..runtime.grammar import TokenMask
+        from ..runtime.token_mask import TokenMask
 
         matchers = [self._matcher(r.spec) for r in batch]
         slots = min(self.max_decode_rows or len(batch), len(batch))

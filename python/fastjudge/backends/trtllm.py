@@ -9,6 +9,10 @@ TensorRT-LLM, or with a release outside the supported range (:func:`trtllm_misma
 ``TensorRTLLMUnavailable`` naming the extra (and that the build's checkpoint also loads in the
 torch backend).
 
+Over 400 lines: one backend for both judge families behind one external API, whose release
+contract (the manifest check, the options file, the request mapping for three output specs and
+the T5 behaviours read from the installed release) must be read in one place.
+
 Both judges load the same way: ``tensorrt_llm.LLM(model=OUT/checkpoint, **options)``, the
 options being the build's LLM-API options file (:data:`OPTIONS_FILE`, written by
 ``builders/llm_options.py``). Flan-T5 is ``T5ForConditionalGeneration`` on the PyTorch backend

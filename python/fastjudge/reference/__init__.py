@@ -32,9 +32,8 @@ def reference_for(judge, model_dir, *, device="cpu", dtype="float32", batch_size
     from ..judges.visexmem import VisExJudge
 
     if isinstance(judge, LaveJudge):
-        from .lave import AuthorsLave, TransformersLave
-
         from ..judges.lave_official import OfficialLave
+        from .lave import AuthorsLave, TransformersLave
 
         cls = AuthorsLave if isinstance(judge.style, OfficialLave) else TransformersLave
         return cls(model_dir, judge, device=device, dtype=dtype, batch_size=batch_size)

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from .json_bounds import SEPARATORS, json_token_bound
+from .token_mask import apply_bitmask, bit_set, forced_in
 
 #: One character of bounded free text: anything but a quote, a backslash or a control
 #: character (so the JSON text needs no escapes and parses under strict ``json.loads``).
@@ -161,24 +162,6 @@ def _pack_bits(allowed: np.ndarray) -> np.ndarray:
     bits = np.zeros(words * 32, dtype=bool)
     bits[: len(allowed)] = allowed
     return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
-
-
-def _bit(words: np.ndarray, token: int) -> bool:
-    return bool((int(words[token // 32]) >> (token % 32)) & 1)
-
-
-def forced_in(words: np.ndarray, vocab_size: int) -> int | None:
-    """The one token a bitmask row ``words`` (int32 ``[ceil(V/32)]``) allows, or None where it
-    allows several or none. Host-side numpy only: no tensor op."""
-    nonzero = np.flatnonzero(words)
-    if len(nonzero) != 1:
-        return None
-    w = int(nonzero[0])
-    bits = int(words[w]) & 0xFFFFFFFF
-    if bits & (bits - 1):
-        return None
-    token = w * 32 + bits.bit_length() - 1
-    return token if token < vocab_size else None
 
 
 def _utf8_guard(decoded_vocab: Sequence[bytes], vocab_size: int):
@@ -349,7 +332,7 @@ class JsonMatcher:
         if self._utf8 is None:
             return True
         keep, follow, _ = self._utf8
-        return _bit(keep if self._pending_lead is None else follow[self._pending_lead], token)
+        return bit_set(keep if self._pending_lead is None else follow[self._pending_lead], token)
 
     @property
     def finished(self) -> bool:
@@ -364,7 +347,7 @@ class JsonMatcher:
         if self.finished:  # xgrammar 0.1.32: a stop token is allowed exactly when the root matched
             return True
         self._matcher.fill_next_token_bitmask(self._bitmask)
-        return any(_bit(self._bitmask.numpy()[0], t) for t in self.stop_token_ids)
+        return any(bit_set(self._bitmask.numpy()[0], t) for t in self.stop_token_ids)
 
     def jump_forward(self) -> str:
         """The text the grammar forces next (whole characters only; "" when nothing is forced),
@@ -381,48 +364,6 @@ class JsonMatcher:
         self._matcher.reset()
         self.num_tokens = 0
         self._pending_lead = None
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
-                  backend: str = "torch_native") -> None:
-    """Every token a CPU bitmask ``[rows, ceil(V/32)]`` disallows set to ``-inf`` in float32
-    ``logits`` ``[rows, V]``, in place: xgrammar's CPU kernel for CPU logits; else one copy of
-    the bitmask to the logits' device and ``backend`` there."""
-    import xgrammar as xgr
-
-    if logits.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend="cpu")
-    else:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=vocab_size, backend=backend)
-
-
-class TokenMask:
-    """One next-token bitmask for a decoding batch: ``[rows, ceil(V/32)]`` int32 on the host
-    (pinned for an asynchronous copy where the logits live on CUDA), each row filled by its
-    row's matcher, applied to the batch's logits in one call per step (as vLLM and SGLang do)."""
-
-    def __init__(self, rows: int, vocab_size: int, device, backend: str = "torch_native"):
-        import xgrammar as xgr
-
-        self.vocab_size = int(vocab_size)
-        self.backend = backend
-        bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
-        pin = torch.device(device).type == "cuda"
-        self.bitmask = bitmask.pin_memory() if pin else bitmask
-        self.words = self.bitmask.numpy()  # one view: host reads of a row issue no tensor op
-
-    def fill(self, row: int, matcher: JsonMatcher) -> np.ndarray:
-        """Row ``row`` from ``matcher`` (returned as a numpy view)."""
-        return matcher.fill_row(self.bitmask, row, self.words)
-
-    def forced(self, row: int) -> int | None:
-        """The one token row ``row`` allows, or None (see :func:`forced_in`)."""
-        return forced_in(self.words[row], self.vocab_size)
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """The first ``len(logits)`` rows applied to ``logits`` ``[rows, V]`` (float32), in place."""
-        apply_bitmask(logits, self.bitmask[: logits.shape[0]], self.vocab_size, self.backend)
 
 
 # -- schema building blocks (metric schemas live with their judges) ----------------------------

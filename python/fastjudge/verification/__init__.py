@@ -20,11 +20,10 @@ def verify(judge: str, model, input, *, sample: int = 64, seed: int = 0, toleran
     :class:`~fastjudge.engine_options.EngineOptions`) by keyword (``dtype="bfloat16"``,
     ``rationale=True``, ``official_repo=...``, ``mode="single-response"``...), defaults as on the
     command line. Returns the report (``.passed``; ``.comparisons`` per pair of paths)."""
+    from ..engine_options import engine_fields
     from ..judges.registry import get_judge
     from .run import format_report as fmt
     from .run import run_verify as run
-
-    from ..engine_options import engine_fields
 
     spec = get_judge(judge)
     defaults = {o.name: o.default for o in spec.options} | {f.name: f.default for f in engine_fields()}
