@@ -73,13 +73,15 @@ class FaultyBackend:
 
 def faulty_lave_judge(model_dir: str, faults: dict, options: dict | None = None):
     """A :class:`~fastjudge.LaveJudge` on ``model_dir`` whose backend is a
-    :class:`FaultyBackend` with ``faults`` (``options``: the backend's ``device`` / ``dtype``,
-    the judge's ``max_batch_tokens`` / ``num_shots``); picklable as a ``functools.partial``, so that Ray
+    :class:`FaultyBackend` with ``faults`` (``options``: :class:`~fastjudge.EngineOptions`
+    fields such as ``device`` / ``dtype`` / ``max_batch_tokens``, and the judge's ``num_shots``); picklable as a ``functools.partial``, so that Ray
     actors build their judge with it (``run_job(..., build_judge=partial(faulty_lave_judge,
     ...))``)."""
     from ..backends import load_backend
+    from ..engine_options import EngineOptions
     from ..judges.lave import LaveJudge
 
     options = dict(options or {})
-    judge_options = {k: options.pop(k) for k in ("max_batch_tokens", "num_shots") if k in options}
-    return LaveJudge(FaultyBackend(load_backend(model_dir, **options), **faults), **judge_options)
+    judge_options = {k: options.pop(k) for k in ("num_shots",) if k in options}
+    engine = EngineOptions(**options)  # device, dtype, max_batch_tokens, ...
+    return LaveJudge(FaultyBackend(load_backend(model_dir, engine), **faults), engine=engine, **judge_options)
