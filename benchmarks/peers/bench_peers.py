@@ -105,6 +105,8 @@ def main(argv=None) -> int:
                              "(e.g. a CUDA machine's own python with the peer installed)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--work-dir", default=None,
+                    help="keep checkpoints, workload files and peer outputs here (default: a temporary directory)")
     args = ap.parse_args(argv)
 
     import torch
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
     rows, notes, engine_versions = [], [], [f"fastjudge (torch {torch.__version__})"]
     settings = dict(repeats=args.repeats, threads=threads, device=args.device)
     with tempfile.TemporaryDirectory(prefix="fastjudge-peers-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for peer in args.peers:
             python = getattr(args, f"{peer}_python") or peer_python(peer, envs, not args.no_install)
             if python is None:

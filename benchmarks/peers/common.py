@@ -168,7 +168,8 @@ class Agreement:
     items: int
     agree: float  # share of items with the same rating/decision (choice) or the same tokens
     max_prob_diff: float | None = None  # choice: largest |Δp| of the renormalised candidates
-    json_agree: float | None = None  # json: share of items whose parsed values are equal
+    json_agree: float | None = None  # json: share of items with equal parsed values (or equal tokens)
+    json_complete: float | None = None  # json: share of fastjudge's outputs that are whole JSON
 
     def describe(self) -> str:
         text = f"{self.agree:.0%}"
@@ -176,6 +177,8 @@ class Agreement:
             text += f" (max Δp {self.max_prob_diff:.1e})"
         if self.json_agree is not None and self.json_agree != self.agree:
             text += f", {self.json_agree:.0%} same JSON"
+        if self.json_complete is not None and self.json_complete < 1:
+            text += f"; {self.json_complete:.0%} whole JSON within the budget"
         return text
 
 
@@ -208,7 +211,10 @@ def compare(kind: str, reference: Sequence[dict], peer: Sequence[dict], decode=N
             raise ValueError("comparing json outputs needs decode")
         parsed = [(_parsed(decode(a["token_ids"])), _parsed(decode(b["token_ids"])))
                   for a, b in zip(reference, peer)]
-        agreement.json_agree = sum(a is not None and a == b for a, b in parsed) / n
+        # text cut by the token budget is no JSON: then only the same tokens count as the same
+        agreement.json_agree = sum((a is not None and a == b) or list(x["token_ids"]) == list(y["token_ids"])
+                                   for (a, b), x, y in zip(parsed, reference, peer)) / n
+        agreement.json_complete = sum(a is not None for a, _ in parsed) / n
     return agreement
 
 

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--kv-cache-gib", type=int, default=4)
     args = ap.parse_args(argv)
 
     data = json.loads(Path(args.workloads).read_text())
