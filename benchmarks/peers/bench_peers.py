@@ -77,6 +77,15 @@ def cpu_name() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores"
 
 
+def fastjudge_versions() -> str:
+    from importlib.metadata import version
+
+    import fastjudge
+
+    return (f"fastjudge {fastjudge.__version__}, torch {version('torch')}, transformers "
+            f"{version('transformers')}, xgrammar {version('xgrammar')}")
+
+
 def versions(peer_data: dict) -> str:
     extra = peer_data.get("versions", {})
     text = f"{peer_data['engine']} {peer_data['version']}"
@@ -120,7 +129,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     device = bench_device(args.device)
     envs = Path(args.envs)
-    rows, notes, engine_versions = [], [], [f"fastjudge (torch {torch.__version__})"]
+    rows, notes, engine_versions = [], [], [fastjudge_versions()]
     settings = dict(repeats=args.repeats, threads=threads, device=args.device)
     with tempfile.TemporaryDirectory(prefix="fastjudge-peers-") as tmp:
         work = Path(args.work_dir or tmp)
@@ -163,7 +172,9 @@ def main(argv=None) -> int:
             except subprocess.CalledProcessError as failed:
                 notes.append(f"{peer}: runner failed (exit {failed.returncode}); see its output above")
                 continue
-            rows += rows_for(cases, fast_runs, data, lambda c: decoders[id(c)])
+            peer_rows = rows_for(cases, fast_runs, data, lambda c: decoders[id(c)])
+            print(f"\n{versions(data)}\n{format_table(peer_rows)}\n", file=sys.stderr)  # kept if a later peer fails
+            rows += peer_rows
             engine_versions.append(versions(data))
 
     print()

@@ -193,8 +193,12 @@ def main(argv=None) -> int:
             print(f"[ctranslate2 {compute_type}] {workload['name']}: median "
                   f"{statistics.median(times):.3f}s", file=sys.stderr)
         del translators
-    Path(args.out).write_text(json.dumps({"engine": "ctranslate2", "version": ctranslate2.__version__,
-                                          "runs": runs}))
+    import torch
+    import transformers
+
+    Path(args.out).write_text(json.dumps({
+        "engine": "ctranslate2", "version": ctranslate2.__version__, "runs": runs,
+        "versions": {"converter's transformers": transformers.__version__, "torch": torch.__version__}}))
     return 0
 
 

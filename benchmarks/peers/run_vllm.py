@@ -73,6 +73,18 @@ def outputs_of(workload: dict, results) -> list[dict]:
     return out
 
 
+def package_versions(*names: str) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workloads")
@@ -122,7 +134,7 @@ def main(argv=None) -> int:
             del llm
             gc.collect()
     Path(args.out).write_text(json.dumps({"engine": "vllm", "version": vllm.__version__,
-                                          "versions": {"torch": torch.__version__}, "runs": runs}))
+                                          "versions": package_versions("torch", "transformers", "xgrammar"), "runs": runs}))
     return 0
 
 
