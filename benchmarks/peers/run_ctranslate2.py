@@ -7,11 +7,12 @@ workload:
 
 * ``choice`` (score-only): ``translate_batch`` with the response prefix as ``target_prefix``,
   one decoding step past it, ``return_logits_vocab=True``: the step's vocabulary logits, read at
-  the candidate ids;
+  the candidate ids (``min_decoding_length=0``, so EOS is not masked at that step);
 * ``text`` (rationale): greedy ``translate_batch`` (``beam_size=1``) up to ``max_new_tokens``.
 
 Token ids go in and come out through the converted model's own vocabulary file, so CTranslate2
-runs exactly the ids fastjudge runs (a vocabulary whose entries are not unique is refused).
+runs exactly the ids fastjudge runs (``unique_vocabulary`` first gives every row its own name),
+with ``max_input_length=0`` (its default cuts inputs at 1024 tokens).
 Writes ``{"engine", "version", "runs": [...]}`` as JSON.
 
     python run_ctranslate2.py WORKLOADS.json OUT.json --compute-types float32 int8
@@ -131,8 +132,8 @@ def run_choice(translator, vocab: Vocab, workload: dict, batch_size: int) -> lis
     choice = workload["choice_ids"]
     outputs = []
     for result, prefix in zip(results, prefixes):
-        # one logits row per decoding step after the prefix: the first is the one we read
-        row = np.asarray(result.logits[0][0] if len(prefix) == 0 else result.logits[0][len(prefix)])
+        # one logits row per decoding step, the prefix's included: the step after it is read
+        row = np.asarray(result.logits[0][len(prefix)])
         outputs.append({"logits": [float(row[i]) for i in choice]})
     return outputs
 
