@@ -54,6 +54,24 @@ else
   echo "gpu_check: fastjudge verify on the tiny checkpoints: FAIL (status $?; $OUT/verify_tiny.txt)" >&2
 fi
 # ---- end: fastjudge verify ----------------------------------------------------------------
+# ---- peers: fastjudge vs CTranslate2 (benchmarks/peers), only where ctranslate2 imports ------
+# Flan-T5 small (tiny with --dry-run), LAVE score-only and rationale, float32 and int8_float16
+# (int8 on the CPU), on this interpreter;
+# at most 90 s, its table in OUT_DIR/peers_ctranslate2.log. It adds to the check's time.
+if "$PY" -c "import ctranslate2" 2>/dev/null; then
+  peers_device=cuda peers_types="float32 int8_float16" peers_shape=small
+  case " $* " in *" --dry-run "*) peers_device=cpu peers_types="float32 int8" peers_shape=tiny ;; esac
+  # shellcheck disable=SC2086
+  timeout 90 "$PY" benchmarks/peers/bench_peers.py --peers ctranslate2 --ctranslate2-python "$PY" \
+      --device "$peers_device" --ct2-compute-types $peers_types --t5-shape "$peers_shape" \
+      --items 32 --gen-items 8 --repeats 2 \
+      >"$OUT/peers_ctranslate2.log" 2>&1 \
+    && sed -n '/^fastjudge vs peers/,$p' "$OUT/peers_ctranslate2.log" >&2 \
+    || echo "gpu_check: CTranslate2 comparison failed or timed out (see $OUT/peers_ctranslate2.log)" >&2
+else
+  echo "gpu_check: ctranslate2 not installed: the CTranslate2 comparison is skipped" >&2
+fi
+# ---- end of peers block ---------------------------------------------------------------------
 
 unset TRITON_INTERPRET
 exec timeout 470 "$PY" benchmarks/gpu_check.py "$OUT" "$@"

@@ -74,9 +74,9 @@ class FaultyBackend:
 def faulty_lave_judge(model_dir: str, faults: dict, options: dict | None = None):
     """A :class:`~fastjudge.LaveJudge` on ``model_dir`` whose backend is a
     :class:`FaultyBackend` with ``faults`` (``options``: :class:`~fastjudge.EngineOptions`
-    fields such as ``device`` / ``dtype`` / ``max_batch_tokens``, and the judge's ``num_shots``); picklable as a ``functools.partial``, so that Ray
-    actors build their judge with it (``run_job(..., build_judge=partial(faulty_lave_judge,
-    ...))``)."""
+    fields such as ``device`` / ``dtype`` / ``max_batch_tokens``, and the judge's
+    ``num_shots``); picklable as a ``functools.partial``, so that Ray actors build their judge
+    with it (``run_job(..., build_judge=partial(faulty_lave_judge, ...))``)."""
     from ..backends import load_backend
     from ..engine_options import EngineOptions
     from ..judges.lave import LaveJudge
