@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # bench_device, shared with the other benchmarks
 
-from common import RunResult, Row, compare, format_table, save_workloads  # noqa: E402
+from common import Row, RunResult, compare, format_table, save_workloads  # noqa: E402
 
 PEERS = ("ctranslate2", "vllm")
 
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--items", type=int, default=32, help="score-only items per workload")
-    ap.add_argument("--gen-items", type=int, default=8, help="items of the decoding workloads (and of VisExMEM, holistic)")
+    ap.add_argument("--gen-items", type=int, default=8,
+                    help="items of the decoding workloads (and of VisExMEM, holistic)")
     ap.add_argument("--gen-tokens", type=int, default=30, help="greedy budget of the rationale workloads")
     ap.add_argument("--json-tokens", type=int, default=48, help="budget of the JSON workload")
     ap.add_argument("--t5-shape", default="small")
@@ -120,9 +121,9 @@ def main(argv=None) -> int:
 
     import torch
     from bench_device import bench_device, device_label
+    from workloads import build_checkpoints, check_vllm_shape, lave_cases, run_fastjudge, visexmem_cases
 
     from fastjudge.bench.items import image_text_items
-    from workloads import build_checkpoints, check_vllm_shape, lave_cases, run_fastjudge, visexmem_cases
 
     if args.threads:
         torch.set_num_threads(args.threads)

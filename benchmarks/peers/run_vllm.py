@@ -133,8 +133,9 @@ def main(argv=None) -> int:
                       f"{statistics.median(times):.3f}s", file=sys.stderr)
             del llm
             gc.collect()
+    versions = package_versions("torch", "transformers", "xgrammar")
     Path(args.out).write_text(json.dumps({"engine": "vllm", "version": vllm.__version__,
-                                          "versions": package_versions("torch", "transformers", "xgrammar"), "runs": runs}))
+                                          "versions": versions, "runs": runs}))
     return 0
 
 

@@ -79,9 +79,9 @@ def lave_cases(model_dir: Path, model: str, dtype, items: int, rationale_items: 
                rationale_tokens: int, device: str = "cpu") -> list[Case]:
     """LAVE score-only (a ``Choice`` over the rating tokens) and rationale (greedy text) requests
     on one backend."""
-    from fastjudge import LaveJudge
+    from fastjudge import EngineOptions, LaveJudge
 
-    score = LaveJudge(model_dir, device=device, dtype=dtype)
+    score = LaveJudge(model_dir, engine=EngineOptions(device=device, dtype=dtype))
     backend = score.backend
     rationale = LaveJudge(backend, rationale=True, max_new_tokens=rationale_tokens)
     eos = sorted(backend.codec.eos_token_ids)
