@@ -26,9 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastjudge.backends import torch_qwen
 from fastjudge.backends.torch_qwen import TorchQwenBackend
-from fastjudge.bench.step_profile import profile_decoding
+from fastjudge.bench.step_profile import profile_qwen_decoding
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.judges.visexmem.schemas import parts_schema
@@ -69,10 +68,7 @@ def agree(a, b) -> bool:
 
 
 def per_step(backend, reqs) -> dict:
-    backend.reset_decode_stats()
-    return profile_decoding(lambda: backend.run(reqs), (torch_qwen, "decode_greedy"),
-                            [(TorchQwenBackend, "_prefill_suffixes")],
-                            lambda: backend.decode_stats["decode_steps"])
+    return profile_qwen_decoding(lambda: backend.run(reqs), backend)
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fastjudge.bench.step_profile import profile_decoding
+from fastjudge.bench.step_profile import profile_qwen_decoding, profile_t5_decoding
 from fastjudge.engine_options import EngineOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,7 +45,6 @@ def qwen_path(model_dir: Path, rows: int, jump_forward: bool) -> dict:
     from bench_visexmem_e2e import make_examples
 
     from fastjudge import VisExJudge
-    from fastjudge.backends import torch_qwen
 
     judge = VisExJudge(model_dir, max_claims=3, max_claim_chars=40,
                        engine=EngineOptions(device="cpu", dtype="float32", max_batch_size=rows,
@@ -53,16 +52,12 @@ def qwen_path(model_dir: Path, rows: int, jump_forward: bool) -> dict:
     items, _ = judge.prepare(make_examples(rows, 448, 336))
     judge._decompose(list(items))  # warm-up: grammar compiled, image embeddings cached
     items, _ = judge.prepare(make_examples(rows, 448, 336))
-    judge.backend.reset_decode_stats()
-    return profile_decoding(lambda: judge._decompose(list(items)), (torch_qwen, "decode_greedy"),
-                            [(torch_qwen.TorchQwenBackend, "_prefill_suffixes")],
-                            lambda: judge.backend.decode_stats["decode_steps"])
+    return profile_qwen_decoding(lambda: judge._decompose(list(items)), judge.backend)
 
 
 # -- T5 rationale -------------------------------------------------------------------------------
 def t5_path(model_dir: Path, rows: int) -> dict:
     from fastjudge import LaveJudge, VQAExample
-    from fastjudge.backends import t5_decode, torch_t5
     from fastjudge.demo import sample_rows
 
     judge = LaveJudge(model_dir, rationale=True, max_new_tokens=24,
@@ -71,19 +66,7 @@ def t5_path(model_dir: Path, rows: int) -> dict:
     examples = [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), f"{r['id']}-{i}")
                 for i, r in enumerate((sample * (rows // len(sample) + 1))[:rows])]
     judge.score(examples)  # warm-up
-    steps = []
-    original = t5_decode.step
-
-    def counted_step(*args, **kwargs):
-        steps.append(1)
-        return original(*args, **kwargs)
-
-    t5_decode.step = counted_step
-    try:
-        return profile_decoding(lambda: judge.score(examples), (torch_t5, "decode_greedy"),
-                                [(t5_decode.T5Model, "encode")], lambda: len(steps))
-    finally:
-        t5_decode.step = original
+    return profile_t5_decoding(lambda: judge.score(examples))
 
 
 def main(argv=None) -> int:

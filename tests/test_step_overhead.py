@@ -14,8 +14,10 @@ from conftest import TEST_DEVICE  # noqa: E402
 from test_jump_forward import adversarial_biases, biased, json_spec, requests_for  # noqa: E402
 
 from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.bench.step_profile import profile_qwen_decoding, profile_t5_decoding  # noqa: E402
 from fastjudge.checkpoints import build_random_qwen  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
+from fastjudge.runtime.requests import Request, Text  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +25,13 @@ def qwen_backend(tmp_path_factory):
     model_dir = build_random_qwen(tmp_path_factory.mktemp("steps-qwen"), tokenizer_corpus(), arch="qwen3_5", seed=7)
     return TorchQwenBackend(model_dir, device=TEST_DEVICE, dtype="float32")
 
-from fastjudge.backends import t5_decode, torch_qwen, torch_t5  # noqa: E402
-from fastjudge.bench.step_profile import profile_decoding  # noqa: E402
-from fastjudge.runtime.requests import Request, Text  # noqa: E402
-
-
 def qwen_profile(backend, rows: int, jump_forward: bool) -> dict:
     reqs = requests_for(json_spec("boxes"), n=rows, seed=5)
     backend.jump_forward = jump_forward
     try:
         backend.run(reqs)  # warm-up: the grammar compiled
-        backend.reset_decode_stats()
         with biased(backend, adversarial_biases(backend)["noise"]):
-            return profile_decoding(lambda: backend.run(reqs), (torch_qwen, "decode_greedy"),
-                                    [(torch_qwen.TorchQwenBackend, "_prefill_suffixes")],
-                                    lambda: backend.decode_stats["decode_steps"])
+            return profile_qwen_decoding(lambda: backend.run(reqs), backend)
     finally:
         backend.jump_forward = True
 
@@ -55,19 +49,7 @@ def test_qwen_json_step_costs_the_same_at_any_row_count(qwen_backend):
 def t5_profile(t5_backend, rows: int) -> dict:
     rng = np.random.default_rng(rows)
     reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]
-    steps = []
-    original = t5_decode.step
-
-    def counted(*args, **kwargs):
-        steps.append(1)
-        return original(*args, **kwargs)
-
-    t5_decode.step = counted
-    try:
-        return profile_decoding(lambda: t5_backend.run(reqs), (torch_t5, "decode_greedy"),
-                                [(t5_decode.T5Model, "encode")], lambda: len(steps))
-    finally:
-        t5_decode.step = original
+    return profile_t5_decoding(lambda: t5_backend.run(reqs))
 
 
 def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend):

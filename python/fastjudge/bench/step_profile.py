@@ -84,3 +84,33 @@ def profile_decoding(run: Callable[[], object], decode: tuple, prefill: Sequence
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
     return count_steps(prof.events(), steps())
+
+
+def profile_qwen_decoding(run: Callable[[], object], backend) -> dict:
+    """:func:`profile_decoding` of ``run()`` on the torch Qwen backend ``backend``: its decode
+    loop, its suffix prefill left out, its own step counter."""
+    from ..backends import torch_qwen
+
+    backend.reset_decode_stats()
+    return profile_decoding(run, (torch_qwen, "decode_greedy"), [(torch_qwen.TorchQwenBackend, "_prefill_suffixes")],
+                            lambda: backend.decode_stats["decode_steps"])
+
+
+def profile_t5_decoding(run: Callable[[], object]) -> dict:
+    """:func:`profile_decoding` of ``run()`` on the torch T5 backend: its decode loop, the
+    encoder left out, the steps counted as they are taken."""
+    from ..backends import t5_decode, torch_t5
+
+    steps = []
+    original = t5_decode.step
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return original(*args, **kwargs)
+
+    t5_decode.step = counted
+    try:
+        return profile_decoding(run, (torch_t5, "decode_greedy"), [(t5_decode.T5Model, "encode")],
+                                lambda: len(steps))
+    finally:
+        t5_decode.step = original
