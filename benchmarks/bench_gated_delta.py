@@ -14,13 +14,16 @@ each continuing from a state. Both results are checked to agree within 1e-5 (rel
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fastjudge.backends import gated_delta as ours
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kernels import median_ms  # noqa: E402
 
 # (label, batch, tokens, key heads, value heads, key dim, value dim, chunk; None: recurrent)
 CASES = [
@@ -32,16 +35,6 @@ CASES = [
     ("0.8B-like step x1", 1, 1, 16, 16, 128, 128, None),
     ("0.8B-like step x64", 64, 1, 16, 16, 128, 128, None),
 ]
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
