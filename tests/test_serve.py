@@ -60,18 +60,23 @@ def test_score_stream_is_ndjson_one_line_per_item(client, lave_judge):
 
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "malformed JSON"),
-    (b"[1, 2]", 422, "JSON object"),
-    (b'{"items": {"question": "q"}}', 422, "list"),
-    (b'{"items": [3]}', 422, "items[0]: expected a JSON object"),
-    (b'{"items": [{"question": "q", "prediction": "a"}]}', 422, "missing field(s) references"),
+    (b"[1, 2]", 422, "body: expected an object"),
+    (b'{"items": {"question": "q"}}', 422, "items: expected a list"),
+    (b'{"items": [3]}', 422, "items[0]: expected an object"),
+    (b'{"items": [{"question": "q", "prediction": "a"}]}', 422,
+     "items[0].references: field required"),
     (b'{"items": [{"question": "q", "references": "a", "prediction": "a"}]}', 422,
-     "references must be a list"),
+     "items[0].references: expected a list"),
+    (b'{"items": [{"question": "q", "references": ["a", 7], "prediction": "a"}]}', 422,
+     'items[0].references[1]: a reference is a string or {"answer": string}'),
     (b'{"items": [{"question": "q", "references": ["a"], "prediction": 1}]}', 422,
-     "prediction must be a string"),
+     "items[0].prediction: expected a string"),
     (b'{"items": [{"question": 2, "references": ["a"], "prediction": "a"}]}', 422,
-     "question must be a string"),
+     "items[0].question: expected a string"),
     (b'{"items": [{"question": "q", "references": ["a"], "prediction": "a", "caption": 5}]}',
-     422, "caption"),
+     422, "items[0].caption: expected a string"),
+    (b'{"items": [{"question": "q", "references": ["a"], "prediction": "a", "id": [1]}]}',
+     422, "items[0].id: expected a string or an integer or a number or a boolean"),
 ])
 def test_malformed_requests_get_4xx_with_a_message(client, body, status, message):
     r = client.post("/v1/score", content=body, headers={"content-type": "application/json"})

@@ -295,10 +295,11 @@ def user(content):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({}, "messages", "non-empty list"),
-    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({}, "messages", "field required"),
+    ({"messages": "hi"}, "messages", "expected a list"),
+    ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "not supported"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0]", "string or a list"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string or a list"),
     (user([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]),
      "messages[0].content[0]", "does not decode"),
     (user([{"type": "image_url", "image_url": {"url": "https://example.org/a.png"}}]),
@@ -310,10 +311,10 @@ def user(content):
     ({**user("x"), "n": 2}, "n", "greedy"),
     ({**user("x"), "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
     ({**user("x"), "logprobs": True}, "logprobs", "not supported"),
-    ({**user("x"), "max_tokens": 0}, "max_tokens", "positive integer"),
-    ({**user("x"), "max_completion_tokens": "8"}, "max_completion_tokens", "positive integer"),
+    ({**user("x"), "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({**user("x"), "max_completion_tokens": "8"}, "max_completion_tokens", "expected an integer"),
     ({**user("x"), "temperature": "hot"}, "temperature", "number"),
-    ({**user("x"), "response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+    ({**user("x"), "response_format": {"type": "yaml"}}, "response_format", "json_schema"),
     ({**user("x"), "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**user("x"), "tools": [{"type": "function"}]}, "tools", "not supported"),
 ])

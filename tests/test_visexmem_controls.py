@@ -85,9 +85,15 @@ def test_claims_field_of_rows_and_requests():
     row = {"image": "a.png", "text": "A cup.", "claims": ["A cup.", {"text": "It is blue.", "type": "attribute"}]}
     assert image_text_from_row(row, "r1").claims == row["claims"]
     assert image_text_from_row({"image": "a.png", "text": "A cup."}).claims is None
-    for bad in ("A cup.", [], [3], [{"type": "object"}]):
-        with pytest.raises(ItemError, match="claims must be"):
+    for bad, problem in (("A cup.", "items[0].claims: expected a list"),
+                         ([], "items[0].claims: List should have at least 1 item"),
+                         ([3], 'items[0].claims[0]: a claim is a string or an object with a "text"'),
+                         ([{"type": "object"}], "items[0].claims[0].text: field required")):
+        with pytest.raises(ItemError) as refused:
             parse_image_text_item({"image_b64": "", "text": "A cup.", "claims": bad}, "items[0]")
+        assert str(refused.value).startswith(problem)
+    given = parse_image_text_item({"image_b64": "", "text": "A cup.", "claims": row["claims"]}, "x")
+    assert given.claims == row["claims"]  # objects pass through whole: the judge checks their fields
 
 
 # -- "Dec.": one constrained response ------------------------------------------------------------

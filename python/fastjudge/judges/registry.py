@@ -104,6 +104,9 @@ class JudgeSpec:
       :data:`ENGINE_OPTIONS`), offered by every command that builds it.
     * ``add_args(parser)``: further options of a judge registered with its own factory (an
       option that another judge already defines is kept as that judge defined it).
+    * ``item_model``: the pydantic model of one HTTP item (its ``example()`` gives the judge's
+      example); the server validates score requests with it and documents it in its OpenAPI
+      document. Without one, items are JSON objects read by ``parse_item``.
 
     With ``fastjudge rescore --ray`` the factory runs in every Ray actor, on the driver's
     parsed arguments (``args.input`` made absolute), and the examples are pickled to them.
@@ -120,6 +123,7 @@ class JudgeSpec:
     result_row: Callable[[Any], dict] | None = None
     add_args: Callable[[Any], None] | None = None
     options: tuple[Option, ...] = ()
+    item_model: type | None = None
 
     def fields_of(self, result: Any) -> dict:
         if self.result_row is not None:
@@ -258,18 +262,18 @@ JUDGES: dict[str, JudgeSpec] = {
         "lave", _build_lave, items.parse_lave_item, items.lave_from_row, LAVE_RESULT_FIELDS,
         {"score": "float", "soft_score": "float", "rating": "int", "probs": "list[float]",
          "rationale": "str", "rating_source": "str", "prompt_tokens": "int", "error": "str"},
-        options=LAVE_OPTIONS),
+        options=LAVE_OPTIONS, item_model=items.LaveItem),
     "visexmem": JudgeSpec(
         "visexmem", _build_visexmem, items.parse_image_text_item, items.image_text_from_row,
         VISEXMEM_RESULT_FIELDS,
         {"score": "float", "explanation": "str", "prompt_tokens": "int", "error": "str"},
-        result_row=_visexmem_row, options=VISEXMEM_OPTIONS),
+        result_row=_visexmem_row, options=VISEXMEM_OPTIONS, item_model=items.ImageTextItem),
     "holistic": JudgeSpec(
         "holistic", _build_holistic, items.parse_image_text_item, items.image_text_from_row,
         HOLISTIC_RESULT_FIELDS,
         {"score": "float", "decision": "str", "probs": "list[float]", "prompt_tokens": "int",
          "error": "str"},
-        result_row=_holistic_row, options=HOLISTIC_OPTIONS),
+        result_row=_holistic_row, options=HOLISTIC_OPTIONS, item_model=items.ImageTextItem),
 }
 
 
@@ -277,7 +281,7 @@ def register_judge(name: str, factory: Callable, parse_item: Callable, **spec: A
     """Make ``--judge NAME`` available to ``fastjudge serve`` and ``fastjudge rescore``.
     Keyword arguments are the other :class:`JudgeSpec` fields (``from_row``,
     ``result_fields``, ``result_types``, ``means``, ``result_row``, ``options``,
-    ``add_args``). Register before the command line is parsed (the ``--judge`` choices and
+    ``add_args``, ``item_model``). Register before the command line is parsed (the ``--judge`` choices and
     the judges' options are read then)."""
     JUDGES[name] = JudgeSpec(name, factory, parse_item, **spec)
     return JUDGES[name]

@@ -14,12 +14,20 @@ from ..judges.registry import ItemError, get_judge
 from ..runtime.async_batcher import AsyncBatcher, QueueFullError
 from ..runtime.failures import SystemFailure
 from . import openrlhf
-from .bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestError, load_embedded_json, read_json
+from .bodies import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    RequestError,
+    load_embedded_json,
+    read_json,
+    validated,
+)
 from .chat_generation import DEFAULT_MAX_COMPLETION_TOKENS, ChatJudge, served_model_id
 from .guards import BearerAuth, JsonErrors
 from .metrics import Metrics
-from .openai_routes import openai_routes
-from .openapi import openapi_document
+from .openai_routes import openai_operations
+from .openapi import Operation, Refusal, openapi_document
+from .schemas import ExtraLogs, Health, LastSystemFailure, RewardRequest, RewardResponse, score_models
 
 SYSTEM_FAILURE_RETRY_AFTER_S = 5  # the Retry-After of a 503: time for a device to recover
 
@@ -30,6 +38,28 @@ def system_failure_message(failure: SystemFailure) -> str:
 
 
 EXPECTED_QUERY = '\'{"question": ..., "references": [...], "prediction": ...}\''
+
+# What the statuses of the score and reward routes mean (their bodies: {"error": message}).
+REFUSALS = {
+    "400": "malformed JSON, JSON nested deeper than 400 levels, invalid Content-Length",
+    "408": "the body did not arrive in time after the request head",
+    "413": "body above the server's size limit",
+    "422": "wrong shapes or types (the message names where), or a string that is not valid "
+           "Unicode (a lone surrogate)",
+    "429": "more items than the queue can take; retry later",
+    "500": "an internal error (logged by the server)",
+    "503": "a system failure (out of memory that splitting did not cure, a CUDA error, a "
+           "backend failure no item explains) after the server's retries; nothing was scored: "
+           "retry after the Retry-After seconds",
+    "504": "not finished within the server's timeout",
+}
+SCORING_REFUSALS = {status: Refusal(text) for status, text in REFUSALS.items()}
+INTERNAL_ONLY = {"500": Refusal(REFUSALS["500"])}
+STREAM_PARAMETER = {"name": "stream", "in": "query", "required": False,
+                    "schema": {"type": "string", "enum": ["1", "true", "yes"]},
+                    "description": "answer NDJSON: one result per line as each finishes; a "
+                                   "line {\"error\": ...} ends a stream that ran past the "
+                                   "timeout or whose batch had a system failure"}
 
 
 def _json_safe(obj):
@@ -61,9 +91,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.routing import Route
 
     spec = get_judge(judge_name)
+    score_request, score_result, score_response = score_models(spec)
     # /get_reward labels may name image files, read only under the judge's --image-root
     image_root = getattr(judge, "image_root", None)
     # chat completions run on the judge's model, so they queue in the judge's own batcher
@@ -72,7 +102,6 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                            max_queue_items=max_queue, retries=retries)
     unavailable = {"Retry-After": str(int(retry_after_s))}
     metrics = Metrics()
-    document = openapi_document(spec, __version__, authenticated=bool(api_key))
     # Every result carries the judge's declared fields, also an item that failed alone.
     blank_result = dict.fromkeys(("index", "id", *spec.result_fields))
 
@@ -84,11 +113,9 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     def parse_items(body: Any) -> list:
-        if not isinstance(body, dict):
-            raise RequestError(422, 'body must be a JSON object {"items": [...]}')
-        items = body.get("items")
-        if not isinstance(items, list):
-            raise RequestError(422, '"items" must be a list of objects')
+        items = validated(score_request, body).items
+        if spec.item_model is not None:
+            return [item.example() for item in items]
         return [spec.parse_item(d, f"items[{i}]") for i, d in enumerate(items)]
 
     async def handle(path: str, request, work) -> Any:
@@ -147,16 +174,11 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         return JSONResponse({"results": [result_json(r) for r in results]}), len(examples)
 
     async def reward_work(request):
-        body = await read_json(request, max_body_bytes, body_timeout_s)
-        if not isinstance(body, dict) or not isinstance(body.get("query"), list):
-            raise RequestError(422, 'body must be a JSON object {"query": [str, ...]}')
+        body = validated(RewardRequest, await read_json(request, max_body_bytes, body_timeout_s))
         items: list = []  # a parsed example, or the error that rejected that sample
-        if openrlhf.is_stock_payload(body):
-            try:
-                samples = openrlhf.stock_items(body)
-            except ValueError as bad:
-                raise RequestError(422, str(bad)) from None
-            for i, (query, prompt, label) in enumerate(samples):
+        if body.is_stock:
+            labels = body.labels if body.labels is not None else [None] * len(body.query)
+            for i, (query, prompt, label) in enumerate(zip(body.query, body.prompts, labels)):
                 where = f"query[{i}]"
                 try:
                     items.append(openrlhf.stock_example(spec, query, prompt, label, where,
@@ -164,10 +186,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                 except ValueError as bad:  # ItemError, or an image that does not decode
                     items.append(bad)
         else:  # each query is an item as a JSON object string
-            for i, q in enumerate(body["query"]):
+            for i, q in enumerate(body.query):
                 where = f"query[{i}]"
-                if not isinstance(q, str):
-                    raise RequestError(422, f"{where}: must be a string")
                 items.append(spec.parse_item(load_embedded_json(q, where, EXPECTED_QUERY), where))
         examples = [x for x in items if not isinstance(x, Exception)]
         scored = iter(await asyncio.wait_for(batcher.score(examples), timeout_s) if examples else [])
@@ -180,9 +200,10 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
             rewards.append(reward_on_error if problem else float(r.score))
             rating = getattr(r, "rating", None)
             ratings.append(float(rating) if not problem and rating is not None else 0.0)
-        extra_logs = {"error": [1.0 if e else 0.0 for e in errors], "rating": ratings}
-        return JSONResponse({"rewards": rewards, "scores": rewards, "errors": errors,
-                             "extra_logs": extra_logs}), len(items)
+        extra_logs = ExtraLogs(error=[1.0 if e else 0.0 for e in errors], rating=ratings)
+        answer = RewardResponse(rewards=rewards, scores=rewards, errors=errors,
+                                extra_logs=extra_logs)
+        return JSONResponse(answer.model_dump()), len(items)
 
     async def score(request):
         return await handle("/v1/score", request, score_work)
@@ -192,11 +213,11 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
 
     async def health(request):
         last = batcher.last_system_failure
-        return JSONResponse({"status": "ok", "judge": judge_name,
-                             "queue_depth": batcher.queue_depth,
-                             "system_failures": batcher.system_failures,
-                             "last_system_failure": None if last is None else
-                             {"at": last[0], "error": last[1]}})
+        return JSONResponse(Health(
+            status="ok", judge=judge_name, queue_depth=batcher.queue_depth,
+            system_failures=batcher.system_failures,
+            last_system_failure=None if last is None else
+            LastSystemFailure(at=last[0], error=last[1])).model_dump())
 
     async def prom(request):
         return PlainTextResponse(metrics.render(batcher),
@@ -216,19 +237,33 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         yield
         await asyncio.to_thread(batcher.close)
 
+    operations = [
+        Operation("/v1/score", "post", score, "score items (results in input order, or NDJSON "
+                  "as they finish)", "one result per item",
+                  {"application/json": score_response, "application/x-ndjson": score_result},
+                  score_request, SCORING_REFUSALS, (STREAM_PARAMETER,)),
+        Operation("/get_reward", "post", get_reward, "OpenRLHF remote reward model: one reward "
+                  "per query", "rewards in query order", {"application/json": RewardResponse},
+                  RewardRequest, SCORING_REFUSALS),
+        Operation("/health", "get", health, "liveness and queue depth (needs no key)",
+                  "the server is up", {"application/json": Health}, refusals=INTERNAL_ONLY,
+                  needs_key=False),
+        Operation("/metrics", "get", prom, "Prometheus metrics", "Prometheus text format",
+                  {"text/plain": {"type": "string"}}, refusals=INTERNAL_ONLY),
+        Operation("/openapi.json", "get", openapi, "this document", "OpenAPI 3.1",
+                  {"application/json": {"type": "object"}}, refusals=INTERNAL_ONLY),
+        *openai_operations(batcher, metrics, served_model_id(judge, judge_name),
+                           max_body_bytes, body_timeout_s, timeout_s, unavailable,
+                           tuple(image_url_prefixes)),
+    ]
+    document = openapi_document(operations, f"fastjudge reward server ({spec.name})",
+                                __version__, authenticated=bool(api_key))
     middleware = [Middleware(JsonErrors)]
     if api_key:
-        middleware.append(Middleware(BearerAuth, api_key=api_key))
-    app = Starlette(routes=[Route("/v1/score", score, methods=["POST"]),
-                            Route("/get_reward", get_reward, methods=["POST"]),
-                            Route("/health", health, methods=["GET"]),
-                            Route("/metrics", prom, methods=["GET"]),
-                            Route("/openapi.json", openapi, methods=["GET"]),
-                            *openai_routes(batcher, metrics, served_model_id(judge, judge_name),
-                                           max_body_bytes, body_timeout_s, timeout_s,
-                                           unavailable, tuple(image_url_prefixes))],
-                    middleware=middleware, exception_handlers={HTTPException: http_error},
-                    lifespan=lifespan)
+        middleware.append(Middleware(BearerAuth, api_key=api_key, open_paths=frozenset(
+            op.path for op in operations if not op.needs_key)))
+    app = Starlette(routes=[op.route() for op in operations], middleware=middleware,
+                    exception_handlers={HTTPException: http_error}, lifespan=lifespan)
     app.state.batcher = batcher
     app.state.metrics = metrics
     return app

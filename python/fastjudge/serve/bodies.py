@@ -74,6 +74,18 @@ async def read_json(request, max_bytes: int, timeout_s: float) -> Any:
         raise RequestError(400, f"malformed JSON: {bad}") from None
 
 
+def validated(model, value: Any):
+    """``value`` as an instance of the pydantic ``model``: 422 naming where each problem is."""
+    from pydantic import ValidationError
+
+    from ..io.validation import describe
+
+    try:
+        return model.model_validate(value)
+    except ValidationError as bad:
+        raise RequestError(422, describe(bad, value)) from None
+
+
 def load_embedded_json(text: str, where: str, expected: str) -> Any:
     """A JSON value carried as a string inside the body (``/get_reward`` queries): every refusal
     is 422 naming ``where``; ``expected`` describes the wanted value for text that is no JSON."""

@@ -15,9 +15,6 @@ import logging
 
 log = logging.getLogger("fastjudge")
 
-# Routes every client may call without a key (load balancers and orchestrators probe it).
-OPEN_PATHS = frozenset({"/health"})
-
 
 async def send_json(send, status: int, payload: dict, headers: list | None = None) -> None:
     """A complete JSON response through the ASGI ``send``."""
@@ -57,16 +54,18 @@ class JsonErrors:
 
 
 class BearerAuth:
-    """``Authorization: Bearer <api_key>`` on every route but :data:`OPEN_PATHS`; otherwise 401
-    with the challenge of RFC 6750 (``WWW-Authenticate: Bearer``, with ``error="invalid_token"``
-    when a wrong key was sent). Keys are compared in constant time."""
+    """``Authorization: Bearer <api_key>`` on every route but ``open_paths`` (the health probe
+    of load balancers and orchestrators); otherwise 401 with the challenge of RFC 6750
+    (``WWW-Authenticate: Bearer``, with ``error="invalid_token"`` when a wrong key was sent).
+    Keys are compared in constant time."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, open_paths: frozenset = frozenset()):
         self.app = app
         self.api_key = api_key.encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization")
         scheme, _, token = (given or b"").partition(b" ")

@@ -33,19 +33,19 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pydantic import ValidationError
+
+from ..io.validation import describe, problems
+from . import openai_schemas as api
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-IGNORED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
-# option -> its neutral value; any other value would change a greedy answer
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
-MAX_STOP_STRINGS = 4
 
 
-class OpenAIError(Exception):
+class OpenAIRefusal(Exception):
     """A request answered with an OpenAI error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -63,7 +63,8 @@ ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return api.OpenAIError(error=api.OpenAIErrorDetail(message=message, type=kind, param=param,
+                                                       code=code)).model_dump()
 
 
 @dataclass(eq=False)
@@ -80,11 +81,10 @@ _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w.+-]
                        r"(?P<b64>;base64)?,(?P<data>.*)", re.S)
 
 
-def image_part(part: dict, at: str, url_prefixes: Sequence[str] = ()) -> ImagePart:
+def image_part(part: api.ImageUrlPart, at: str, url_prefixes: Sequence[str] = ()) -> ImagePart:
     """The image of an ``image_url`` content part (400 for a URL that is not taken)."""
-    spec = part.get("image_url")
-    url = spec.get("url") if isinstance(spec, dict) else spec
-    if not isinstance(url, str) or not url:
+    url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+    if not url:
         raise _bad(f'{at}: expected {{"type": "image_url", "image_url": {{"url": "data:..."}}}}',
                    at)
     if url.startswith("data:"):
@@ -122,55 +122,29 @@ class ChatExample:
     id: Any = None
 
 
-def _bad(message: str, param: str) -> OpenAIError:
-    return OpenAIError(400, message, param)
+def _bad(message: str, param: str) -> OpenAIRefusal:
+    return OpenAIRefusal(400, message, param)
 
 
-def _content(content: Any, where: str, role: str, url_prefixes: Sequence[str] = ()):
+def _content(content: Any, where: str, url_prefixes: Sequence[str] = ()):
+    """A validated turn's content: a string, or (with images) a list of strings and
+    :class:`ImagePart`; adjacent text parts are joined with newlines."""
+    if content is None:  # an assistant turn (the model allows null nowhere else)
+        return ""
     if isinstance(content, str):
         return content
-    if content is None and role == "assistant":
-        return ""
-    if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of content parts", where)
     parts: list = []
     for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
+        if isinstance(part, api.TextPart):
             if parts and isinstance(parts[-1], str):
-                parts[-1] += "\n" + part["text"]
+                parts[-1] += "\n" + part.text
             else:
-                parts.append(part["text"])
-        elif kind == "image_url":
-            parts.append(image_part(part, at, url_prefixes))
-        elif kind in ("input_image", "image", "input_audio", "file", "video_url"):
-            raise _bad(f"{at}: {kind} content is not supported; send text parts and images as "
-                       '{"type": "image_url", "image_url": {"url": "data:..."}}', at)
+                parts.append(part.text)
         else:
-            raise _bad(f'{at}: expected {{"type": "text", "text": "..."}}', at)
+            parts.append(image_part(part, f"{where}.content[{j}]", url_prefixes))
     if all(isinstance(p, str) for p in parts):
         return "\n".join(parts)
     return parts
-
-
-def parse_messages(messages: Any, url_prefixes: Sequence[str] = ()) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object", where)
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{where}.role {role!r} is not supported; use system, user or "
-                       "assistant (tools are not served)", f"{where}.role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise _bad(f"{where}: tool calls are not supported", where)
-        out.append({"role": ROLES[role],
-                    "content": _content(m.get("content"), where, role, url_prefixes)})
-    return out
 
 
 def images_of(example: "ChatExample") -> list[ImagePart]:
@@ -179,129 +153,68 @@ def images_of(example: "ChatExample") -> list[ImagePart]:
             for p in m["content"] if isinstance(p, ImagePart)]
 
 
-def _number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _bad(f"{name} must be a number", name)
-    return float(value)
-
-
-def _max_tokens(body: dict) -> int | None:
-    asked = None
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _bad(f"{name} must be a positive integer", name)
-        asked = value if asked is None else asked
-    return asked
-
-
 def _schema(fmt: Any) -> str | None:
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    """The JSON-schema text a response format asks the output to satisfy (None: free text)."""
+    if isinstance(fmt, api.JsonObjectFormat):
         return json.dumps({"type": "object"})
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise _bad("response_format.json_schema.schema must be a JSON schema object",
-                       "response_format.json_schema.schema")
-        return json.dumps(schema)
-    raise _bad('response_format.type must be "text", "json_object" or "json_schema"',
-               "response_format.type")
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
-            or len(stops) > MAX_STOP_STRINGS:
-        raise _bad(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}",
-                   "stop")
-    return tuple(stops)
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name in IGNORED_SAMPLING:
-        _number(body, name)  # ignored, but a wrong type is still the client's error
-    for name, neutral in NEUTRAL.items():
-        value = _number(body, name)
-        if value is not None and value != neutral:
-            raise _bad(f"{name} is not supported (greedy decoding only); omit it or send "
-                       f"{neutral}", name)
-    if body.get("logit_bias"):
-        raise _bad("logit_bias is not supported", "logit_bias")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise _bad("n must be 1: greedy decoding gives one answer", "n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _bad("logprobs are not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools are not supported", "tools")
+    if isinstance(fmt, api.JsonSchemaFormat):
+        return json.dumps(fmt.json_schema.json_schema)
+    return None
 
 
 def parse_chat_request(body: Any, url_prefixes: Sequence[str] = ()) -> tuple[ChatExample, bool, bool]:
-    """The example of a ``/v1/chat/completions`` body, whether to stream, and whether a stream
-    ends with a usage chunk. Raises :class:`OpenAIError` (400) naming the field.
+    """The example of a ``/v1/chat/completions`` body (validated by
+    :class:`~.openai_schemas.ChatCompletionRequest`), whether to stream, and whether a stream
+    ends with a usage chunk. Raises :class:`OpenAIRefusal` (400) naming the field.
     ``url_prefixes``: the remote image URLs taken (the route fetches them)."""
-    if not isinstance(body, dict):
-        raise _bad("the body must be a JSON object", None)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model must be a string", "model")
-    _refuse_unsupported(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise _bad("stream must be true or false", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("stream_options must be an object", "stream_options")
-    example = ChatExample(parse_messages(body.get("messages"), url_prefixes), _max_tokens(body),
-                          _schema(body.get("response_format")), _stop(body.get("stop")),
-                          pieces=bool(stream))
-    return example, bool(stream), options.get("include_usage") is True
+    try:
+        request = api.ChatCompletionRequest.model_validate(body)
+    except ValidationError as bad:
+        place = problems(bad, body)[0][0]
+        raise _bad(describe(bad, body), None if place == "body" else place) from None
+    messages = [{"role": ROLES[m.role], "content": _content(m.content, f"messages[{i}]",
+                                                            url_prefixes)}
+                for i, m in enumerate(request.messages)]
+    stop = request.stop or ()
+    stream = bool(request.stream)
+    example = ChatExample(messages, request.max_completion_tokens or request.max_tokens,
+                          _schema(request.response_format),
+                          (stop,) if isinstance(stop, str) else tuple(stop), pieces=stream)
+    include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
+    return example, stream, include_usage
 
 
 # -- answers -----------------------------------------------------------------------------------
-def usage(result) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def usage(result) -> api.Usage:
+    return api.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                     total_tokens=result.prompt_tokens + result.completion_tokens)
 
 
 def completion_body(result, ident: str, created: int, model: str) -> dict:
-    return {"id": ident, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.content},
-                         "logprobs": None, "finish_reason": result.finish_reason}],
-            "usage": usage(result)}
+    return api.ChatCompletion(
+        id=ident, created=created, model=model, usage=usage(result),
+        choices=[api.Choice(message=api.AssistantMessage(content=result.content),
+                            finish_reason=result.finish_reason)]).model_dump()
 
 
 def chunk_bodies(result, ident: str, created: int, model: str, include_usage: bool):
     """The ``chat.completion.chunk`` objects of a stream: the role, one chunk per token that
     adds text, the finish reason, and (when asked) the usage with no choices."""
-    head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": finish}]}
+    def chunk(delta: api.Delta, finish: str | None = None, **more) -> dict:
+        choices = [] if "usage" in more else [api.ChunkChoice(delta=delta, finish_reason=finish)]
+        return api.ChatCompletionChunk(id=ident, created=created, model=model, choices=choices,
+                                       **more).model_dump(exclude={"usage"} if not more else None)
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk(api.Delta(role="assistant", content=""))
     for piece in result.pieces:
         if piece:
-            yield chunk({"content": piece})
-    yield chunk({}, result.finish_reason)
+            yield chunk(api.Delta(content=piece))
+    yield chunk(api.Delta(), result.finish_reason)
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(result)}
+        yield chunk(api.Delta(), usage=usage(result))
 
 
 def models_body(model: str | None, created: int) -> dict:
-    data = [{"id": model, "object": "model", "created": created, "owned_by": "fastjudge"}]
-    return {"object": "list", "data": data if model else []}
+    data = [api.ModelCard(id=model, created=created)] if model else []
+    return api.ModelList(data=data).model_dump()

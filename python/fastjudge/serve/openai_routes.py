@@ -33,9 +33,10 @@ import time
 
 from ..runtime.async_batcher import QueueFullError
 from ..runtime.failures import SystemFailure
+from . import openai_schemas as api
 from .bodies import RequestError, read_json
 from .openai_protocol import (
-    OpenAIError,
+    OpenAIRefusal,
     chunk_bodies,
     completion_body,
     error_body,
@@ -46,6 +47,24 @@ from .openai_protocol import (
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+
+# What the chat route's statuses mean (bodies: OpenAI error objects).
+REFUSALS = {
+    "400": "malformed JSON or an invalid request (the field is named in param); a prompt too "
+           "long for the model (code context_length_exceeded); an image that does not decode or "
+           "is above the pixel budget (code invalid_image), or images for a text-only model "
+           "(code image_not_supported)",
+    "404": "the judge's model is not a decoder-only chat model (code model_not_found)",
+    "408": "the body did not arrive in time after the request head",
+    "413": "body above the server's size limit",
+    "422": "a string that is not valid Unicode (a lone surrogate)",
+    "429": "the queue is full; retry later",
+    "500": "an internal error (logged by the server)",
+    "503": "a system failure after the server's retries (code service_unavailable; retry "
+           "after the Retry-After seconds), or the server is shutting down (retry on another "
+           "instance)",
+    "504": "not finished within the server's timeout",
+}
 
 
 def check_schema(schema: str) -> None:
@@ -61,7 +80,7 @@ def check_schema(schema: str) -> None:
     except Exception as bad:  # xgrammar raises several kinds for schemas it cannot convert
         # its messages start with "[time] source.cc:line: "; the reason is the rest
         reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(bad).strip()) or repr(bad)
-        raise OpenAIError(400, f"response_format.json_schema.schema is not usable: {reason}",
+        raise OpenAIRefusal(400, f"response_format.json_schema.schema is not usable: {reason}",
                           "response_format.json_schema.schema") from None
 
 
@@ -72,7 +91,7 @@ def _opener_without_redirects():
 
     class Refuse(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, req, fp, code, msg, headers, newurl):
-            raise OpenAIError(400, f"the image URL redirects ({code}); give the final URL")
+            raise OpenAIRefusal(400, f"the image URL redirects ({code}); give the final URL")
 
     return urllib.request.build_opener(Refuse)
 
@@ -84,35 +103,38 @@ def fetch_image(url: str, where: str, max_bytes: int, timeout_s: float) -> bytes
     try:
         with _opener_without_redirects().open(url, timeout=timeout_s) as answer:
             data = answer.read(max_bytes + 1)
-    except OpenAIError:
+    except OpenAIRefusal:
         raise
     except (urllib.error.URLError, OSError, ValueError) as bad:
-        raise OpenAIError(400, f"{where}: the image URL could not be fetched: {bad}", where) from None
+        raise OpenAIRefusal(400, f"{where}: the image URL could not be fetched: {bad}", where) from None
     if len(data) > max_bytes:
-        raise OpenAIError(400, f"{where}: the image at the URL is above {max_bytes} bytes", where)
+        raise OpenAIRefusal(400, f"{where}: the image at the URL is above {max_bytes} bytes", where)
     return data
 
 
-def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
-                  body_timeout_s: float, timeout_s: float,
-                  unavailable: dict | None = None, image_url_prefixes: tuple[str, ...] = ()) -> list:
-    """The two routes for an app whose ``batcher`` runs a ``ChatJudge``; ``model_id``: the
+def openai_operations(batcher, metrics, model_id: str | None, max_body_bytes: int,
+                      body_timeout_s: float, timeout_s: float,
+                      unavailable: dict | None = None,
+                      image_url_prefixes: tuple[str, ...] = ()) -> list:
+    """The two routes (:class:`~.openapi.Operation`) for an app whose ``batcher`` runs a
+    ``ChatJudge``; ``model_id``: the
     served model's name (None: the judge has no chat model, and completions answer 404);
     ``unavailable``: the headers of a 503 (``Retry-After``); ``image_url_prefixes``: the remote
     image URLs fetched (none: only ``data:`` URLs)."""
     from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
+
+    from .openapi import Operation, Refusal
 
     started = int(time.time())
 
-    def error(bad: OpenAIError) -> JSONResponse:
+    def error(bad: OpenAIRefusal) -> JSONResponse:
         return JSONResponse(error_body(bad.status, bad.message, bad.param, bad.code),
                             status_code=bad.status, headers=bad.headers)
 
     async def complete(request):
         body = await read_json(request, max_body_bytes, body_timeout_s)
         if model_id is None:
-            raise OpenAIError(404, "this server's judge model is not a decoder-only chat model; "
+            raise OpenAIRefusal(404, "this server's judge model is not a decoder-only chat model; "
                                    "chat completions need a Qwen judge", "model",
                               "model_not_found")
         example, stream, include_usage = parse_chat_request(body, image_url_prefixes)
@@ -123,21 +145,21 @@ def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
                 image.data = await asyncio.to_thread(fetch_image, image.url, image.where,
                                                      max_body_bytes, body_timeout_s)
         if batcher.closed:
-            raise OpenAIError(503, "the server is shutting down; retry on another instance",
+            raise OpenAIRefusal(503, "the server is shutting down; retry on another instance",
                               headers={"retry-after": "1"})
         try:
             result = (await asyncio.wait_for(batcher.score([example]), timeout_s))[0]
         except QueueFullError as full:
-            raise OpenAIError(429, str(full), code="rate_limit_exceeded") from None
+            raise OpenAIRefusal(429, str(full), code="rate_limit_exceeded") from None
         except asyncio.TimeoutError:
-            raise OpenAIError(504, f"request not finished within {timeout_s} s") from None
+            raise OpenAIRefusal(504, f"request not finished within {timeout_s} s") from None
         except SystemFailure as failure:
-            raise OpenAIError(503, f"the judge failed on this request's batch ({failure}); "
+            raise OpenAIRefusal(503, f"the judge failed on this request's batch ({failure}); "
                                    "retry the request", code="service_unavailable",
                               headers=unavailable) from None
         if result.error is not None:
             status = 400 if hasattr(result, "code") else 500  # a refused prompt, or a failure
-            raise OpenAIError(status, result.error, "messages" if status == 400 else None,
+            raise OpenAIRefusal(status, result.error, "messages" if status == 400 else None,
                               getattr(result, "code", None))
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if not stream:
@@ -159,8 +181,8 @@ def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
             return response
         except RequestError as bad:  # the body limits every route shares
             status = bad.status
-            return error(OpenAIError(bad.status, bad.message, headers=bad.headers))
-        except OpenAIError as bad:
+            return error(OpenAIRefusal(bad.status, bad.message, headers=bad.headers))
+        except OpenAIRefusal as bad:
             status = bad.status
             return error(bad)
         finally:
@@ -169,5 +191,14 @@ def openai_routes(batcher, metrics, model_id: str | None, max_body_bytes: int,
     async def models(request):
         return JSONResponse(models_body(model_id, started))
 
-    return [Route(MODELS_PATH, models, methods=["GET"]),
-            Route(CHAT_PATH, chat, methods=["POST"])]
+    refusals = {status: Refusal(text, api.OpenAIError) for status, text in REFUSALS.items()}
+    return [
+        Operation(MODELS_PATH, "get", models, "OpenAI-compatible: the served model (none for a "
+                  "judge that has no chat model)", "the model list",
+                  {"application/json": api.ModelList}, refusals={"500": refusals["500"]}),
+        Operation(CHAT_PATH, "post", chat, "OpenAI-compatible chat completion on the judge's "
+                  "model (greedy)", "the completion, or with stream: true server-sent events",
+                  {"application/json": api.ChatCompletion,
+                   "text/event-stream": api.ChatCompletionChunk},
+                  api.ChatCompletionRequest, refusals),
+    ]

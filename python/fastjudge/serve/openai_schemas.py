@@ -1,150 +1,304 @@
-"""The OpenAI-compatible routes in the server's OpenAPI document (:mod:`.openapi`): their
-paths and schemas, as :mod:`.openai_routes` and :mod:`.openai_protocol` answer them."""
+"""The OpenAI-compatible routes' bodies as pydantic models: the chat request is validated with
+:class:`ChatCompletionRequest` (what it may hold, and why, is in :mod:`.openai_protocol`), the
+answers are built from :class:`ChatCompletion`, :class:`ChatCompletionChunk` and
+:class:`ModelList`, and the OpenAPI document (:mod:`.openapi`) is generated from all of them.
+
+What a model cannot say alone stays in :mod:`.openai_protocol`: which image URLs this server
+takes (its ``--image-url-prefix`` list) and how a data URL decodes.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Any, Literal, Optional
 
-def _ref(name: str) -> dict:
-    return {"$ref": f"#/components/schemas/{name}"}
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from ..io.validation import tagged_union
 
-def _json(name: str) -> dict:
-    return {"application/json": {"schema": _ref(name)}}
-
-
-NULLABLE_STRING = {"type": ["string", "null"]}
-
-OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": NULLABLE_STRING, "code": NULLABLE_STRING}}}}
-
-_CONTENT = {"oneOf": [
-    {"type": "string"}, {"type": "null", "description": "assistant turns only"},
-    {"type": "array", "items": {"oneOf": [
-        {"type": "object", "required": ["type", "text"], "properties": {
-            "type": {"const": "text"}, "text": {"type": "string"}}},
-        {"type": "object", "required": ["type", "image_url"], "properties": {
-            "type": {"const": "image_url"},
-            "image_url": {"type": "object", "required": ["url"], "properties": {
-                "url": {"type": "string", "description": "data:image/...;base64,...; an "
-                        "http(s) URL only under the server's --image-url-prefix list"},
-                "detail": {"type": "string", "description": "ignored"}}}}}]},
-     "description": "text parts (joined with newlines) and images (vision-language models); "
-                    "other part types answer 400"}]}
-
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer"} for k in
-                         ("prompt_tokens", "completion_tokens", "total_tokens")}}
-
-_FINISH = {"enum": ["stop", "length"]}
-_HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"}}
-
-OPENAI_SCHEMAS = {
-    "OpenAIError": OPENAI_ERROR,
-    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-        "object": {"const": "list"},
-        "data": {"type": "array", "maxItems": 1, "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by"],
-            "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                           "created": {"type": "integer"}, "owned_by": {"type": "string"}}}}}},
-    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
-        "model": {"type": "string", "description": "any name: the server's one model answers"},
-        "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role"], "properties": {
-                "role": {"enum": ["system", "developer", "user", "assistant"]},
-                "content": _CONTENT}}},
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "max_completion_tokens": {"type": "integer", "minimum": 1,
-                                  "description": "as max_tokens; either is capped by the "
-                                                 "server's limit and the context left"},
-        "temperature": {"type": ["number", "null"],
-                        "description": "ignored: decoding is greedy"},
-        "top_p": {"type": ["number", "null"], "description": "ignored: decoding is greedy"},
-        "seed": {"type": ["number", "null"], "description": "ignored: decoding is greedy"},
-        "n": {"const": 1},
-        "stream": {"type": "boolean"},
-        "stream_options": {"type": "object",
-                           "properties": {"include_usage": {"type": "boolean"}}},
-        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 4,
-                                                 "items": {"type": "string"}}]},
-        "response_format": {"oneOf": [
-            {"type": "object", "required": ["type"],
-             "properties": {"type": {"enum": ["text", "json_object"]}}},
-            {"type": "object", "required": ["type", "json_schema"], "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": {"type": "object", "required": ["schema"],
-                                "properties": {"name": {"type": "string"},
-                                               "schema": {"type": "object"}}}}}]}}},
-    "ChatCompletion": {"type": "object",
-                       "required": ["id", "object", "created", "model", "choices", "usage"],
-                       "properties": {**_HEAD, "object": {"const": "chat.completion"},
-                                      "usage": _USAGE,
-                                      "choices": {"type": "array", "items": {
-                                          "type": "object",
-                                          "required": ["index", "message", "finish_reason"],
-                                          "properties": {
-                                              "index": {"type": "integer"},
-                                              "message": {"type": "object",
-                                                          "required": ["role", "content"],
-                                                          "properties": {
-                                                              "role": {"const": "assistant"},
-                                                              "content": {"type": "string"}}},
-                                              "finish_reason": _FINISH}}}}},
-    "ChatCompletionChunk": {
-        "type": "object", "required": ["id", "object", "created", "model", "choices"],
-        "description": "one server-sent event 'data: {chunk}'; the stream ends with "
-                       "'data: [DONE]'",
-        "properties": {**_HEAD, "object": {"const": "chat.completion.chunk"}, "usage": _USAGE,
-                       "choices": {"type": "array", "items": {
-                           "type": "object", "required": ["index", "delta", "finish_reason"],
-                           "properties": {"index": {"type": "integer"},
-                                          "delta": {"type": "object", "properties": {
-                                              "role": {"const": "assistant"},
-                                              "content": {"type": "string"}}},
-                                          "finish_reason": {"oneOf": [_FINISH,
-                                                                      {"type": "null"}]}}}}}},
-}
-
-REFUSALS = {
-    "400": "malformed JSON or an invalid request (the field is named in param); a prompt too "
-           "long for the model (code context_length_exceeded); an image that does not decode or "
-           "is above the pixel budget (code invalid_image), or images for a text-only model "
-           "(code image_not_supported)",
-    "401": "missing or wrong API key (only when the server has one)",
-    "404": "the judge's model is not a decoder-only chat model (code model_not_found)",
-    "408": "the body did not arrive in time after the request head",
-    "413": "body above the server's size limit",
-    "422": "a string that is not valid Unicode (a lone surrogate)",
-    "429": "the queue is full; retry later",
-    "500": "an internal error (logged by the server)",
-    "503": "a system failure after the server's retries (code service_unavailable; retry "
-           "after the Retry-After seconds), or the server is shutting down (retry on another "
-           "instance)",
-    "504": "not finished within the server's timeout",
-}
+MAX_STOP_STRINGS = 4
+# option -> its neutral value; any other value would change a greedy answer
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+GREEDY = "ignored: decoding is greedy"
 
 
-def _refusals(*statuses: str) -> dict:
-    """401 comes from the server's key guard, with its ``{"error": message}`` body."""
-    return {s: {"description": REFUSALS[s],
-                "content": _json("Error" if s == "401" else "OpenAIError")} for s in statuses}
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = Field(description="the request field at fault")
+    code: Optional[str]
 
 
-def openai_paths(key: tuple) -> dict:
-    """The two routes; ``key``: ``("401",)`` when the server has an API key."""
-    return {
-        "/v1/models": {"get": {
-            "summary": "OpenAI-compatible: the served model (none for a judge that has no "
-                       "chat model)",
-            "responses": {"200": {"description": "the model list", "content": _json("ModelList")},
-                          **_refusals(*key, "500")}}},
-        "/v1/chat/completions": {"post": {
-            "summary": "OpenAI-compatible chat completion on the judge's model (greedy)",
-            "requestBody": {"required": True, "content": _json("ChatCompletionRequest")},
-            "responses": {"200": {"description": "the completion, or with stream: true "
-                                                 "server-sent events", "content": {
-                **_json("ChatCompletion"),
-                "text/event-stream": {"schema": _ref("ChatCompletionChunk")}}},
-                **_refusals("400", *key, "404", "408", "413", "422", "429", "500", "503", "504")}}},
-    }
+class OpenAIError(BaseModel):
+    """An OpenAI error object."""
+
+    error: OpenAIErrorDetail
+
+
+# -- the request -------------------------------------------------------------------------------
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    url: StrictStr = Field(description="data:image/...;base64,...; an http(s) URL only under the "
+                                       "server's --image-url-prefix list")
+    detail: Optional[StrictStr] = Field(None, description="ignored")
+
+
+class ImageUrlPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["image_url"]
+    image_url: tagged_union(
+        {"object": ImageUrl, "url": StrictStr},
+        lambda v: "object" if isinstance(v, dict) else "url" if isinstance(v, str) else None,
+        'expected {"url": "data:..."}')
+
+
+def _part_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return kind if kind in ("text", "image_url") else None
+
+
+ContentPart = tagged_union(
+    {"text": TextPart, "image_url": ImageUrlPart}, _part_kind,
+    'expected {"type": "text", "text": "..."} or {"type": "image_url", "image_url": {"url": '
+    '"data:..."}}; other content (audio, files, video, input_image) is not supported')
+
+
+def _content_kind(value: Any) -> str | None:
+    if value is None:
+        return "none"
+    return "text" if isinstance(value, str) else "parts" if isinstance(value, list) else None
+
+
+Content = tagged_union(
+    {"text": StrictStr, "parts": list[ContentPart], "none": None}, _content_kind,
+    "content must be a string or a list of content parts")
+
+
+class Message(BaseModel):
+    """One turn. ``developer`` is read as ``system``; text parts are joined with newlines;
+    images need a vision-language model. Tool turns and tool calls are not served."""
+
+    model_config = ConfigDict(strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content = Field(None, description="null in assistant turns only")
+    tool_calls: Optional[Any] = Field(None, description="not supported: absent or empty")
+    function_call: Optional[Any] = Field(None, description="not supported: absent or empty")
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, role: Any) -> Any:
+        if role not in ("system", "developer", "user", "assistant"):
+            raise PydanticCustomError("role", "role {role} is not supported; use system, "
+                                      "developer, user or assistant (tools are not served)",
+                                      {"role": repr(role)[:40]})
+        return role
+
+    @model_validator(mode="after")
+    def _served(self) -> "Message":
+        if self.tool_calls or self.function_call:
+            raise PydanticCustomError("tool_calls", "tool calls are not supported")
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("content", "content must be a string or a list of "
+                                      "content parts (null only in assistant turns)")
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    include_usage: Optional[StrictBool] = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+    name: Optional[StrictStr] = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="the output is JSON valid "
+                                                                     "under this schema")
+    strict: Optional[StrictBool] = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+def _format_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return kind if kind in ("text", "json_object", "json_schema") else None
+
+
+ResponseFormat = tagged_union(
+    {"text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat},
+    _format_kind, 'expected {"type": "text"}, {"type": "json_object"} or {"type": '
+    '"json_schema", "json_schema": {"schema": {...}}}')
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+StopString = Annotated[StrictStr, Field(min_length=1)]
+Stop = tagged_union(
+    {"one": StopString,
+     "list": Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]},
+    lambda v: "one" if isinstance(v, str) else "list" if isinstance(v, list) else None,
+    f"expected a non-empty string or a list of at most {MAX_STOP_STRINGS}")
+
+
+def _refused(name: str) -> Any:
+    return Field(None, description=f"not supported: {name} must be absent or empty")
+
+
+class ChatCompletionRequest(BaseModel):
+    """A chat completion on the server's model, decoded greedily. Fields not listed are
+    ignored (harnesses pass their own extra arguments through)."""
+
+    model_config = ConfigDict(strict=True)
+
+    model: Optional[StrictStr] = Field(None, description="any name: the server's one model "
+                                                         "answers")
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Optional[PositiveInt] = None
+    max_completion_tokens: Optional[PositiveInt] = Field(
+        None, description="as max_tokens (and wins over it); either is capped by the server's "
+                          "limit and the context left")
+    temperature: Optional[StrictFloat] = Field(None, description=GREEDY)
+    top_p: Optional[StrictFloat] = Field(None, description=GREEDY)
+    top_k: Optional[StrictFloat] = Field(None, description=GREEDY)
+    min_p: Optional[StrictFloat] = Field(None, description=GREEDY)
+    seed: Optional[StrictFloat] = Field(None, description=GREEDY)
+    presence_penalty: Optional[StrictFloat] = Field(None, description="0 only")
+    frequency_penalty: Optional[StrictFloat] = Field(None, description="0 only")
+    repetition_penalty: Optional[StrictFloat] = Field(None, description="1 only")
+    logit_bias: Optional[dict[str, Any]] = _refused("logit_bias")
+    logprobs: Optional[StrictBool] = _refused("logprobs")
+    top_logprobs: Optional[StrictInt] = _refused("top_logprobs")
+    tools: Optional[Any] = _refused("tools")
+    functions: Optional[Any] = _refused("functions")
+    n: Optional[StrictInt] = Field(None, description="1 only: greedy decoding gives one answer")
+    stream: Optional[StrictBool] = None
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Stop] = None
+    response_format: Optional[ResponseFormat] = None
+
+    @field_validator(*NEUTRAL)
+    @classmethod
+    def _neutral(cls, value, info):
+        neutral = NEUTRAL[info.field_name]
+        if value is not None and value != neutral:
+            raise PydanticCustomError("unsupported", "not supported (greedy decoding only); omit "
+                                      "it or send {neutral}", {"neutral": neutral})
+        return value
+
+    @field_validator("logit_bias", "logprobs", "top_logprobs", "tools", "functions")
+    @classmethod
+    def _absent(cls, value):
+        if value:
+            raise PydanticCustomError("unsupported", "not supported")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, value):
+        if value is not None and value != 1:
+            raise PydanticCustomError("unsupported", "must be 1: greedy decoding gives one answer")
+        return value
+
+
+# -- the answers -------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """What a chunk adds; a field it does not add is absent (as in OpenAI's chunks)."""
+
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _present(self, serialize):
+        return {k: v for k, v in serialize(self).items() if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event ``data: {chunk}``; the stream ends with ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "fastjudge"
+
+
+class ModelList(BaseModel):
+    """The served model (none for a judge that has no chat model)."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(max_length=1)

@@ -75,11 +75,6 @@ class SplitError(ItemError):
     """A query in which the response could not be told from the prompt."""
 
 
-def is_stock_payload(body: dict) -> bool:
-    """OpenRLHF's own payload carries ``prompts`` (and ``labels``) beside ``query``."""
-    return "prompts" in body or "labels" in body
-
-
 def clean(text: str) -> str:
     return _SPECIAL.sub("", text).strip()
 
@@ -190,12 +185,10 @@ def image_under_root(path: Any, image_root: str | None, where: str) -> str:
     return full
 
 
-def stock_item(query: Any, prompt: Any, label: Any, where: str, text_judge: bool,
+def stock_item(query: str, prompt: str, label: Any, where: str, text_judge: bool,
                image_root: str | None = None) -> tuple[dict, bool]:
     """The judge item of one stock-payload sample, and whether it names an image file (checked
     to lie under ``image_root``; such an item is read as a file row, not an HTTP item)."""
-    if not isinstance(query, str) or not isinstance(prompt, str):
-        raise ItemError(f"{where}: query and prompt must be strings")
     try:
         response = clean(split_response(query, prompt))
     except SplitError as bad:
@@ -211,7 +204,7 @@ def stock_item(query: Any, prompt: Any, label: Any, where: str, text_judge: bool
     return item, False
 
 
-def stock_example(spec, query: Any, prompt: Any, label: Any, where: str, text_judge: bool,
+def stock_example(spec, query: str, prompt: str, label: Any, where: str, text_judge: bool,
                   image_root: str | None = None):
     """The judge's example of one stock-payload sample (:class:`ItemError`, or the judge's own
     ``ValueError`` for an image that does not decode, when it has none)."""
@@ -222,12 +215,3 @@ def stock_example(spec, query: Any, prompt: Any, label: Any, where: str, text_ju
         return image_text_from_row(item, None, where)
     return spec.parse_item(item, where)
 
-
-def stock_items(body: dict) -> list[tuple[Any, Any, Any]]:
-    """``(query, prompt, label)`` per sample; the lists must be as long as ``query``."""
-    queries, prompts = body.get("query"), body.get("prompts")
-    labels = body.get("labels", [None] * len(queries) if isinstance(queries, list) else None)
-    if not all(isinstance(x, list) for x in (queries, prompts, labels)) or not (
-            len(queries) == len(prompts) == len(labels)):
-        raise ValueError('"query", "prompts" and "labels" must be lists of one length')
-    return list(zip(queries, prompts, labels))
