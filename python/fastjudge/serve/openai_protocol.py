@@ -42,7 +42,8 @@ from pydantic import ValidationError
 from ..io.validation import describe, problems
 from . import openai_schemas as api
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# the chat template's role of each request role
+TEMPLATE_ROLES = {role: "system" if role == "developer" else role for role in api.ROLES}
 
 
 class OpenAIRefusal(Exception):
@@ -172,7 +173,7 @@ def parse_chat_request(body: Any, url_prefixes: Sequence[str] = ()) -> tuple[Cha
     except ValidationError as bad:
         place = problems(bad, body)[0][0]
         raise _bad(describe(bad, body), None if place == "body" else place) from None
-    messages = [{"role": ROLES[m.role], "content": _content(m.content, f"messages[{i}]",
+    messages = [{"role": TEMPLATE_ROLES[m.role], "content": _content(m.content, f"messages[{i}]",
                                                             url_prefixes)}
                 for i, m in enumerate(request.messages)]
     stop = request.stop or ()

@@ -31,6 +31,7 @@ MAX_STOP_STRINGS = 4
 # option -> its neutral value; any other value would change a greedy answer
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 GREEDY = "ignored: decoding is greedy"
+ROLES = ("system", "developer", "user", "assistant")  # developer is read as system
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -100,7 +101,7 @@ class Message(BaseModel):
 
     model_config = ConfigDict(strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal[ROLES]
     content: Content = Field(None, description="null in assistant turns only")
     tool_calls: Optional[Any] = Field(None, description="not supported: absent or empty")
     function_call: Optional[Any] = Field(None, description="not supported: absent or empty")
@@ -108,7 +109,7 @@ class Message(BaseModel):
     @field_validator("role", mode="before")
     @classmethod
     def _known_role(cls, role: Any) -> Any:
-        if role not in ("system", "developer", "user", "assistant"):
+        if role not in ROLES:
             raise PydanticCustomError("role", "role {role} is not supported; use system, "
                                       "developer, user or assistant (tools are not served)",
                                       {"role": repr(role)[:40]})
