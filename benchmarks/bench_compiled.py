@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastjudge.backends.torch_qwen import TorchQwenBackend
-from fastjudge.bench.step_profile import profile_qwen_decoding
+from fastjudge.backends.qwen.backend import TorchQwenBackend
+from fastjudge.bench.step_profile import profile_decoding
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.judges.visexmem.schemas import parts_schema
@@ -68,7 +68,7 @@ def agree(a, b) -> bool:
 
 
 def per_step(backend, reqs) -> dict:
-    return profile_qwen_decoding(lambda: backend.run(reqs), backend)
+    return profile_decoding(lambda: backend.run(reqs))
 
 
 def main(argv=None) -> int:

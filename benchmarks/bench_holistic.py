@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 from fastjudge import HolisticJudge, ImageTextExample
-from fastjudge.backends.caches import ImageEmbeddingCache
-from fastjudge.backends.torch_qwen import DEFAULT_PREFIX_CACHE_BYTES
+from fastjudge.backends.qwen.backend import DEFAULT_PREFIX_CACHE_BYTES
+from fastjudge.backends.qwen.caches import ImageEmbeddingCache
 from fastjudge.checkpoints import QWEN_SHAPES
 from fastjudge.engine_options import EngineOptions
 from fastjudge.reference.holistic import VQAScoreReference

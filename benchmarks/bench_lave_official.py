@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 
 from fastjudge import LaveJudge, VQAExample
-from fastjudge.backends.torch_t5 import TorchT5Backend
+from fastjudge.backends.t5.backend import TorchT5Backend
 from fastjudge.checkpoints import T5_SHAPES, build_random_t5, scale_output_rows
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions

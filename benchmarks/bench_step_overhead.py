@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fastjudge.bench.step_profile import profile_qwen_decoding, profile_t5_decoding
+from fastjudge.bench.step_profile import profile_decoding
 from fastjudge.engine_options import EngineOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,7 +52,7 @@ def qwen_path(model_dir: Path, rows: int, jump_forward: bool) -> dict:
     items, _ = judge.prepare(make_examples(rows, 448, 336))
     judge._decompose(list(items))  # warm-up: grammar compiled, image embeddings cached
     items, _ = judge.prepare(make_examples(rows, 448, 336))
-    return profile_qwen_decoding(lambda: judge._decompose(list(items)), judge.backend)
+    return profile_decoding(lambda: judge._decompose(list(items)))
 
 
 # -- T5 rationale -------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def t5_path(model_dir: Path, rows: int) -> dict:
     examples = [VQAExample(r["question"], r["references"], r["prediction"], r.get("caption"), f"{r['id']}-{i}")
                 for i, r in enumerate((sample * (rows // len(sample) + 1))[:rows])]
     judge.score(examples)  # warm-up
-    return profile_t5_decoding(lambda: judge.score(examples))
+    return profile_decoding(lambda: judge.score(examples))
 
 
 def main(argv=None) -> int:

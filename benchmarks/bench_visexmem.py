@@ -16,13 +16,14 @@ a caption and ``--claims`` claims, each with one or two evidence regions from th
   renormalised over {yes, no};
 * fastjudge: ``VisExJudge.prepare`` + ``_propose`` (image loading, crop encoding of the full
   image and the quadrant boxes), one ``verification_request`` per claim, all through
-  ``run_requests``: each image + caption prefix runs once, each image or crop goes through
+  the judge's engine: each image + caption prefix runs once, each image or crop goes through
   the vision tower once, the claim suffixes run in batches behind their prefix. The prefix
   cache, the image-embedding cache and the prefix-token memo are emptied before every run.
 
 Prints claims/s both ways (medians over ``--repeats`` after one warm-up run), the ratio against
 the 5x target, per-claim support agreement, fastjudge's time per stage inside the verification
-run, the prefix-cache hit rate, tokens and vision patches computed vs those in the full inputs,
+run (the model stages from the engine's profiler labels: vision tower, prefix prefill, claim
+suffixes), the prefix-cache hit rate, tokens computed vs those in the full inputs,
 and one whole ``VisExJudge.score`` pipeline run (decompose/select/verify/explain times; random
 weights write to the length limits).
 
@@ -49,9 +50,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from fastjudge import ImageTextExample, VisExJudge
-from fastjudge.backends.caches import ImageEmbeddingCache
+from fastjudge.backends.profiling import PREFILL_LABEL, PREFIX_LABEL, VISION_LABEL
+from fastjudge.backends.qwen.caches import ImageEmbeddingCache
+from fastjudge.bench.step_profile import stage_seconds
 from fastjudge.checkpoints import QWEN_SHAPES, build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions
@@ -61,7 +65,6 @@ from fastjudge.reference.models import PLACEHOLDER
 from fastjudge.reference.visexmem import ClaimSupportReference
 from fastjudge.runtime.prefix_cache import PrefixCache
 from fastjudge.runtime.requests import Image
-from fastjudge.runtime.scheduler import run_requests
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lave_t5 import timed  # noqa: E402  (shared timer: median after one warm-up run)
@@ -202,35 +205,14 @@ def baseline_prompts(judge: VisExJudge, examples, claims):
 
 # -- fastjudge -----------------------------------------------------------------------------------
 class Stages:
-    """Seconds per stage of fastjudge's verification run, by wrapping the backend's calls."""
+    """Seconds per stage of fastjudge's verification run: host stages timed here, model stages
+    read from the engine's own profiler labels (``backends.profiling``) in one profiled run."""
 
-    def __init__(self, judge: VisExJudge):
+    LABELS = {VISION_LABEL: "vision encode", PREFIX_LABEL: "prefix prefill", PREFILL_LABEL: "claim suffixes"}
+
+    def __init__(self):
         self.seconds = defaultdict(float)
         self.calls = defaultdict(int)
-        backend = judge.backend
-        self.patches = 0
-        vision_encode, forward, logits = backend.vision.encode, backend.model.forward, backend.model.logits
-
-        def encode(pixels, grids):
-            self.patches += int(pixels.shape[0])
-            with self.stage("vision encode"):
-                return vision_encode(pixels, grids)
-
-        def fwd(ids, prev, save=False, **kw):
-            with self.stage("prefix prefill" if save else "claim suffixes"):
-                return forward(ids, prev, save=save, **kw)
-
-        def head(hidden, rows=None):
-            with self.stage("claim suffixes"):
-                return logits(hidden, rows)
-
-        self._restore = (backend, vision_encode, forward, logits)
-        backend.vision.encode, backend.model.forward, backend.model.logits = encode, fwd, head
-
-    def uninstall(self) -> None:
-        """Give the backend its own methods back (it serves the next layout's run)."""
-        backend, vision_encode, forward, logits = self._restore
-        backend.vision.encode, backend.model.forward, backend.model.logits = vision_encode, forward, logits
 
     @contextmanager
     def stage(self, name: str):
@@ -241,10 +223,22 @@ class Stages:
             self.seconds[name] += time.perf_counter() - t
             self.calls[name] += 1
 
+    def profiled(self, run) -> dict[str, float]:
+        """``run()`` under the profiler: seconds in each labelled model stage, the rest of the
+        requests' run (heads, planning, moves) as "other"."""
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            run()
+            total = time.perf_counter() - start
+        events = prof.events()
+        seconds = {self.LABELS[k]: v for k, v in stage_seconds(events, self.LABELS).items()}
+        seconds["other"] = max(total - sum(seconds.values()), 0.0)
+        seconds["vision calls"] = sum(e.name == VISION_LABEL for e in events)
+        return seconds
+
     def reset(self):
         self.seconds.clear()
         self.calls.clear()
-        self.patches = 0
 
 
 def fresh(backend) -> None:
@@ -273,8 +267,7 @@ def fast_run(judge: VisExJudge, examples, claims, stages: Stages) -> list[float]
     start = time.perf_counter()
     _, requests = fast_requests(judge, examples, claims, stages)
     with stages.stage("run_requests"):
-        outputs = {o.index: o for batch in run_requests(judge.backend, requests, judge.max_batch_tokens,
-                                                        judge.max_batch_size) for o in batch}
+        outputs = {o.index: o for batch in judge.engine.run(requests) for o in batch}
     stages.seconds["total"] = time.perf_counter() - start
     return [float(outputs[k].probs[0]) for k in range(len(requests))]
 
@@ -340,7 +333,7 @@ def pipeline_once(judge: VisExJudge, examples) -> dict:
 def bench_one(judge: VisExJudge, base: Baseline, examples, claims, args) -> dict:
     """Baseline and fastjudge on the same claims in the judge's evidence layout."""
     backend = judge.backend
-    stages = Stages(judge)
+    stages = Stages()
     prompts = baseline_prompts(judge, examples, claims)
     base_runs = []
 
@@ -355,18 +348,20 @@ def bench_one(judge: VisExJudge, base: Baseline, examples, claims, args) -> dict
 
     def run_fast():
         out = fast_run(judge, examples, claims, stages)
-        per_run.append((dict(stages.seconds), dict(stages.calls), stages.patches,
-                        backend.tokens_computed, backend.prefix_cache.hit_rate))
+        per_run.append((dict(stages.seconds), dict(stages.calls), backend.tokens_computed,
+                        backend.prefix_cache.hit_rate))
         return out
 
     t_fast, ours = timed(run_fast, args.repeats, lambda: fresh(backend))
-    stages.uninstall()
     timed_runs = per_run[1:]
     stage_median = {k: statistics.median(r[0].get(k, 0.0) for r in timed_runs) for k in timed_runs[0][0]}
-    _, calls, patches, computed, hit = timed_runs[-1]
+    _, calls, computed, hit = timed_runs[-1]
+    fresh(backend)
+    _, requests = fast_requests(judge, examples, claims, stages)
+    model_stages = stages.profiled(lambda: [o for batch in judge.engine.run(requests) for o in batch])
     check = checks(judge, base, stages, examples, claims, prompts, ours, theirs, args.same_pixel_claims)
     pipe = pipeline_once(judge, examples[: args.pipeline_items]) if args.pipeline_items else None
-    return dict(t_base=t_base, t_fast=t_fast, stages=stage_median, calls=calls, patches=patches,
+    return dict(t_base=t_base, t_fast=t_fast, stages=stage_median, model_stages=model_stages, calls=calls,
                 computed=computed, hit=hit, base_seconds=base_seconds, pipe=pipe, **check)
 
 
@@ -408,29 +403,25 @@ def main(argv=None) -> int:
     print(f"\nVisExMEM verification: {args.images} images ({width}x{height}) x {args.claims} claims "
           f"(1-2 quadrant crops each), {args.dtype}, median of {args.repeats}, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'shape':6} {'base cl/s':>9} {'fast cl/s':>9} {'ratio':>7} {'>=5x':>5} {'prefixes':>8} "
-          f"{'full tok':>8} {'computed':>8} {'full patches':>12} {'encoded':>7} {'max|dS|':>8} {'agree':>6}")
+    print(f"{'shape':6} {'base cl/s':>9} {'fast cl/s':>9} {'ratio':>7} {'>=5x':>5} "
+          f"{'full tok':>8} {'computed':>8} {'full patches':>12} {'vis calls':>9} {'max|dS|':>8} {'agree':>6}")
     for r in rows:
         ratio = r["t_base"] / r["t_fast"]
         print(f"{r['shape']:6} {n / r['t_base']:9.1f} {n / r['t_fast']:9.1f} {ratio:6.2f}x "
-              f"{'PASS' if ratio >= TARGET else 'FAIL':>5} {r['calls'].get('prefix prefill', 0):8d} "
-              f"{r['full_tokens']:8d} "
-              f"{r['computed']:8d} {r['full_patches']:12d} {r['patches']:7d} {r['max_diff']:8.1e} {r['agree']:6.0%}")
-    print("prefixes: image + caption prefixes run by fastjudge (the baseline runs one per claim); full tok / "
-          "full patches: in every claim's full input (the baseline computes all of them); computed / encoded: "
-          "what fastjudge ran; max|dS|: largest per-claim support difference; agree: same yes/no decision")
+              f"{'PASS' if ratio >= TARGET else 'FAIL':>5} {r['full_tokens']:8d} {r['computed']:8d} "
+              f"{r['full_patches']:12d} {r['model_stages']['vision calls']:9d} {r['max_diff']:8.1e} {r['agree']:6.0%}")
+    print("full tok / full patches: in every claim's full input (the baseline computes all of them); computed: "
+          "tokens fastjudge ran; vis calls: vision-tower calls (images not cached are encoded together); "
+          "max|dS|: largest per-claim support difference; agree: same yes/no decision")
     for r in rows:
         print(f"\n[{r['shape']}] fastjudge verification run, seconds per stage (median):")
         total = r["stages"]["total"]
-        inner = ("vision encode", "prefix prefill", "claim suffixes")
         for name in ("prepare (load, crop encode)", "build requests (tokenize)", "run_requests"):
             print(f"  {name:30} {r['stages'].get(name, 0.0):7.3f}s {r['stages'].get(name, 0.0) / total:6.1%}")
-            if name == "run_requests":
-                for sub in inner:
-                    print(f"    {sub:28} {r['stages'].get(sub, 0.0):7.3f}s {r['stages'].get(sub, 0.0) / total:6.1%}"
-                          f"  ({r['calls'].get(sub, 0)} calls)")
-                rest = r["stages"].get(name, 0.0) - sum(r["stages"].get(s, 0.0) for s in inner)
-                print(f"    {'planning, positions, other':28} {rest:7.3f}s {rest / total:6.1%}")
+        m = r["model_stages"]
+        print("  run_requests by the engine's profiler labels (one profiled run, cold caches):")
+        for sub in ("vision encode", "prefix prefill", "claim suffixes", "other"):
+            print(f"    {sub:28} {m[sub]:7.3f}s")
         print(f"  {'total':30} {total:7.3f}s   prefix-cache hit rate {r['hit']:.1%} (one lookup per batch; "
               f"a prefix's claims share its batch, so a hit needs a prefix split over batches)")
         b = r["base_seconds"]

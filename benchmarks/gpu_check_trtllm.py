@@ -79,8 +79,8 @@ def _top2_gap(result) -> float:
 
 
 def check_build(kind: str, precision: str, source: Path, out: Path, examples: list, device: str = "cuda") -> dict:
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
+    from fastjudge.backends.t5.backend import TorchT5Backend
     from fastjudge.backends.trtllm import TensorRTLLMUnavailable, TrtllmBackend
     from fastjudge.builders.cli import main as build_main
     from fastjudge.builders.manifest import read_manifest

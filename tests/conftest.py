@@ -61,7 +61,7 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def t5_backend(t5_dir):
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     return TorchT5Backend(t5_dir, device="cpu", dtype="float32")
 

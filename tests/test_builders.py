@@ -228,7 +228,7 @@ def test_t5_build_manifest_and_token_ids(t5_build, t5_backend):
 
 def test_torch_backend_loads_fp8_checkpoint(t5_build, t5_dir):
     from fastjudge.backends.loading import load_state_dict
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     ckpt = t5_build / "checkpoint"
     raw = load_file(str(ckpt / "model.safetensors"))
@@ -257,8 +257,8 @@ def test_fp8_checkpoint_equals_weight_fake_quant(kind, request):
     same E4M3 weights (ModelOpt's weight fake quantization, which
     test_exported_weights_equal_modelopt_fake_quant and the exporter tests hold the checkpoint
     to; activations left unquantized): probabilities within 1e-4 (float32), identical ratings."""
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     t5 = kind == "flan-t5"
     build = request.getfixturevalue("t5_build" if t5 else "qwen_build")
@@ -303,8 +303,8 @@ def test_bf16_build_loads_in_torch_backend_and_transformers_alike(kind, request,
     the written directory with ``from_pretrained``) give the same probabilities on it (float32
     compute: within 1e-5, identical ratings), and the threshold applies to the checkpoint's
     agreement with the source."""
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
+    from fastjudge.backends.t5.backend import TorchT5Backend
     from fastjudge.builders.fp8_export import read_checkpoint
 
     source = request.getfixturevalue("t5_dir" if kind == "flan-t5" else "qwen_dir")
@@ -378,7 +378,7 @@ def test_agreement_figures_and_loud_warning(capsys):
 # Qwen3.5 builds
 
 def test_qwen_build_checkpoint_matches_trtllm_expectations(qwen_build, qwen_dir):
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
 
     m = read_manifest(qwen_build)
     ckpt = qwen_build / m["artifacts"]["checkpoint"]
@@ -479,7 +479,7 @@ def test_qwen_vl_build_images_and_onnx(qwen_vl_build):
     if importlib.util.find_spec("onnxruntime") is not None:
         # three images of different sizes in one call against QwenVision.encode
         assert len(ort["grids"]) == 3 and ort["max_abs_diff"] < 1e-5
-    from fastjudge.backends.qwen_vision import QwenVision
+    from fastjudge.backends.qwen.vision import QwenVision
 
     assert QwenVision.from_pretrained(ckpt, device="cpu", dtype="float32") is not None
 
@@ -489,7 +489,7 @@ def test_qwen_vl_build_images_and_onnx(qwen_vl_build):
 
 def test_trtllm_backend_manifest_checks(t5_build, qwen_build, tmp_path):
     from fastjudge.backends.protocol import Backend
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
     from fastjudge.backends.trtllm import TrtllmBackend
 
     for build in (t5_build, qwen_build):
@@ -590,8 +590,8 @@ def _faithfulness(backend, source, build, encoder_decoder):
 def _fake_quant_backend(source, opts, encoder_decoder):
     import fastjudge.builders.flan_t5 as ft5
     import fastjudge.builders.qwen3_5 as q35
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
+    from fastjudge.backends.t5.backend import TorchT5Backend
     from fastjudge.builders.pipeline import open_judge, prepare_prompts
     from fastjudge.builders.quantize import quantize_fp8
 
@@ -649,8 +649,8 @@ def test_fp8_gemm_path_on_the_fp8_checkpoint(kind, request):
     projection equals the float32 reference of the same FP8 math, and the judge agrees with the
     dequantized load up to the activation quantization it adds."""
     from fastjudge.backends.fp8 import Fp8Weight
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     build = request.getfixturevalue("t5_build" if kind == "flan-t5" else "qwen_build")
     ckpt = build / read_manifest(build)["artifacts"]["checkpoint"]
@@ -718,7 +718,7 @@ def test_vision_index_inputs_without_transformers_vision_utils(vl_dir, monkeypat
     get_vision_interpolation_indices_and_weights (transformers/vision_utils.py) give."""
     import sys
 
-    from fastjudge.backends.qwen_vision import QwenVision
+    from fastjudge.backends.qwen.vision import QwenVision
     from fastjudge.builders import vision_onnx
 
     visual = QwenVision.from_pretrained(vl_dir, device="cpu", dtype=torch.float32).model

@@ -15,7 +15,7 @@ from conftest import TEST_DEVICE  # noqa: E402
 from test_jump_forward import adversarial_biases, assert_same, biased, json_spec, requests_for  # noqa: E402
 
 from fastjudge.backends.compiled import compile_enabled, row_bucket, width_bucket  # noqa: E402
-from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.backends.qwen.backend import TorchQwenBackend  # noqa: E402
 from fastjudge.runtime.requests import Choice, Request, Text  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def test_compiled_choice_equals_eager(backends):
 def test_compiled_t5_equals_eager(t5_dir):
     """The T5 decoder step (rationale rows with tracked logits, three rows padded to four) and
     the score-only step, compiled against eager."""
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     eager = TorchT5Backend(t5_dir, device=TEST_DEVICE, dtype="float32", compile="off")
     compiled = TorchT5Backend(t5_dir, device=TEST_DEVICE, dtype="float32", compile="on")
@@ -78,3 +78,47 @@ def test_compiled_t5_equals_eager(t5_dir):
     for x, y in zip(eager.run(choice), compiled.run(choice)):
         np.testing.assert_allclose(x.logits, y.logits, atol=1e-5, rtol=0)
     assert compiled.compile_seconds > 0
+
+
+def pool_workloads(rows: int):
+    """Batches of ``rows`` rows of two kinds: score-only rows behind a shared prefix, and Text
+    rows with tracked logits (prefilled suffixes, then one-token steps)."""
+    rng = np.random.default_rng(rows)
+    prefix = rng.integers(5, 900, size=10)
+    return [[Request(i, np.concatenate([prefix, rng.integers(5, 900, size=3 + i)]), Choice((3, 10, 11)), prefix_len=10)
+             for i in range(rows)],
+            requests_for(Text(6, track_ids=(3, 10, 11)), n=rows, seed=rows)]
+
+
+def test_compiled_forward_gets_the_pool_at_static_addresses(backends):
+    """What CUDA graphs need of the compiled forward (torch ``_inductor/cudagraph_trees.py``:
+    a graph is skipped when it mutates an input whose address is not static; gpt-fast's
+    ``model.py`` keeps its KV cache in module buffers for this reason): the state pool is
+    allocated once, its buffers are marked static, and every call -- batches of different
+    sizes and kinds -- receives the very same tensors (``data_ptr``); a second round of
+    batches on the same shape buckets compiles nothing (dynamo's counters, and no new shape)."""
+    _, backend = backends
+    for batch in pool_workloads(2) + pool_workloads(3):  # warm-up: the pool and these batches' buckets
+        backend.run(batch)
+    pool, allocations = backend.pool, backend.pool_allocations
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in pool.buffers())
+    compiled = backend._compiled.fn
+    seen = []
+
+    def spy(tokens, counts, state, width, **kw):
+        seen.append((id(state), {name: t.data_ptr() for name, t in state.named_buffers()}))
+        return compiled(tokens, counts, state, width, **kw)
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    shapes = set(backend._compiled._seen)
+    backend._compiled.fn = spy
+    try:
+        for batch in pool_workloads(3) + pool_workloads(2):  # rows buckets 4 and 2, shapes seen
+            backend.run(batch)
+    finally:
+        backend._compiled.fn = compiled
+    assert len(seen) > 10 and all(s == seen[0] for s in seen)
+    assert seen[0][1] == {name: t.data_ptr() for name, t in pool.named_buffers()}
+    assert backend.pool is pool and backend.pool_allocations == allocations
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert set(backend._compiled._seen) == shapes

@@ -1,4 +1,4 @@
-"""Our gated delta rule (``backends/gated_delta.py``) against transformers' reference
+"""Our gated delta rule (``backends/qwen/gated_delta.py``) against transformers' reference
 implementation: ``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` in
 transformers/models/qwen3_5/modeling_qwen3_5.py (transformers 5.x, the version this project
 pins for Qwen3.5), on random float32 inputs, to 1e-5 relative error."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastjudge.backends.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from fastjudge.backends.qwen.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 reference = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 

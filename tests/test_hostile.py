@@ -152,7 +152,7 @@ def test_bomb_in_a_ray_batch_costs_only_itself(vl_dir):
 def test_long_prediction_is_refused_before_tokenizing(t5_dir, tmp_path, capsys):
     """A 3 MB prediction under a 1024-token limit: its row says so without a token count (it was
     never tokenized); the good items around it, in the same chunk, are scored."""
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     codec = TorchT5Backend(t5_dir, device="cpu", dtype="float32").codec
     longest = max(len(token) for token in codec.tokenizer.get_vocab())

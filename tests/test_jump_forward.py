@@ -19,8 +19,9 @@ from conftest import TEST_DEVICE  # noqa: E402
 
 from fastjudge import LaveJudge  # noqa: E402
 from fastjudge.backends import load_backend  # noqa: E402
-from fastjudge.backends.qwen_slots import SlotCache, pool_bytes  # noqa: E402
-from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.backends.qwen.backend import TorchQwenBackend  # noqa: E402
+from fastjudge.backends.qwen.model import run_step  # noqa: E402
+from fastjudge.backends.qwen.pool import StatePool, pool_bytes  # noqa: E402
 from fastjudge.checkpoints import build_random_qwen  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
 from fastjudge.engine_options import EngineOptions
@@ -169,25 +170,21 @@ def test_multi_token_step_equals_one_token_steps(backend):
     positions. The padded step leaves the row that fed nothing as it was."""
     model, shape = backend.model, backend.shape
     rng = np.random.default_rng(1)
-    states = []
-    for n in (7, 12, 9, 4):
-        ids = torch.from_numpy(rng.integers(5, 900, size=n))[None].to(backend.device)
-        _, st = model.forward(ids, None, save=True)
-        states.append(st)
+    states = [snapshot_of(backend, rng.integers(5, 900, size=n)) for n in (7, 12, 9, 4)]
     states[1].next_position += 9  # text after an image continues past the length
     counts = [3, 1, 0, 5]
     new = [rng.integers(5, 900, size=k).tolist() for k in counts]
     padded = torch.tensor([t + [0] * (5 - len(t)) for t in new], device=backend.device)
     capacity = 17  # the longest row's 4 + 5 tokens use all but the last few positions
-    together = SlotCache(shape, len(states), capacity, backend.device, backend.dtype)
+    together = StatePool(shape, len(states), capacity, backend.device, backend.dtype)
     for b, st in enumerate(states):
         together.load(b, st)
-    out = model.step(padded, counts, together)
+    out = run_step(model, together, 0, padded, counts)
     for b, (st, tokens) in enumerate(zip(states, new)):
-        alone = SlotCache(shape, 1, capacity, backend.device, backend.dtype)
+        alone = StatePool(shape, 1, capacity, backend.device, backend.dtype)
         alone.load(0, st)
         for j, t in enumerate(tokens):
-            h = model.step(torch.tensor([[t]], device=backend.device), [1], alone)
+            h = run_step(model, alone, 0, torch.tensor([[t]], device=backend.device), [1])
             torch.testing.assert_close(out[b, j], h[0, 0], atol=1e-5, rtol=1e-5)
         assert int(together.lengths[b]) == int(alone.lengths[0]) == together.held[b] == st.length + len(tokens)
         assert int(together.positions[b]) == int(alone.positions[0]) == st.next_position + len(tokens)
@@ -212,19 +209,24 @@ def test_slot_moves_and_pool_size(backend):
     it would have in its own slot; the pool's bytes are what ``pool_bytes`` says."""
     model, shape = backend.model, backend.shape
     rng = np.random.default_rng(2)
-    states = [model.forward(torch.from_numpy(rng.integers(5, 900, size=n))[None].to(backend.device),
-                            None, save=True)[1] for n in (5, 8)]
-    cache = SlotCache(shape, 2, 12, backend.device, backend.dtype)
+    states = [snapshot_of(backend, rng.integers(5, 900, size=n)) for n in (5, 8)]
+    pool = StatePool(shape, 2, 12, backend.device, backend.dtype)
     for b, st in enumerate(states):
-        cache.load(b, st)
+        pool.load(b, st)
     token = torch.tensor([[17]], device=backend.device)
-    reference = model.step(token, [1], cache.window(1, 2))[0, 0]
-    cache.load(1, states[1])
-    cache.move([1], [0])
-    moved = model.step(token, [1], cache.window(0, 1))[0, 0]
+    reference = run_step(model, pool, 1, token, [1])[0, 0]
+    pool.load(1, states[1])
+    pool.move([1], [0])
+    moved = run_step(model, pool, 0, token, [1])[0, 0]
     torch.testing.assert_close(moved, reference, atol=1e-6, rtol=1e-6)
-    held = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in cache.layers)
-    assert held == pool_bytes(shape, 2, 12, torch.empty((), dtype=backend.dtype).element_size())
+    assert pool.nbytes == pool_bytes(shape, 2, 12, torch.empty((), dtype=backend.dtype).element_size())
+
+
+def snapshot_of(backend, ids):
+    """The state after prompt ``ids``: prefilled into a pool slot of its own, snapshotted."""
+    pool = StatePool(backend.shape, 1, len(ids), backend.device, backend.dtype)
+    run_step(backend.model, pool, 0, torch.from_numpy(np.asarray(ids))[None].to(backend.device), [len(ids)])
+    return pool.snapshot(0, len(ids))
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,14 +275,19 @@ def test_tracked_logits_at_forced_positions(backend):
 @contextlib.contextmanager
 def step_sizes(backend):
     """The number of rows of every decoding step."""
-    model, sizes = backend.model, []
-    step = model.step
-    model.step = lambda tokens, counts, cache, compiled=None: (sizes.append(tokens.shape[0]),
-                                                               step(tokens, counts, cache, compiled))[1]
+    from fastjudge.backends.qwen import backend as qwen_backend
+
+    sizes = []
+
+    def logged(model, pool, start, tokens, counts, compiled=None, **images):
+        sizes.append(tokens.shape[0])
+        return run_step(model, pool, start, tokens, counts, compiled, **images)
+
+    qwen_backend.run_step = logged
     try:
         yield sizes
     finally:
-        del model.step
+        qwen_backend.run_step = run_step
 
 
 def test_early_exit_and_refill_equal_one_batch(backend):
@@ -297,6 +304,7 @@ def test_early_exit_and_refill_equal_one_batch(backend):
     for spec, bias in cases:
         reqs = requests_for(spec, n=4, seed=2)
         with biased(backend, bias):
+            decode(backend, reqs[:1], True)  # the shared prefix cached: both runs count suffixes and steps
             with step_sizes(backend) as whole_sizes:
                 whole, _ = decode(backend, reqs, True)
             with step_sizes(backend) as sizes:

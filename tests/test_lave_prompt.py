@@ -436,7 +436,7 @@ class TestBadItems:
             np.testing.assert_allclose(mixed[r.id].probs, r.probs, atol=1e-6)
 
     def test_prompt_too_long(self, t5_dir, t5_backend):
-        from fastjudge.backends.torch_t5 import TorchT5Backend
+        from fastjudge.backends.t5.backend import TorchT5Backend
 
         short = VQAExample("What color?", ["red"], "red", id="short")
         long = VQAExample("What color?", [f"a very long reference answer number {i}" for i in range(40)],
@@ -459,7 +459,7 @@ class TestBadItems:
             assert r.prompt_tokens == n_long
 
     def test_prompt_too_long_tiny_limit(self, t5_dir):
-        from fastjudge.backends.torch_t5 import TorchT5Backend
+        from fastjudge.backends.t5.backend import TorchT5Backend
 
         backend = TorchT5Backend(t5_dir, device="cpu", dtype="float32", max_input_tokens=50)
         judge = LaveJudge(backend)

@@ -12,7 +12,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from fastjudge import LaveJudge, VQAExample
-from fastjudge.backends.torch_qwen import TorchQwenBackend
+from fastjudge.backends.qwen.backend import TorchQwenBackend
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import sample_rows, tokenizer_corpus
 from fastjudge.engine_options import EngineOptions

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastjudge.backends.qwen_vision import PatchEmbedLinear, QwenVision, image_block, mrope_positions
-from fastjudge.backends.torch_qwen import TorchQwenBackend
+from fastjudge.backends.qwen.backend import TorchQwenBackend
+from fastjudge.backends.qwen.vision import PatchEmbedLinear, QwenVision, image_block, mrope_positions
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.kernels.crop_encode import CropEncodeConfig, crop_encode

@@ -22,7 +22,7 @@ from test_async import sample_examples  # noqa: E402
 from test_serve import item_dicts  # noqa: E402
 
 from fastjudge import LaveJudge  # noqa: E402
-from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
+from fastjudge.backends.qwen.backend import TorchQwenBackend  # noqa: E402
 from fastjudge.engine_options import EngineOptions
 from fastjudge.serve import create_app  # noqa: E402
 from fastjudge.serve.chat_generation import ChatJudge  # noqa: E402

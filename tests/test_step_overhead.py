@@ -13,8 +13,8 @@ pytest.importorskip("xgrammar")
 from conftest import TEST_DEVICE  # noqa: E402
 from test_jump_forward import adversarial_biases, biased, json_spec, requests_for  # noqa: E402
 
-from fastjudge.backends.torch_qwen import TorchQwenBackend  # noqa: E402
-from fastjudge.bench.step_profile import profile_qwen_decoding, profile_t5_decoding  # noqa: E402
+from fastjudge.backends.qwen.backend import TorchQwenBackend  # noqa: E402
+from fastjudge.bench.step_profile import profile_decoding  # noqa: E402
 from fastjudge.checkpoints import build_random_qwen  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
 from fastjudge.runtime.requests import Request, Text  # noqa: E402
@@ -31,7 +31,7 @@ def qwen_profile(backend, rows: int, jump_forward: bool) -> dict:
     try:
         backend.run(reqs)  # warm-up: the grammar compiled
         with biased(backend, adversarial_biases(backend)["noise"]):
-            return profile_qwen_decoding(lambda: backend.run(reqs), backend)
+            return profile_decoding(lambda: backend.run(reqs))
     finally:
         backend.jump_forward = True
 
@@ -49,7 +49,7 @@ def test_qwen_json_step_costs_the_same_at_any_row_count(qwen_backend):
 def t5_profile(t5_backend, rows: int) -> dict:
     rng = np.random.default_rng(rows)
     reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]
-    return profile_t5_decoding(lambda: t5_backend.run(reqs))
+    return profile_decoding(lambda: t5_backend.run(reqs))
 
 
 def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend):

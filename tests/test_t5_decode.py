@@ -1,4 +1,4 @@
-"""T5 greedy decoding with early exit and refill (``fastjudge.backends.t5_decode``) against one
+"""T5 greedy decoding with early exit and refill (``fastjudge.backends.t5.decode``) against one
 padded batch through transformers' ``generate`` (transformers
 ``generation/utils.py``, ``GenerationMixin.generate`` greedy search: ``do_sample=False``,
 ``num_beams=1``, all rows padded along until the longest stops): the same tokens, the same
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fastjudge import LaveJudge, VQAExample
-from fastjudge.backends import t5_decode
-from fastjudge.backends.t5_model import pad_rows
-from fastjudge.backends.torch_t5 import TorchT5Backend
+from fastjudge.backends.t5 import decode as t5_decode
+from fastjudge.backends.t5.backend import TorchT5Backend
+from fastjudge.backends.t5.pool import T5Pool, row_bytes
 from fastjudge.checkpoints import scale_output_rows
 from fastjudge.demo import sample_rows
 from fastjudge.runtime.requests import Request, Text
@@ -101,50 +101,56 @@ def test_same_tokens_as_one_padded_batch(varied, prompts, padded, rows, encode_t
                                    rtol=1e-4, atol=1e-4)
 
 
+def live_rows_per_step(monkeypatch) -> list[int]:
+    """The rows of every decoder step taken from now on (``decode.run_step`` logged)."""
+    live = []
+    step = t5_decode.run_step
+
+    def logged(model, pool, tokens, counts, compiled=None):
+        live.append(len(counts))
+        return step(model, pool, tokens, counts, compiled)
+
+    monkeypatch.setattr(t5_decode, "run_step", logged)
+    return live
+
+
 def test_rows_join_as_others_leave(varied, prompts, monkeypatch):
-    """With two decode slots, rows enter only as others finish, and never more than two run."""
-    events = []
-    add, remove = t5_decode.Slots.add, t5_decode.Slots.remove
+    """With two decode slots, rows enter only as others finish (batched moves), and never more
+    than two run."""
+    loads, moves = [], []
+    load, move = T5Pool.load, T5Pool.move
 
-    def logged_add(self, model, rows, states, start):
-        add(self, model, rows, states, start)
-        events.extend(("add", row, self.live) for row in rows)
+    def logged_load(self, first, states):
+        loads.append((first, len(states)))
+        load(self, first, states)
 
-    def logged_remove(self, j):
-        events.append(("remove", self.rows[j], self.live))
-        remove(self, j)
+    def logged_move(self, src, dst):
+        moves.append((src, dst))
+        move(self, src, dst)
 
-    monkeypatch.setattr(t5_decode.Slots, "add", logged_add)
-    monkeypatch.setattr(t5_decode.Slots, "remove", logged_remove)
+    monkeypatch.setattr(T5Pool, "load", logged_load)
+    monkeypatch.setattr(T5Pool, "move", logged_move)
+    live = live_rows_per_step(monkeypatch)
     backend = TorchT5Backend(varied, device="cpu", dtype="float32", max_decode_rows=2)
     run_text(backend, prompts)
-    assert max(live for _, _, live in events) == 2
-    adds = [i for i, e in enumerate(events) if e[0] == "add"]
-    first_remove = next(i for i, e in enumerate(events) if e[0] == "remove")
-    assert len(adds) > 2 and adds[-1] > first_remove  # refilled
-    # every row that entered left exactly once
-    assert sorted(r for k, r, _ in events if k == "add") == sorted(r for k, r, _ in events if k == "remove")
+    assert max(live) == 2 and min(live) >= 1
+    assert len(loads) > 1 and all(first + n <= 2 for first, n in loads)  # refilled, within two slots
+    assert sum(n for _, n in loads) == len(prompts)
+    assert all(len(src) == len(dst) and max(src) < 2 for src, dst in moves)
 
 
 def test_decode_state_budget_sets_the_rows(varied, prompts, monkeypatch):
-    """``decode_cache_bytes`` of two rows' encoder states and self-attention K/V: two rows
-    decode at once, and the tokens stay those of one padded batch."""
-    live = []
-    step = t5_decode.step
-
-    def logged_step(model, slots, mask, compiled=None):
-        live.append(slots.live)
-        return step(model, slots, mask, compiled)
-
-    monkeypatch.setattr(t5_decode, "step", logged_step)
+    """``decode_cache_bytes`` of two and a half slots of the pool: two rows decode at once, and
+    the tokens stay those of one padded batch."""
     probe = TorchT5Backend(varied, device="cpu", dtype="float32")
-    longest = max(len(probe.codec.encode_prompt(p)) for p in prompts)
-    per_row = t5_decode.row_bytes(probe.model, longest, MAX_NEW)
+    outs = run_text(probe, prompts)
+    pool = probe.pool
+    per_row = row_bytes(probe.shape, pool.enc_capacity, pool.capacity, 4)
     backend = TorchT5Backend(varied, device="cpu", dtype="float32", decode_cache_bytes=2 * per_row + per_row // 2)
-    assert backend.decode_rows(longest, MAX_NEW) == 2
-    outs = run_text(backend, prompts)
-    assert max(live) == 2
-    assert [o.token_ids for o in outs] == [o.token_ids for o in run_text(probe, prompts)]
+    live = live_rows_per_step(monkeypatch)
+    assert [o.token_ids for o in run_text(backend, prompts)] == [o.token_ids for o in outs]
+    assert backend.pool.slots == 2 and max(live) == 2
+    assert backend.pool_allocations == 1  # allocated once for the whole run
 
 
 def test_budget_shorter_than_outputs(varied, prompts, padded):
@@ -179,14 +185,18 @@ def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions)
     states) against softmax(q K^T) V over K = m W_k^T, V = m W_v^T per head, on rows of
     different lengths (padded keys masked)."""
     model = t5_backend.model
-    s, layer = model.s, model.w.decoder[0]
+    s, layer = model.s, model.decoder[0]
     h, dk, d = s.num_heads, s.d_kv, s.d_model
     g = torch.Generator().manual_seed(0)
     lengths = [7, 3, 5]
     enc = torch.randn(sum(lengths), d, generator=g)
     xq = torch.randn(len(lengths), positions, h, dk, generator=g)
-    mem, bias = pad_rows(enc, lengths)
-    got = model.cross_attention(xq, layer, mem, bias)
+    mem = torch.zeros(len(lengths), max(lengths), d)
+    for b, (n, start) in enumerate(zip(lengths, np.cumsum([0] + lengths[:-1]))):
+        mem[b, :n] = enc[start:start + n]
+    keys = torch.arange(max(lengths))[None, :] >= torch.tensor(lengths)[:, None]
+    bias = torch.zeros(len(lengths), max(lengths)).masked_fill(keys, float("-inf")).view(len(lengths), 1, 1, -1)
+    got = layer.cross_attention(xq, mem, bias)
     start = 0
     for b, n in enumerate(lengths):
         m = enc[start:start + n]
@@ -209,15 +219,15 @@ def test_model_is_a_module_with_registered_weights(t5_backend, t5_tied_dir):
     projection, a tied head shares the embedding parameter, and the model's outputs follow a
     copy of its state dict into a fresh model."""
     model = t5_backend.model
-    assert isinstance(model, torch.nn.Module) and isinstance(model.w, torch.nn.Module)
+    assert isinstance(model, torch.nn.Module) and isinstance(model.decoder[0], torch.nn.Module)
     names = dict(model.named_parameters())
     s = model.s
-    assert names["w.encoder.0.qkv"].shape == (3 * s.num_heads * s.d_kv, s.d_model)
-    assert names["w.decoder.0.wi"].shape[0] == 2 * names["w.decoder.0.wo"].shape[1]  # gated FF: one GEMM
+    assert names["encoder.0.qkv"].shape == (3 * s.num_heads * s.d_kv, s.d_model)
+    assert names["decoder.0.wi"].shape[0] == 2 * names["decoder.0.wo"].shape[1]  # gated FF: one GEMM
     assert not any(p.requires_grad for p in model.parameters())
     assert not any(k.startswith("_") for k in model.state_dict())  # bias caches are not state
     tied = TorchT5Backend(t5_tied_dir, device="cpu", dtype="float32").model
-    assert tied.w.lm_head is tied.w.embed
+    assert tied.lm_head is tied.embed
 
     twin = copy_of(model)
     ids = torch.arange(10, 30)

@@ -13,7 +13,7 @@ from conftest import TEST_DEVICE
 
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.loading import CheckpointError
-from fastjudge.backends.torch_t5 import TorchT5Backend
+from fastjudge.backends.t5.backend import TorchT5Backend
 from fastjudge.demo import sample_rows
 from fastjudge.engine_options import EngineOptions
 from fastjudge.runtime.requests import Choice, Request, Text

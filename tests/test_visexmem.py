@@ -15,7 +15,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from fastjudge import HolisticJudge, ImageTextExample, VisExJudge
-from fastjudge.backends.caches import prefix_cache_key
+from fastjudge.backends.qwen.caches import prefix_cache_key
 from fastjudge.engine_options import EngineOptions
 from fastjudge.judges.visexmem import AGGREGATES, PART_TYPES, ClaimResult, aggregate, validate_parts
 from fastjudge.runtime.scheduler import run_requests

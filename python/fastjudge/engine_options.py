@@ -16,7 +16,11 @@ from typing import Any
 
 BACKENDS = ("torch", "trtllm")
 COMPILE_MODES = ("off", "on", "auto")
-DEFAULT_MAX_BATCH_SIZE = 64  # the scheduler's default (runtime.scheduler imports numpy)
+#: Default row cap per batch, its one home (the planner and scheduler read it). Large enough that
+#: the token budget is the binding limit for typical judge prompts (300-1200 tokens under a
+#: 16k-64k budget), small enough to bound per-batch state and logits memory when prompts are
+#: very short.
+DEFAULT_MAX_BATCH_SIZE = 64
 
 
 def _flag(help: str, type: type = str, choices: tuple | None = None) -> dict:
@@ -59,7 +63,8 @@ class EngineOptions:
     prefix_cache_bytes: int | None = field(default=None, metadata=_flag(
         "Qwen backend: memory for shared-prefix states (default 2 GiB)", int))
     decode_cache_bytes: int | None = field(default=None, metadata=_flag(
-        "T5 backend: decoding state held at once (default 1 GiB on CPU, 16 GiB on CUDA)", int))
+        "torch backends: memory of the state pool, allocated once (rows' K/V and DeltaNet states, "
+        "T5 rows' encoder states; default 1 GiB on CPU, 16 GiB on CUDA)", int))
     fp8_gemm: bool | None = field(default=None, metadata=_flag(
         "FP8 checkpoints: run projections as FP8 GEMMs (default: on GPUs with FP8 tensor "
         "cores) or dequantize them at load (--no-fp8-gemm)", bool))

@@ -2,11 +2,14 @@
 ``Backend`` protocol (``backends/protocol.py``) and carries the checkpoint's prompt codec
 (``fastjudge.codec``), which judges use to build requests and read outputs.
 
-* ``torch_t5``: Flan-T5 / T5 v1.1 (encoder-decoder) in plain PyTorch;
-* ``torch_qwen``: Qwen3.5 / Qwen3 (decoder-only, text and vision) in plain PyTorch with exact
-  shared-prefix reuse (``qwen_model``: the math, ``qwen_decode``: greedy decoding,
-  ``caches``: prefix keys and image embeddings, ``qwen_vision``: the vision tower);
+* ``t5``: Flan-T5 / T5 v1.1 (encoder-decoder) in plain PyTorch;
+* ``qwen``: Qwen3.5 / Qwen3 (decoder-only, text and vision) in plain PyTorch with exact
+  shared-prefix reuse;
 * ``trtllm``: ``fastjudge build`` outputs on TensorRT-LLM (``manifest`` reads their manifest).
+
+Shared by the torch backends: ``loading`` (checkpoints), ``fp8`` (FP8 weights), ``compiled``
+(compiled steps), ``profiling`` (profiler labels and the labelled device-to-host copy). ``EngineOptions`` reaches
+a backend whole: each reads the fields it has.
 """
 
 from __future__ import annotations
@@ -32,31 +35,24 @@ def load_backend(model: str | os.PathLike, engine: EngineOptions | None = None):
             "kv_cache_free_gpu_memory_fraction": engine.gpu_memory_fraction}
         return TrtllmBackend(model, max_input_tokens=engine.max_input_tokens, **kv)
     model_type = read_config(model).get("model_type")
-    from .torch_qwen import QWEN_MODEL_TYPES, TorchQwenBackend
-    from .torch_t5 import T5_MODEL_TYPES, TorchT5Backend
+    from .qwen.backend import QWEN_MODEL_TYPES, TorchQwenBackend
+    from .t5.backend import T5_MODEL_TYPES, TorchT5Backend
 
-    options = dict(device=engine.device, dtype=engine.dtype, allow_pickle=engine.allow_pickle,
-                   max_input_tokens=engine.max_input_tokens, fp8_gemm=engine.fp8_gemm,
-                   max_decode_rows=engine.max_decode_rows, compile=engine.compile)
     if model_type in T5_MODEL_TYPES:
-        return _open_checkpoint(TorchT5Backend, model, {
-            **options, "decode_cache_bytes": engine.decode_cache_bytes})
+        return _open_checkpoint(TorchT5Backend, model, engine)
     if model_type in QWEN_MODEL_TYPES:
-        cache = {} if engine.prefix_cache_bytes is None else {
-            "prefix_cache_bytes": engine.prefix_cache_bytes}
-        return _open_checkpoint(TorchQwenBackend, model, {
-            **options, "jump_forward": engine.jump_forward, **cache})
+        return _open_checkpoint(TorchQwenBackend, model, engine)
     supported = ", ".join(T5_MODEL_TYPES + QWEN_MODEL_TYPES)
     raise CheckpointError(f"{model}: model_type {model_type!r} is not supported by the torch backend "
                           f"(supported: {supported})")
 
 
-def _open_checkpoint(backend_class, model: str | os.PathLike, options: dict):
+def _open_checkpoint(backend_class, model: str | os.PathLike, engine: EngineOptions):
     """The backend on ``model``; every failure to load it a :class:`CheckpointError` naming the
     checkpoint (the shape checks name the file and tensor; what slips past them -- a vision
     tower or tokenizer files that do not load -- is named here by the directory)."""
     try:
-        return backend_class(model, **options)
+        return backend_class(model, engine)
     except CheckpointError as bad:
         if str(model) in str(bad):  # already names the checkpoint
             raise

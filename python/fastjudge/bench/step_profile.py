@@ -6,44 +6,26 @@ every ``int(tensor)`` / ``.item()`` (an ``aten::_local_scalar_dense`` event) and
 the host waits for everything queued before it, and every aten op is a kernel launch. A step
 shaped for the GPU costs the same few launches and one copy whatever its row count.
 
-:func:`profile_decoding` runs a callable under the profiler with a decode function and its
-prefill function wrapped in labelled ranges, and counts only what happens inside the decode
-ranges and outside the prefill ranges (a row's prompt runs once, not per step), divided by the
-decode steps:
+:func:`profile_decoding` runs a callable under the profiler and reads the engine's own labels
+(``backends.profiling``): it counts only what happens inside the decoding loops
+(``DECODE_LABEL``) and outside the prompt work in them (``PREFILL_LABEL``: a row's prompt runs
+once, not per step), divided by the steps taken (``STEP_LABEL`` events):
 
 * ``syncs``: ``aten::_local_scalar_dense`` / ``aten::item`` events plus the engine's labelled
-  host copies (``backends.host_copy``: on the CPU a ``.cpu()`` has no event of its own);
+  host copies (``backends.profiling``: on the CPU a ``.cpu()`` has no event of its own);
 * ``ops``: top-level aten ops (those not issued from inside another aten op): the launches;
 * ``ms``: wall time per step (compute included).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Sequence
+from typing import Callable
 
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
-from ..backends.host_copy import COPY_LABEL
+from ..backends.profiling import COPY_LABEL, DECODE_LABEL, PREFILL_LABEL, STEP_LABEL
 
 SYNC_EVENTS = frozenset({"aten::_local_scalar_dense", "aten::item", COPY_LABEL})
-DECODE_LABEL, PREFILL_LABEL = "step_profile::decode", "step_profile::prefill"
-
-
-@contextlib.contextmanager
-def labelled(owner, name: str, label: str):
-    """``owner.name`` (a function or method) wrapped in a profiler range ``label`` meanwhile."""
-    original = getattr(owner, name)
-
-    def wrapped(*args, **kwargs):
-        with record_function(label):
-            return original(*args, **kwargs)
-
-    setattr(owner, name, wrapped)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _spans(events, label: str) -> list[tuple[float, float]]:
@@ -54,7 +36,7 @@ def _inside(t: float, spans) -> bool:
     return any(a <= t <= b for a, b in spans)
 
 
-def count_steps(events, steps: int) -> dict:
+def count_steps(events) -> dict:
     """Per-step ``syncs``, ``ops`` and ``ms`` of profiler ``events`` (module notes)."""
     decode, prefill = _spans(events, DECODE_LABEL), _spans(events, PREFILL_LABEL)
     syncs = ops = 0
@@ -68,49 +50,25 @@ def count_steps(events, steps: int) -> dict:
             parent = parent.cpu_parent
         ops += e.name.startswith("aten::") and parent is None
     wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill if _inside(a, decode))
-    steps = max(steps, 1)
+    steps = max(sum(_inside(a, decode) for a, _ in _spans(events, STEP_LABEL)), 1)
     return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, ms=wall / 1000 / steps)
 
 
-def profile_decoding(run: Callable[[], object], decode: tuple, prefill: Sequence[tuple],
-                     steps: Callable[[], int]) -> dict:
-    """:func:`count_steps` of ``run()``. ``decode``: ``(owner, name)`` of the decode function
-    as its caller looks it up; ``prefill``: such pairs of the prompt work inside it;
-    ``steps()``: the decode steps ``run`` took, read after it."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(labelled(*decode, DECODE_LABEL))
-        for owner, name in prefill:
-            stack.enter_context(labelled(owner, name, PREFILL_LABEL))
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run()
-    return count_steps(prof.events(), steps())
+def profile_decoding(run: Callable[[], object]) -> dict:
+    """:func:`count_steps` of ``run()`` (any torch backend's decoding)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return count_steps(prof.events())
 
 
-def profile_qwen_decoding(run: Callable[[], object], backend) -> dict:
-    """:func:`profile_decoding` of ``run()`` on the torch Qwen backend ``backend``: its decode
-    loop, its suffix prefill left out, its own step counter."""
-    from ..backends import torch_qwen
-
-    backend.reset_decode_stats()
-    return profile_decoding(run, (torch_qwen, "decode_greedy"), [(torch_qwen.TorchQwenBackend, "_prefill_suffixes")],
-                            lambda: backend.decode_stats["decode_steps"])
-
-
-def profile_t5_decoding(run: Callable[[], object]) -> dict:
-    """:func:`profile_decoding` of ``run()`` on the torch T5 backend: its decode loop, the
-    encoder left out, the steps counted as they are taken."""
-    from ..backends import t5_decode, torch_t5
-
-    steps = []
-    original = t5_decode.step
-
-    def counted(*args, **kwargs):
-        steps.append(1)
-        return original(*args, **kwargs)
-
-    t5_decode.step = counted
-    try:
-        return profile_decoding(run, (torch_t5, "decode_greedy"), [(t5_decode.T5Model, "encode")],
-                                lambda: len(steps))
-    finally:
-        t5_decode.step = original
+def stage_seconds(events, labels) -> dict[str, float]:
+    """Seconds inside each of the engine's ``labels`` in profiler ``events``, a label's time
+    without the labelled stages nested in it (a vision-tower call inside a prefix prefill
+    counts as vision only)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in labels)
+    seconds = dict.fromkeys(labels, 0.0)
+    for i, (start, end, name) in enumerate(spans):
+        nested = [(a, b) for a, b, _ in spans[i + 1:] if start <= a and b <= end]
+        inner = sum(b - a for a, b in nested if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in nested))
+        seconds[name] += (end - start - inner) / 1e6
+    return seconds

@@ -90,7 +90,7 @@ def build(opts: BuildOptions) -> dict:
     """Run the whole build; returns the manifest."""
     from transformers import T5ForConditionalGeneration
 
-    from fastjudge.backends.torch_t5 import TorchT5Backend
+    from fastjudge.backends.t5.backend import TorchT5Backend
 
     cfg = checked_config(opts, T5_TYPES, "T5 / Flan-T5")
     out, device, dtype, base, judge, prompts = open_source(opts, TorchT5Backend)

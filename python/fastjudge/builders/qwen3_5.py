@@ -110,7 +110,7 @@ def limits(opts: BuildOptions, longest_prompt: int, backend) -> dict:
 
 def build(opts: BuildOptions) -> dict:
     """Run the whole build; returns the manifest."""
-    from fastjudge.backends.torch_qwen import TorchQwenBackend
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
 
     cfg = checked_config(opts, QWEN_TYPES, "Qwen3.5 / Qwen3")
     model_type = cfg.get("model_type")

@@ -157,7 +157,7 @@ def export_vision_onnx(model_dir: str | os.PathLike, out_path: str | os.PathLike
     (opset, inputs, dynamic axes, checks) that the builder records and writes next to it."""
     import onnx
 
-    from fastjudge.backends.qwen_vision import QwenVision
+    from fastjudge.backends.qwen.vision import QwenVision
 
     vision = QwenVision.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
     graph = VisionGraph(vision.model).eval()

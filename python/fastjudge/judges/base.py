@@ -3,25 +3,10 @@ one dynamic batcher per judge."""
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 from ..engine_options import EngineOptions
-
-
-def open_backend(model, engine: EngineOptions | None = None, image: str | None = None):
-    """A judge's backend: ``model`` is a checkpoint directory (opened as ``engine`` says, with
-    the backend that fits its architecture) or a backend object already open (which keeps its
-    own settings). ``image``: the judge's name, when it needs a multimodal checkpoint."""
-    from ..backends import check_backend, load_backend
-
-    if isinstance(model, (str, os.PathLike)):
-        model = load_backend(model, engine)
-    check_backend(model)
-    if image and model.codec.image_config is None:
-        raise ValueError(f"{image} needs a Qwen3.5 vision-language checkpoint with a vision tower "
-                         "and a preprocessor_config.json")
-    return model
+from ..runtime.engine import Engine
 
 
 class Judge:
@@ -30,15 +15,23 @@ class Judge:
     and the model every judge has."""
 
     def _open(self, model, engine: EngineOptions | None, image: str | None = None) -> None:
-        """``self.engine``, ``self.backend`` (see :func:`open_backend`), ``self.codec`` and the
-        batching limits ``self.max_batch_tokens`` / ``self.max_batch_size``."""
-        self.engine = EngineOptions() if engine is None else engine
-        if not isinstance(self.engine, EngineOptions):
-            raise TypeError(f"engine must be an EngineOptions, got {type(engine).__name__}")
-        self.backend = open_backend(model, self.engine, image)
-        self.codec = self.backend.codec
-        self.max_batch_tokens = self.engine.max_batch_tokens or self.backend.default_batch_tokens
-        self.max_batch_size = self.engine.max_batch_size
+        """``self.engine`` (an :class:`Engine` on ``model`` as the options ``engine`` say),
+        ``self.backend`` and ``self.codec``."""
+        self.engine = Engine.open(model, engine, image)
+        self.backend, self.codec = self.engine.backend, self.engine.codec
+
+    @property
+    def options(self) -> EngineOptions:
+        return self.engine.options
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The engine's batching limit (read, not copied: a failure retry may shrink it)."""
+        return self.engine.max_batch_tokens
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine.max_batch_size
 
     def stream(self, examples: Iterable):
         raise NotImplementedError

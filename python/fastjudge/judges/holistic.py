@@ -31,7 +31,6 @@ import numpy as np
 from ..engine_options import EngineOptions
 from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
 from ..runtime.requests import Choice, Image, Request
-from ..runtime.scheduler import run_requests
 from .base import Judge
 
 TEMPLATES = ("vqascore", "fastjudge")
@@ -150,7 +149,7 @@ class HolisticJudge(Judge):
             result.prompt_tokens = len(request.prompt_ids)
             requests.append(request)
             results[i] = result
-        for batch in run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size):
+        for batch in self.engine.run(requests):
             for out in batch:
                 result = results[out.index]
                 result.probs = self._probs(out)

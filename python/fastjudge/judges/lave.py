@@ -35,7 +35,6 @@ import numpy as np
 
 from ..engine_options import EngineOptions
 from ..runtime.requests import Choice, Output, Request, Text, choice_probs
-from ..runtime.scheduler import run_requests
 from .base import Judge
 from .lave_official import OfficialLave, Rating
 
@@ -422,7 +421,7 @@ class LaveJudge(Judge):
                 yield result
 
     def _run(self, requests: Sequence[Request]) -> Iterator[list[Output]]:
-        return run_requests(self.backend, requests, self.max_batch_tokens, self.max_batch_size)
+        return self.engine.run(requests)
 
 
 def _chosen(out: Output, source: str) -> Rating:

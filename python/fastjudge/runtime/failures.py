@@ -33,7 +33,7 @@ import gc
 import logging
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 log = logging.getLogger("fastjudge")
@@ -137,21 +137,15 @@ def _judges(judge) -> Iterator[Any]:
 
 @contextmanager
 def scaled_budget(judge, scale: float):
-    """The judge (and the judges it wraps) with ``max_batch_tokens`` / ``max_batch_size`` times
-    ``scale`` (at least 1) until the block ends."""
-    saved = []
-    if scale < 1:
-        for j in _judges(judge):
-            for name in ("max_batch_tokens", "max_batch_size"):
-                value = getattr(j, name, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                    saved.append((j, name, value))
-                    setattr(j, name, max(1, int(value * scale)))
-    try:
+    """The batching limits of the engines of the judge (and of the judges it wraps) times
+    ``scale`` (at least 1) until the block ends (``Engine.scaled``)."""
+    from .engine import Engine
+
+    with ExitStack() as stack:
+        engines = {id(e): e for e in (getattr(j, "engine", None) for j in _judges(judge)) if isinstance(e, Engine)}
+        for engine in engines.values():
+            stack.enter_context(engine.scaled(scale))
         yield
-    finally:
-        for j, name, value in saved:
-            setattr(j, name, value)
 
 
 def prompt_tokens(judge, example) -> int | None:

@@ -27,17 +27,13 @@ import numpy as np
 
 from fastjudge import _engine
 
+from ..engine_options import DEFAULT_MAX_BATCH_SIZE
+
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
     "padded_tokens",
     "plan_batches",
 ]
-
-#: Default row cap per batch. Large enough that the token budget is the binding limit for
-#: typical judge prompts (300-1200 tokens under a 16k-64k budget), small enough to bound
-#: per-batch KV-cache and logits memory when prompts are very short.
-DEFAULT_MAX_BATCH_SIZE = 64
-
 
 def plan_batches(
     lengths: np.ndarray | Sequence[int],

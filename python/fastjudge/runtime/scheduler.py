@@ -10,10 +10,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..engine_options import DEFAULT_MAX_BATCH_SIZE
 from .planner import plan_batches
 from .requests import Choice, Output, Request
-
-DEFAULT_MAX_BATCH_SIZE = 64
 
 
 def _groups(backend, requests: Sequence[Request]) -> np.ndarray:

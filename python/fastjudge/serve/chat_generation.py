@@ -25,8 +25,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..engine_options import DEFAULT_MAX_BATCH_SIZE
 from ..runtime.requests import Request, Text
-from ..runtime.scheduler import DEFAULT_MAX_BATCH_SIZE, run_requests
+from ..runtime.scheduler import run_requests
 from .openai_protocol import ChatExample, ImagePart
 
 DEFAULT_MAX_COMPLETION_TOKENS = 1024

@@ -59,7 +59,6 @@ from ...io.images import (
 )
 from ...runtime.grammar import Json
 from ...runtime.requests import Choice, Image, Output, Request
-from ...runtime.scheduler import run_requests
 from ..base import Judge
 from . import prompts
 from .claims import AGGREGATES, LINK_FIELDS, aggregate, given_parts, validate_parts
@@ -225,8 +224,7 @@ class VisExJudge(ControlModes, Judge):
         if not requests:  # a stage with nothing to do takes no time (e.g. all claims given)
             return {}
         start = time.perf_counter()
-        outputs = {o.index: o for batch in run_requests(self.backend, requests, self.max_batch_tokens,
-                                                       self.max_batch_size) for o in batch}
+        outputs = {o.index: o for batch in self.engine.run(requests) for o in batch}
         self.stage_seconds[stage] += time.perf_counter() - start
         return outputs
 

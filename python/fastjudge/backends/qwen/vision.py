@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
+from ..loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
 
 VISION_PREFIX = "model.visual."
 GRID_TABLES = 64  # grid sizes whose position taps and rotary tables GroupedTower keeps

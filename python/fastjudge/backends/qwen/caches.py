@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..runtime.requests import Image
+from ...runtime.requests import Image
 
 
 def prefix_cache_key(ids: np.ndarray, images: Sequence[Image]) -> np.ndarray:

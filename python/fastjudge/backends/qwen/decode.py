@@ -37,11 +37,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
-from ..runtime.requests import Output, Request
-from .host_copy import to_host
-from .qwen_model import QwenModel
-from .qwen_slots import SlotCache
+from ...runtime.requests import Output, Request
+from ..profiling import DECODE_LABEL, STEP_LABEL, to_host
+from .model import QwenModel
+from .pool import StatePool
 
 
 @dataclass
@@ -140,21 +141,27 @@ class _Chooser:
         row.done = len(row.tokens) == self.limit
 
 
-def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence, cache: SlotCache,
-                  prefill: Callable[[Sequence[Request], SlotCache, int], torch.Tensor],
+def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence, pool: StatePool, max_rows: int,
+                  prefill: Callable[[Sequence[Request], int], torch.Tensor],
+                  step: Callable[[torch.Tensor, list[int]], torch.Tensor],
                   eos_token_ids: set[int], jump_forward: bool = False, mask=None,
-                  stats: dict | None = None, compiled=None) -> tuple[list[Output], int]:
+                  stats: dict | None = None) -> tuple[list[Output], int]:
     """Greedy decoding of ``batch`` (one Text/Json spec). ``matchers``: per row, a grammar
-    matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``cache``: the
-    static cache; its slot count is the most rows decoding at once, the others joining as rows
-    finish. ``prefill(requests, cache, first_slot)``: writes the rows' states into slots
-    ``first_slot ..`` and returns their final prompt hidden states [n, d]. ``stats``: counters
+    matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``pool``: the
+    state pool; at most ``max_rows`` rows decode at once (its leading slots), the others
+    joining as rows finish. ``prefill(requests, first_slot)``: writes the rows' states into
+    slots ``first_slot ..`` and returns their final prompt hidden states [n, d]. ``step(tokens,
+    counts)``: one model step of the live rows (``model.run_step`` on the leading slots). ``stats``: counters
     ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
     jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
-    ``compiled``: the compiled step function (``QwenModel.step``). Returns the outputs and the
-    number of tokens run through the model."""
+    Returns the outputs and the number of tokens run through the model."""
+    with record_function(DECODE_LABEL):
+        return _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask,
+                       {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats)
+
+
+def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask, stats):
     spec = batch[0].spec
-    stats = {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats
     track_ids = getattr(spec, "track_ids", ())
     rows = [_Row(r, m) for r, m in zip(batch, matchers)]
     waiting = deque(range(len(rows)))
@@ -164,18 +171,18 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
     chooser = None
     fed_total = 0
     while waiting or live:
-        if waiting and len(live) < cache.slots:  # refill: newcomers take the free slots
-            new = [waiting.popleft() for _ in range(min(cache.slots - len(live), len(waiting)))]
-            h = prefill([rows[i].request for i in new], cache, len(live))
+        if waiting and len(live) < max_rows:  # refill: newcomers take the free slots
+            new = [waiting.popleft() for _ in range(min(max_rows - len(live), len(waiting)))]
+            h = prefill([rows[i].request for i in new], len(live))
             if hidden is None:
-                hidden = h.new_empty(cache.slots, h.shape[-1])
+                hidden = h.new_empty(max_rows, h.shape[-1])
                 track = torch.tensor(track_ids, device=h.device) if track_ids else None
                 chooser = _Chooser(jump_forward, eos_token_ids, spec.max_new_tokens, track, mask, stats)
             hidden[len(live): len(live) + len(new)] = h
             live += new
         feeds = chooser.choose([rows[i] for i in live], model.logits(hidden[: len(live)]))
         # a finished row still takes this step only to fill tracked logits of forced tokens
-        _leave(cache, hidden, live, feeds, lambda row: row.done and not _awaits_step(row), rows)
+        _leave(pool, hidden, live, feeds, lambda row: row.done and not _awaits_step(row), rows)
         if not live:
             continue
         counts = [len(f) for f in feeds]
@@ -183,12 +190,13 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
         stats["decode_steps"] += 1
         width = max(counts)
         tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds]).to(hidden.device)
-        out = model.step(tokens, counts, cache.window(0, len(live)), compiled=compiled)
+        with record_function(STEP_LABEL):
+            out = step(tokens, counts)
         last = torch.tensor(counts).to(out.device) - 1
         hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
         if track_ids and width > 1:
             _track_forced(model, [rows[i] for i in live], out, chooser.track, blocks)
-        _leave(cache, hidden, live, feeds, lambda row: row.done, rows)
+        _leave(pool, hidden, live, feeds, lambda row: row.done, rows)
     _bring_tracked(rows, blocks)
     return [_output(r, track_ids) for r in rows], fed_total
 
@@ -198,7 +206,7 @@ def _awaits_step(row: _Row) -> bool:
     return any(isinstance(t, int) for t in row.tracked)
 
 
-def _leave(cache: SlotCache, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> None:
+def _leave(pool: StatePool, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> None:
     """Rows for which ``gone(row)`` holds free their slots: the last live row takes each freed
     slot (highest slot first, so the row moved in is live), planned on the host and then made
     as one batched move of every row that changes slot."""
@@ -215,7 +223,7 @@ def _leave(cache: SlotCache, hidden: torch.Tensor, live: list[int], feeds: list,
     moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
     if moves:
         src, dst = (list(x) for x in zip(*moves))
-        cache.move(src, dst)
+        pool.move(src, dst)
         index = torch.tensor(src).to(hidden.device, non_blocking=True)
         hidden[torch.tensor(dst).to(hidden.device, non_blocking=True)] = hidden[index]
 

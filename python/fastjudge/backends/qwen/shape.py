@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loading import CheckpointError, require_ints, require_positive, shape_from_config
+from ..loading import CheckpointError, require_ints, require_positive, shape_from_config
 
 
 @dataclass(frozen=True)

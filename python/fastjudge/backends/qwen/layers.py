@@ -1,0 +1,230 @@
+"""The Qwen decoder layers as modules, each with its own ``forward``: a full (gated, for Qwen3.5)
+attention layer and a Gated DeltaNet layer, both followed by the gated MLP. Which kind a layer
+is was decided when it was built (``build_layers``), never by a string at each call.
+
+A layer's ``forward(x, step, state)`` continues every row of ``x`` [B, k, d] from its slot of
+the state pool (``pool.StatePool``) and writes the rows' new state there, in place: K/V at each
+token's column (``step.where``) for attention, the conv and recurrent states for DeltaNet.
+Right padding never reaches a row's state: padded tokens write K/V to the pool's scratch column
+and their DeltaNet steps are the identity (beta = 0, g = 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..fp8 import Fp8Weight, fuse, linear, projection_weight
+from ..loading import CheckpointError, check_shapes
+from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .shape import QwenShape
+
+SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
+# The chunked delta rule pads every chunk to full length: an input of up to ONE_CHUNK_STEPS
+# tokens is one chunk of its own length (padding a 30-token suffix to 64 doubles its work);
+# longer inputs take DELTA_CHUNK-token chunks (on CPU, 32 beats transformers' 64 for every
+# shape measured: the intra-chunk products grow with the square of the chunk).
+ONE_CHUNK_STEPS = 64
+DELTA_CHUNK = 32
+RECURRENT_STEPS = 3  # up to this many new tokens the recurrent rule (one iteration a token) wins
+
+
+@dataclass
+class Step:
+    """What every layer of one forward reads: the rotary (cos, sin) of each token, each row's
+    new-token count ``counts`` [B], the K/V column of each token ``where`` [B, k] (the scratch
+    column for padding) with its row index ``rows``, the attention mask over the first ``width``
+    keys, and ``fresh``: every row starts empty and is unpadded (plain causal attention over the
+    new tokens, no state read)."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    counts: torch.Tensor
+    where: torch.Tensor
+    rows: torch.Tensor
+    mask: torch.Tensor | None
+    width: int
+    fresh: bool
+
+
+def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), weight_f32, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    a, b = rot.chunk(2, dim=-1)
+    return torch.cat([rot * cos + torch.cat([-b, a], dim=-1) * sin, rest], dim=-1)
+
+
+def _weight(value) -> torch.nn.Module | torch.nn.Parameter:
+    """A projection weight as a module member: a plain tensor as a frozen parameter, an FP8
+    weight (itself a module holding its scales) as it is."""
+    return value if isinstance(value, Fp8Weight) else torch.nn.Parameter(value, requires_grad=False)
+
+
+class QwenLayer(torch.nn.Module):
+    """What every decoder layer has: its two RMSNorm scales (float32, as transformers computes
+    norms) and the gated MLP (gate and up projections fused). Subclasses mix the tokens."""
+
+    def __init__(self, shape: QwenShape, in_norm, post_norm, gate_up, down):
+        super().__init__()
+        self.s = shape
+        self.register_buffer("in_norm", in_norm)
+        self.register_buffer("post_norm", post_norm)
+        self.gate_up, self.down = _weight(gate_up), _weight(down)
+
+    def forward(self, x: torch.Tensor, step: Step, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.mix(rms(x, self.in_norm, self.s.eps), step, state)
+        gate, up = linear(rms(x, self.post_norm, self.s.eps), self.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down)
+
+    def mix(self, h, step: Step, state) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AttentionLayer(QwenLayer):
+    """Full attention (Qwen3.5: with a sigmoid output gate): q, fused k/v, o, the q/k norms.
+    ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
+
+    def __init__(self, shape: QwenShape, q, kv, o, q_norm, k_norm, **common):
+        super().__init__(shape, **common)
+        self.q, self.kv, self.o = _weight(q), _weight(kv), _weight(o)
+        self.register_buffer("q_norm", q_norm)
+        self.register_buffer("k_norm", k_norm)
+
+    def mix(self, h, step: Step, state) -> torch.Tensor:
+        s = self.s
+        B, S, _ = h.shape
+        H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
+        q = linear(h, self.q)
+        gate = None
+        if s.hybrid:
+            q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(B, S, H * hd)
+        else:
+            q = q.view(B, S, H, hd)
+        k, v = linear(h, self.kv).view(B, S, 2, Hkv, hd).unbind(2)
+        cos, sin = step.rope
+        q = _rotate(rms(q, self.q_norm, s.eps).transpose(1, 2), cos, sin, s.rotary_dim)
+        k = _rotate(rms(k, self.k_norm, s.eps).transpose(1, 2), cos, sin, s.rotary_dim)
+        v = v.transpose(1, 2)
+        keys, values = state
+        keys[step.rows, :, step.where] = k.transpose(1, 2)
+        values[step.rows, :, step.where] = v.transpose(1, 2)
+        gqa = Hkv != H
+        if step.fresh:  # SDPA's own causal kernel over the new tokens, no mask tensor
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, keys[:, :, :step.width], values[:, :, :step.width],
+                                               attn_mask=step.mask, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(B, S, H * hd)
+        return linear(o if gate is None else o * torch.sigmoid(gate), self.o)
+
+
+class DeltaNetLayer(QwenLayer):
+    """Gated DeltaNet: fused input projections (qkv, z, b, a), the causal depthwise conv, the decay
+    parameters and the gated output norm. ``state``: the conv state [B, conv_dim, kernel - 1]
+    (each row's last inputs) and the recurrent state [B, v_heads, k_dim, v_dim] (float32)."""
+
+    def __init__(self, shape: QwenShape, in_proj, conv, dt_bias, neg_A, gated_norm, out, **common):
+        super().__init__(shape, **common)
+        self.in_proj, self.out = _weight(in_proj), _weight(out)
+        self.conv = torch.nn.Parameter(conv, requires_grad=False)
+        self.register_buffer("dt_bias", dt_bias)
+        self.register_buffer("neg_A", neg_A)
+        self.register_buffer("gated_norm", gated_norm)
+
+    def mix(self, h, step: Step, state) -> torch.Tensor:
+        s = self.s
+        B, S, _ = h.shape
+        key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
+        conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
+        mixed, z, b, a = linear(h, self.in_proj).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
+        conv_state, memory = state
+        history = mixed.new_zeros(B, conv_dim, K - 1) if step.fresh else conv_state
+        window = torch.cat([history, mixed.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + S]
+        if S <= SHORT_CONV_STEPS:  # decoding steps: a windowed product beats conv1d's setup cost
+            conv = F.silu((window.unfold(-1, K, 1) * self.conv[:, None, 0, :]).sum(-1))
+        else:
+            conv = F.silu(F.conv1d(window, self.conv, groups=conv_dim))  # causal: no future input
+        q, k, v = conv.transpose(1, 2).split([key_dim, key_dim, val_dim], dim=-1)
+        q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
+        k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
+        v = v.reshape(B, S, s.lin_v_heads, s.lin_v_dim)
+        real = (torch.arange(S, device=h.device)[None, :] < step.counts[:, None])[..., None]
+        beta = b.sigmoid() * real  # a pad step: beta = 0 and g = 0, the identity update
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias) * real
+        initial = None if step.fresh else memory
+        if S <= RECURRENT_STEPS:
+            core, final = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial,
+                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:
+            core, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
+                                                 chunk_size=S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK,
+                                                 initial_state=initial, output_final_state=True,
+                                                 use_qk_l2norm_in_kernel=True)
+        # window position count_b + j is row b's j-th input of its last kernel - 1
+        last = (step.counts[:, None] + torch.arange(K - 1, device=h.device))[:, None, :]
+        conv_state.copy_(window.gather(2, last.expand(B, conv_dim, K - 1)))
+        memory.copy_(final)
+        # gated RMSNorm: normalise in float32, scale, gate with silu(z)
+        normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * self.gated_norm
+        gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(h.dtype)
+        return linear(gated.reshape(B, S, val_dim), self.out)
+
+
+def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
+    """The language model's tensors from a checkpoint state, projections fused where they read
+    the same input: (embed, lm_head or None when tied, final norm, layers). A state with FP8
+    weights (``load_state_dict(keep_fp8=True)``) gives :class:`fp8.Fp8Weight` projections, run
+    as FP8 GEMMs; every other tensor is dequantized."""
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in state) \
+        else "model."
+    check_shapes(state, shape.tensor_shapes(prefix))
+
+    def dense(name: str, full: bool = False):
+        key = name if full else prefix + name
+        if key not in state:
+            raise CheckpointError(f"checkpoint lacks tensor {key!r}")
+        return projection_weight(state, key, device, dtype)
+
+    def take(name: str, full: bool = False) -> torch.Tensor:
+        w = dense(name, full)
+        return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+    def fused(*names: str):
+        return fuse([dense(n) for n in names], dtype)
+
+    def f32(name: str) -> torch.Tensor:
+        return state[prefix + name].to(device=device, dtype=torch.float32)
+
+    def norm(name: str) -> torch.Tensor:
+        # float32, as transformers computes norms; Qwen3.5's are zero-centred (scale = 1 + w)
+        return 1.0 + f32(name) if shape.hybrid else f32(name)
+
+    embed = take("embed_tokens.weight")
+    lm_head = take("lm_head.weight", full=True) if "lm_head.weight" in state else None
+    layers = []
+    for i, kind in enumerate(shape.layer_types):
+        p = f"layers.{i}."
+        common = dict(in_norm=norm(p + "input_layernorm.weight"), post_norm=norm(p + "post_attention_layernorm.weight"),
+                      gate_up=fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                      down=dense(p + "mlp.down_proj.weight"))
+        if kind == "full_attention":
+            a = p + "self_attn."
+            layers.append(AttentionLayer(shape, q=dense(a + "q_proj.weight"),
+                                         kv=fused(a + "k_proj.weight", a + "v_proj.weight"),
+                                         o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
+                                         k_norm=norm(a + "k_norm.weight"), **common))
+        elif kind == "linear_attention":
+            a = p + "linear_attn."
+            layers.append(DeltaNetLayer(
+                shape, in_proj=fused(*(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
+                conv=take(a + "conv1d.weight"), dt_bias=take(a + "dt_bias"), neg_A=-f32(a + "A_log").exp(),
+                gated_norm=state[prefix + a + "norm.weight"].to(device=device, dtype=dtype),
+                out=dense(a + "out_proj.weight"), **common))
+        else:
+            raise CheckpointError(f"unsupported layer type {kind!r}")
+    return embed, lm_head, norm("norm.weight"), layers

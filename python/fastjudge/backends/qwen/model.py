@@ -1,0 +1,135 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) and Qwen3 (dense) language models in plain
+PyTorch: one ``forward`` for everything the engine runs -- a prefix prefill, score-only
+suffixes, decoding steps of one token or of a forced run -- each row continuing from its slot
+of the state pool (``pool``) and writing its new state there, in place; the logits; and
+:func:`run_step`, which runs a forward compiled on a shape bucket or eagerly.
+
+Every operation is causal (attention under a causal mask, the causal depthwise conv, the delta
+rule), so what follows a row's last real token never reaches that token's output.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastjudge.kernels.choice_head import choice_logits
+
+from ..compiled import row_bucket, width_bucket
+from .layers import Step, build_layers, rms
+from .pool import StatePool, StateView
+from .shape import QwenShape
+
+
+class QwenModel(torch.nn.Module):
+    """The language model as a module: parameters and buffers registered (``state_dict``,
+    ``.to()``, hooks and compilers see them), the layers modules with their own forward."""
+
+    def __init__(self, state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
+        super().__init__()
+        self.s = shape
+        embed, lm_head, final_norm, layers = build_layers(state, shape, device, dtype)
+        self.embed = torch.nn.Parameter(embed, requires_grad=False)
+        # a tied head is the embedding itself (one tensor, registered once)
+        self.lm_head = self.embed if lm_head is None else torch.nn.Parameter(lm_head, requires_grad=False)
+        self.register_buffer("final_norm", final_norm)
+        self.layers = torch.nn.ModuleList(layers)
+        self.has_attention = "full_attention" in shape.layer_types
+        rd = shape.rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (shape.rope_theta ** (
+            torch.arange(0, rd, 2, dtype=torch.float32, device=embed.device) / rd)), persistent=False)
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, k, rotary_dim] of M-RoPE ``positions`` [3, B, k] (t/h/w frequencies
+        interleaved per ``mrope_section``; text has three equal rows, which is plain RoPE)."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        mixed = freqs[0].clone()
+        for dim, offset in ((1, 1), (2, 2)):
+            idx = slice(offset, self.s.mrope_section[dim] * 3, 3)
+            mixed[..., idx] = freqs[dim, ..., idx]
+        emb = torch.cat([mixed, mixed], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, state: StatePool | StateView, width: int,
+                fresh: bool = False, positions: torch.Tensor | None = None,
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [B, k, d] of ``tokens`` [B, k] (row ``b``: ``counts[b]`` real tokens,
+        then right padding) continuing from the first B slots of ``state``, whose lengths and
+        positions advance by each row's count; attention reads the first ``width`` columns.
+
+        ``fresh``: every row starts empty and has k real tokens (a prefix prefill; no state is
+        read). Images: ``image_embeds`` [N, d] replace the embeddings where ``image_mask``
+        [B, k] is true (row-major, as transformers' masked_scatter) and ``positions`` [3, B, k]
+        are the M-RoPE positions (``vision.mrope_positions``); without them each row counts on
+        from its slot's next position."""
+        B, k = tokens.shape
+        device = tokens.device
+        steps = torch.arange(k, device=device)
+        real = steps[None, :] < counts[:, None]
+        lengths, next_pos = state.lengths[:B], state.positions[:B]
+        where = torch.where(real, lengths[:, None] + steps, state.capacity)
+        x = F.embedding(tokens, self.embed)
+        if image_embeds is not None:
+            x = x.masked_scatter(image_mask[..., None], image_embeds.to(x.dtype))
+        given = positions is not None
+        if not given:
+            positions = (next_pos[:, None] + steps).expand(3, B, k)
+        mask = None
+        if self.has_attention and not fresh:
+            # additive mask (a float mask keeps SDPA on its fused CPU kernel; a boolean one falls
+            # back to a much slower path there): each token sees its row's keys up to itself
+            visible = torch.arange(width, device=device)[None, None, :] <= where[:, :, None]
+            mask = torch.zeros(B, 1, k, width, dtype=x.dtype, device=device)
+            mask.masked_fill_(~visible[:, None], float("-inf"))
+        step = Step(self._rope(positions, x.dtype), counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
+                    mask, width, fresh)
+        for layer, (a, b) in zip(self.layers, state.layers):
+            x = layer(x, step, (a[:B], b[:B]))
+        if given:  # M-RoPE: the next position is past the largest one so far
+            top = positions.masked_fill(~real, -1).amax(dim=(0, 2)) + 1
+            next_pos.copy_(torch.where(counts > 0, top, next_pos))
+        else:
+            next_pos += counts
+        lengths += counts
+        return x
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the final states: the candidate ``rows`` through the fused choice head
+        (never ``[B, vocab]``), or the full vocabulary for decoding."""
+        if rows is not None:
+            return choice_logits(hidden, self.final_norm, self.lm_head, rows, eps=self.s.eps)
+        return F.linear(rms(hidden, self.final_norm, self.s.eps), self.lm_head).float()
+
+
+def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor, counts: Sequence[int],
+             compiled=None, **images) -> torch.Tensor:
+    """:meth:`QwenModel.forward` of right-padded ``tokens`` [B, k] (``counts`` on the host) on
+    slots ``start ..`` of ``pool``: hidden states [B, k, d]; the host mirror of the lengths
+    advances too.
+
+    ``compiled`` (a ``compiled.CompiledFunction`` of the forward) runs text rows in the leading
+    slots on a shape bucket: rows padded to a bucket with free slots that feed nothing, tokens
+    to a power-of-two width, keys over the whole capacity, so that a handful of shapes serve
+    every step and the pool's buffers are the same tensors in every call. Otherwise the forward
+    runs eagerly over the live extent only; rows that all start empty with no padding take the
+    fresh path (plain causal attention)."""
+    B, k = tokens.shape
+    held = pool.held[start:start + B]
+    host_counts = np.asarray(counts, dtype=np.int64)
+    rows = row_bucket(B)
+    if compiled is not None and start == 0 and not images and rows <= pool.slots:
+        wide = width_bucket(k)
+        full = tokens.new_zeros(rows, wide)
+        full[:B, :k] = tokens
+        n = torch.tensor(np.pad(host_counts, (0, rows - B))).to(tokens.device, non_blocking=True)
+        x = compiled((rows, wide, pool.capacity), full, n, pool, pool.capacity)[:B, :k]
+    else:
+        fresh = not held.any() and (host_counts == k).all()
+        width = int((held + host_counts).max()) if B else 0
+        n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
+        x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), **images)
+    held += host_counts
+    return x

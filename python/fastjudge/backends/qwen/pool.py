@@ -1,0 +1,151 @@
+"""The Qwen backend's state pool: every row's model state in buffers allocated once per backend
+and addressed by slot, and the snapshots the prefix cache keeps.
+
+One pool serves everything the model runs: a prefix is prefilled into a slot (and its snapshot
+kept), a score-only suffix or a decoding row continues from a snapshot copied into its slot.
+Its tensors are registered buffers marked as static addresses (``torch._dynamo
+.mark_static_address``), and a compiled step slices them inside the compiled code: CUDA-graph
+trees keep a graph only when every input it mutates lives at a static address, and the pool is
+the only thing a step mutates.
+
+Layout, with ``slots`` rows of ``capacity`` tokens: per full-attention layer K and V
+``[slots, kv_heads, capacity + 1, head_dim]``; per Gated DeltaNet layer the conv state
+``[slots, conv_dim, kernel - 1]`` and the recurrent state ``[slots, v_heads, k_dim, v_dim]``
+(float32, as the delta rule keeps it); per slot its token count and next rotary position
+(device) with a host mirror of the counts (``held``), so the host never reads a device value to
+plan a step. Column ``capacity`` of K/V is scratch: right padding writes there, past every real
+token. Live rows sit in slots ``0 .. live - 1``, so a step runs on leading slices (views).
+
+Memory (:func:`pool_bytes`): ``slots * (A * 2 * kv_heads * (capacity + 1) * head_dim * b
++ D * (conv_dim * (kernel - 1) * b + v_heads * k_dim * v_dim * 4))`` bytes, with ``A`` / ``D``
+the full-attention / DeltaNet layer counts, ``b`` the bytes per element of the model's dtype and
+``conv_dim = 2 * k_heads * k_dim + v_heads * v_dim``. The backend sizes ``slots`` from one
+budget (``EngineOptions.decode_cache_bytes``) at the capacity its rows need.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .shape import QwenShape
+
+
+class PrefixState:
+    """A snapshot of one slot: per layer (K, V) ``[1, kv_heads, length, head_dim]`` or (conv,
+    recurrent) state, the token count and the next rotary position (which runs ahead of the
+    length after an image: M-RoPE text continues from the largest position so far + 1)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int, next_position: int | None = None):
+        self.layers = layers
+        self.length = length
+        self.next_position = length if next_position is None else next_position
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
+
+
+def _conv_dim(shape: QwenShape) -> int:
+    return 2 * shape.lin_k_heads * shape.lin_k_dim + shape.lin_v_heads * shape.lin_v_dim
+
+
+def pool_bytes(shape: QwenShape, slots: int, capacity: int, element_size: int) -> int:
+    """The bytes of a :class:`StatePool` of ``slots`` rows of ``capacity`` tokens (module notes)."""
+    per_slot = 0
+    for kind in shape.layer_types:
+        if kind == "full_attention":
+            per_slot += 2 * shape.kv_heads * (capacity + 1) * shape.head_dim * element_size
+        else:
+            per_slot += _conv_dim(shape) * (shape.conv_kernel - 1) * element_size
+            per_slot += shape.lin_v_heads * shape.lin_k_dim * shape.lin_v_dim * 4
+    return slots * per_slot
+
+
+class StateView:
+    """Slots ``start .. stop - 1`` of a pool: every tensor a view, so a forward on the view
+    writes the pool."""
+
+    def __init__(self, pool: "StatePool", start: int, stop: int):
+        self.capacity, self.start = pool.capacity, start
+        self.layers = [(a[start:stop], b[start:stop]) for a, b in pool.layers]
+        self.lengths, self.positions = pool.lengths[start:stop], pool.positions[start:stop]
+        self.held = pool.held[start:stop]
+
+
+class StatePool(torch.nn.Module):
+    """Per-slot model state (module notes); ``layers[i]`` is ``(K, V)`` of a full-attention layer
+    or ``(conv, recurrent)`` of a DeltaNet layer."""
+
+    def __init__(self, shape: QwenShape, slots: int, capacity: int, device, dtype):
+        super().__init__()
+        self.capacity, self.kinds = int(capacity), shape.layer_types
+        for i, kind in enumerate(shape.layer_types):
+            if kind == "full_attention":
+                size = (slots, shape.kv_heads, self.capacity + 1, shape.head_dim)
+                pair = (torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device))
+            else:
+                pair = (torch.zeros(slots, _conv_dim(shape), shape.conv_kernel - 1, dtype=dtype, device=device),
+                        torch.zeros(slots, shape.lin_v_heads, shape.lin_k_dim, shape.lin_v_dim,
+                                    dtype=torch.float32, device=device))
+            self.register_buffer(f"layer{i}_a", pair[0])
+            self.register_buffer(f"layer{i}_b", pair[1])
+        self.register_buffer("lengths", torch.zeros(slots, dtype=torch.long, device=device))
+        self.register_buffer("positions", torch.zeros(slots, dtype=torch.long, device=device))
+        for t in self.buffers():
+            torch._dynamo.mark_static_address(t)
+        self.held = np.zeros(slots, dtype=np.int64)
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(getattr(self, f"layer{i}_a"), getattr(self, f"layer{i}_b")) for i in range(len(self.kinds))]
+
+    @property
+    def slots(self) -> int:
+        return len(self.held)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
+
+    def view(self, start: int, stop: int) -> StateView:
+        return StateView(self, start, stop)
+
+    def load(self, slot: int, state: PrefixState | None) -> None:
+        """A snapshot into ``slot``; None empties the slot (a row with no prefix)."""
+        if state is None:
+            for a, b in self.layers:
+                a[slot].zero_()
+                b[slot].zero_()
+            self.lengths[slot] = self.positions[slot] = self.held[slot] = 0
+            return
+        if state.length > self.capacity:
+            raise ValueError(f"a state of {state.length} tokens does not fit {self.capacity} positions")
+        for kind, (a, b), (x, y) in zip(self.kinds, self.layers, state.layers):
+            if kind == "full_attention":
+                a[slot, :, : state.length] = x[0]
+                b[slot, :, : state.length] = y[0]
+            else:
+                a[slot] = x[0]
+                b[slot] = y[0]
+        self.lengths[slot] = state.length
+        self.positions[slot] = state.next_position
+        self.held[slot] = state.length
+
+    def snapshot(self, slot: int, next_position: int) -> PrefixState:
+        """A copy of ``slot``'s state (its written part), to keep beyond the slot's next use."""
+        n = int(self.held[slot])
+        layers = [(a[slot:slot + 1, :, :n].clone(), b[slot:slot + 1, :, :n].clone()) if kind == "full_attention"
+                  else (a[slot:slot + 1].clone(), b[slot:slot + 1].clone())
+                  for kind, (a, b) in zip(self.kinds, self.layers)]
+        return PrefixState(layers, n, next_position)
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """The rows of slots ``src`` into slots ``dst``, one gather per buffer (every source read
+        before any slot is written), whatever the number of rows."""
+        device = self.lengths.device
+        s = torch.tensor(src).to(device, non_blocking=True)
+        d = torch.tensor(dst).to(device, non_blocking=True)
+        for t in self.buffers():
+            t[d] = t[s]
+        self.held[dst] = self.held[src]

@@ -1,0 +1,139 @@
+"""The T5 decoder step, and greedy rationale decoding with early exit and refill.
+
+Rows are independent, so which rows share a step changes no row's tokens. That allows:
+
+* **Early exit.** Live rows sit in the leading slots of the state pool (``pool``). Rows that
+  meet EOS or their budget leave at once: the last live rows move into the freed slots in one
+  batched copy, so no finished row is carried along.
+* **Refill.** With more rows than slots, waiting rows are encoded as slots free up and join at
+  their first step (rows of one step sit at different positions; each attends to its own
+  length through its own mask row).
+* **Only live extents.** Eagerly, a step attends over the longest live row's encoder states and
+  the furthest live decoder position, not the buffers' full widths (masked keys have weight
+  exactly 0, so leaving them out changes nothing).
+
+Argmax runs on the device and each step moves one small tensor to the host.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from ..compiled import row_bucket, width_bucket
+from ..profiling import DECODE_LABEL, PREFILL_LABEL, STEP_LABEL, to_host
+from .model import T5Model
+from .pool import T5Pool
+
+
+def run_step(model: T5Model, pool: T5Pool, tokens: torch.Tensor, counts: Sequence[int], compiled=None) -> torch.Tensor:
+    """:meth:`T5Model.forward` of right-padded decoder ``tokens`` [B, P] (``counts`` on the
+    host) on the leading slots of ``pool``: hidden states [B, P, d]. ``compiled`` (a
+    ``compiled.CompiledFunction`` of the forward) runs it on a shape bucket -- rows padded with
+    free slots that feed nothing, tokens to a power-of-two width, keys over the whole pool -- so
+    that a handful of shapes serve every call and the pool's buffers are the same tensors in
+    each; eagerly, only the live extents are read."""
+    B, P = tokens.shape
+    host_counts = np.asarray(counts, dtype=np.int64)
+    rows = row_bucket(B)
+    if compiled is not None and rows <= pool.slots:
+        full = tokens.new_zeros(rows, width_bucket(P))
+        full[:B, :P] = tokens
+        n = torch.tensor(np.pad(host_counts, (0, rows - B))).to(tokens.device, non_blocking=True)
+        x = compiled((rows, full.shape[1], pool.capacity, pool.enc_capacity), full, n, pool, pool.capacity,
+                     pool.enc_capacity)[:B, :P]
+    else:
+        n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
+        width = int((pool.dec_held[:B] + host_counts).max())
+        x = model(tokens, n, pool.view(0, B), width, int(pool.enc_held[:B].max()))
+    pool.dec_held[:B] += host_counts
+    return x
+
+
+def _pick(logits: torch.Tensor, track: torch.Tensor | None) -> list[list[float]]:
+    """Per row: [greedy token, tracked logits...], in one transfer to the host (token ids are
+    exact in float32: vocabularies are far below 2**24)."""
+    token = logits.argmax(-1, keepdim=True).to(logits.dtype)
+    return to_host(torch.cat([token, logits[:, track]] if track is not None else [token], 1)).tolist()
+
+
+def decode_greedy(model: T5Model, pool: T5Pool, prompts: Sequence[np.ndarray], max_new_tokens: int,
+                  track: torch.Tensor | None, max_rows: int, encode_tokens: int, compiled=None):
+    """Greedy decoding of ``prompts`` (token ids per row) until EOS or ``max_new_tokens``.
+
+    At most ``max_rows`` rows decode at a time (the leading slots of ``pool``); rows are encoded
+    in packs of about ``encode_tokens`` tokens as room frees up. Returns per row: generated ids
+    (EOS excluded), whether EOS ended it, and the tracked logits [steps, K] of every kept step
+    (None without ``track``)."""
+    with record_function(DECODE_LABEL):
+        return _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled)
+
+
+def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled):
+    s = model.s
+    dev = model.embed.device
+    n_rows = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    tracked: list[list[list[float]]] = [[] for _ in range(n_rows)]
+    finished = [False] * n_rows
+    todo = deque(range(n_rows))
+    ready: deque[tuple[int, torch.Tensor]] = deque()  # encoded rows waiting for a slot
+    live: list[int] = []  # the request row in each live slot
+    feed: list[int] = []  # each live row's next input token
+
+    def encode_more() -> None:
+        pack, total = [], 0
+        while todo and (not pack or total + len(prompts[todo[0]]) <= encode_tokens):
+            pack.append(todo.popleft())
+            total += len(prompts[pack[-1]])
+        lengths = [len(prompts[i]) for i in pack]
+        with record_function(PREFILL_LABEL):
+            enc = model.encode(torch.from_numpy(np.concatenate([prompts[i] for i in pack])).to(dev), lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        ready.extend((i, enc[int(starts[k]):int(starts[k + 1])]) for k, i in enumerate(pack))
+
+    while todo or ready or live:
+        while todo and len(ready) < max_rows - len(live):
+            encode_more()
+        joining = [ready.popleft() for _ in range(min(len(ready), max_rows - len(live)))]
+        if joining:
+            pool.load(len(live), [st for _, st in joining])
+            live += [i for i, _ in joining]
+            feed += [s.decoder_start_token_id] * len(joining)
+        with record_function(STEP_LABEL):
+            hidden = run_step(model, pool, torch.tensor(feed, device=dev)[:, None], [1] * len(live), compiled)
+        gone = []
+        for j, picked in enumerate(_pick(model.logits(hidden[:, 0]), track)):
+            row, token = live[j], int(picked[0])
+            if token == s.eos_token_id:
+                finished[row] = True
+            else:
+                tokens[row].append(token)
+                tracked[row].append(picked[1:])
+            feed[j] = token
+            if finished[row] or len(tokens[row]) >= max_new_tokens:
+                gone.append(j)
+        _leave(pool, live, feed, gone)
+    if track is None:
+        return tokens, finished, [None] * n_rows
+    return tokens, finished, [np.asarray(t, dtype=np.float64).reshape(len(t), len(track)) for t in tracked]
+
+
+def _leave(pool: T5Pool, live: list[int], feed: list[int], gone: list[int]) -> None:
+    """The rows in slots ``gone`` leave: the last live rows take the freed slots (highest slot
+    first, so each row moved in is live), planned on the host, then one batched move."""
+    origin = list(range(len(live)))
+    for j in reversed(gone):
+        last = len(live) - 1
+        if j != last:
+            origin[j], live[j], feed[j] = origin[last], live[last], feed[last]
+        origin.pop()
+        live.pop()
+        feed.pop()
+    moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
+    if moves:
+        pool.move(*(list(x) for x in zip(*moves)))

@@ -1,0 +1,251 @@
+"""T5 v1.1 / Flan-T5 in plain PyTorch: the weights in the engine's fused layout, the packed
+encoder, and one decoder ``forward`` that serves both score-only rows and decoding steps, each
+row continuing from its slot of the state pool (``pool``).
+
+Same math as transformers' T5ForConditionalGeneration, with the engine owning what decides
+speed:
+
+* **Packed encoder.** Requests are concatenated into one ``[tokens, d_model]`` matrix, so every
+  GEMM runs on real tokens only; attention runs per sequence through
+  ``scaled_dot_product_attention`` with the relative-position bias as its mask.
+* **Fused projections.** q/k/v and the two gated-FF input projections are one GEMM each.
+* **Cross-attention without K/V.** ``q . (W_k m)`` is computed as ``(W_k^T q) . m`` and
+  ``sum p W_v m`` as ``W_v (sum p m)``: exact reassociation that never projects an encoder token
+  to K or V. In model space every head's query attends over the same keys and values (the
+  encoder states), so all heads and positions of a row are the queries of one SDPA head: one
+  pass over a row's encoder states per layer, fewer bytes than its K/V (``d_model`` against
+  ``2 * heads * d_kv`` per token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastjudge.kernels.choice_head import choice_logits
+
+from ..fp8 import Fp8Weight, fuse, linear, projection_weight
+from ..loading import CheckpointError, check_shapes
+from .shape import T5Shape
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bucketing of key-minus-query distances (exact for small distances, log-spaced
+    beyond, clipped at max_distance)."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    large = max_exact + (torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).long()
+    return buckets + torch.where(distance < max_exact, distance, large.clamp(max=num_buckets - 1))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # T5's norm (no mean, no bias). The fused op accumulates in float32 like transformers'
+    # T5LayerNorm and is bit-identical to it in float32, at half its cost in bfloat16.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def activation(name: str):
+    acts = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "gelu": F.gelu,
+            "gelu_python": F.gelu, "silu": F.silu, "swish": F.silu}
+    if name not in acts:
+        raise CheckpointError(f"unsupported T5 activation {name!r}")
+    return acts[name]
+
+
+def _registered(w):
+    """A weight as a module attribute that registers: FP8 weights are modules (their data and
+    scales buffers), every other tensor a frozen parameter."""
+    return w if isinstance(w, torch.nn.Module) else torch.nn.Parameter(w, requires_grad=False)
+
+
+@dataclass
+class DecoderStep:
+    """What every decoder block of one forward reads: each token's K/V column ``where`` [B, P]
+    (the scratch column for padding) with its row index ``rows``, the self-attention mask
+    [B, H, P, width] (position bias, causal) and the encoder key mask [B, 1, 1, L]."""
+
+    where: torch.Tensor
+    rows: torch.Tensor
+    self_mask: torch.Tensor
+    key_mask: torch.Tensor
+
+
+class T5Block(torch.nn.Module):
+    """One encoder or decoder block: ``norm``/``qkv``/``o`` (self-attention), in the decoder
+    ``x_norm``/``x_q``/``x_k``/``x_v``/``x_o`` (cross-attention), ``ff_norm``/``wi``/``wo``
+    (feed-forward; ``wi`` holds both gated inputs)."""
+
+    def __init__(self, shape: T5Shape, weights: dict):
+        super().__init__()
+        self.s, self.act = shape, activation(shape.act)
+        for name, w in weights.items():
+            setattr(self, name, _registered(w))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = linear(rms_norm(x, self.ff_norm, self.s.eps), self.wi)
+        if self.s.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate).mul_(up)  # in place: one pass and no extra [T, d_ff] buffer
+        else:
+            h = self.act(h)
+        return x + linear(h, self.wo)
+
+    def encode(self, x: torch.Tensor, lengths: Sequence[int], starts: np.ndarray, bias: torch.Tensor) -> torch.Tensor:
+        """The encoder block over packed sequences ``x`` [T, d]: attention within each sequence."""
+        h, dk = self.s.num_heads, self.s.d_kv
+        qkv = linear(rms_norm(x, self.norm, self.s.eps), self.qkv)  # [T, 3 * inner]
+        out = torch.empty(x.shape[0], h * dk, dtype=x.dtype, device=x.device)
+        for i, n in enumerate(lengths):
+            a, b = int(starts[i]), int(starts[i + 1])
+            q, k, v = qkv[a:b].view(n, 3, h, dk).permute(1, 2, 0, 3).unsqueeze(1)
+            # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0), scale=1.0)
+            out[a:b].view(n, h, dk).copy_(o[0].transpose(0, 1))
+        return self.feed_forward(x + linear(out, self.o))
+
+    def forward(self, x: torch.Tensor, step: DecoderStep, kv: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        """The decoder block over ``x`` [B, P, d]: self-attention K/V written into ``kv``
+        [B, 2, heads, capacity + 1, d_kv] at ``step.where``, cross-attention over ``mem``."""
+        s = self.s
+        B, P, _ = x.shape
+        h, dk = s.num_heads, s.d_kv
+        q, k, v = linear(rms_norm(x, self.norm, s.eps), self.qkv).view(B, P, 3, h, dk).unbind(2)
+        kv[step.rows, 0, :, step.where] = k
+        kv[step.rows, 1, :, step.where] = v
+        width = step.self_mask.shape[-1]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0, :, :width], kv[:, 1, :, :width],
+                                           attn_mask=step.self_mask, scale=1.0)
+        x = x + linear(o.transpose(1, 2).reshape(B, P, h * dk), self.o)
+        xq = linear(rms_norm(x, self.x_norm, s.eps), self.x_q).view(B, P, h, dk)
+        return self.feed_forward(x + linear(self.cross_attention(xq, mem, step.key_mask), self.x_o))
+
+    def cross_attention(self, xq: torch.Tensor, mem: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Cross-attention output [B, P, heads * d_kv] (before ``x_o``) of the projected queries
+        ``xq`` [B, P, heads, d_kv] over encoder states ``mem`` [B, L, d], reassociated."""
+        B, P, h, dk = xq.shape
+        d = mem.shape[-1]
+        q = torch.einsum("bphk,hkd->bhpd", xq, self.x_k.view(h, dk, d)).reshape(B, 1, h * P, d)
+        kv = mem.unsqueeze(1)  # one head whose keys and values are the encoder states
+        ctx = F.scaled_dot_product_attention(q, kv, kv, attn_mask=key_mask, scale=1.0)
+        return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), self.x_v.view(h, dk, d)).reshape(B, P, h * dk)
+
+
+class T5Model(torch.nn.Module):
+    """The checkpoint as a module (``state_dict``, ``.to()``, hooks and compilers see it). A state
+    with FP8 weights (``load_state_dict(keep_fp8=True)``) keeps the encoder's projections FP8
+    (:class:`fp8.Fp8Weight`: the encoder is where the FLOPs are); the decoder reads its
+    cross-attention weights directly (reassociated), so decoder weights are dequantized."""
+
+    def __init__(self, state: dict[str, torch.Tensor], shape: T5Shape, device, dtype):
+        super().__init__()
+        check_shapes(state, shape.tensor_shapes())
+        self.s = shape
+
+        def dense(name: str):
+            if name not in state:
+                raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+            return projection_weight(state, name, device, dtype)
+
+        def take(name: str) -> torch.Tensor:
+            w = dense(name)
+            return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+        def block(stack: str, i: int, get) -> T5Block:
+            p = f"{stack}.block.{i}.layer"
+            w = {"norm": take(f"{p}.0.layer_norm.weight"), "o": get(f"{p}.0.SelfAttention.o.weight"),
+                 "qkv": fuse([get(f"{p}.0.SelfAttention.{n}.weight") for n in "qkv"], dtype)}
+            if stack == "decoder":
+                w["x_norm"] = take(f"{p}.1.layer_norm.weight")
+                w.update({f"x_{n}": take(f"{p}.1.EncDecAttention.{n}.weight") for n in "qkvo"})
+            ff = f"{p}.{2 if stack == 'decoder' else 1}"
+            wi = [f"{ff}.DenseReluDense.wi{n}.weight" for n in (("_0", "_1") if shape.gated else ("",))]
+            w.update(ff_norm=take(f"{ff}.layer_norm.weight"), wi=fuse([get(n) for n in wi], dtype),
+                     wo=get(f"{ff}.DenseReluDense.wo.weight"))
+            return T5Block(shape, w)
+
+        self.embed = _registered(take("shared.weight"))
+        # a tied head is the embedding parameter itself, registered under both names
+        self.lm_head = _registered(take("lm_head.weight")) if "lm_head.weight" in state else self.embed
+        self.enc_bias_table = _registered(take("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
+        self.dec_bias_table = _registered(take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
+        self.enc_final_norm = _registered(take("encoder.final_layer_norm.weight"))
+        self.dec_final_norm = _registered(take("decoder.final_layer_norm.weight"))
+        self.encoder = torch.nn.ModuleList(block("encoder", i, dense) for i in range(shape.num_layers))
+        self.decoder = torch.nn.ModuleList(block("decoder", i, take) for i in range(shape.num_decoder_layers))
+        # position biases, grown outside compiled code (non-persistent: they follow the device)
+        self.register_buffer("_enc_bias", torch.empty(0, device=device), persistent=False)
+        self.register_buffer("_dec_bias", torch.empty(0, device=device), persistent=False)
+
+    def _bias(self, table: torch.Tensor, length: int, bidirectional: bool) -> torch.Tensor:
+        pos = torch.arange(length, device=table.device)
+        buckets = relative_position_bucket(pos[None, :] - pos[:, None], bidirectional, self.s.num_buckets,
+                                           self.s.max_distance)
+        return F.embedding(buckets, table).permute(2, 0, 1).contiguous()  # [H, L, L]
+
+    def encoder_bias(self, length: int) -> torch.Tensor:
+        # The bias depends only on key - query, so the top-left block of a larger table is the
+        # table of a shorter sequence: computed once for the longest length seen.
+        if self._enc_bias.shape[-1] < length:
+            self._enc_bias = self._bias(self.enc_bias_table, max(length, 512), True)
+        return self._enc_bias[:, :length, :length]
+
+    def decoder_bias(self, length: int) -> torch.Tensor:
+        if self._dec_bias.shape[-1] < length:
+            self._dec_bias = self._bias(self.dec_bias_table, max(length, 128), False)
+        return self._dec_bias[:, :length, :length]
+
+    def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
+        x = F.embedding(packed_ids, self.embed)
+        bias = self.encoder_bias(max(lengths))
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        for layer in self.encoder:
+            x = layer.encode(x, lengths, starts, bias)
+        return rms_norm(x, self.enc_final_norm, self.s.eps)
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, pool, width: int, enc_width: int) -> torch.Tensor:
+        """Decoder hidden states [B, P, d] of ``tokens`` [B, P] (row ``b``: ``counts[b]`` real
+        tokens, then right padding) continuing each row of the first B slots of ``pool``
+        (``pool.T5Pool`` or a view of one), whose decoder lengths advance by the counts. Self-
+        attention reads the first ``width`` decoder positions, cross-attention the first
+        ``enc_width`` encoder states (each row masked to its own prompt)."""
+        B, P = tokens.shape
+        device = tokens.device
+        steps = torch.arange(P, device=device)
+        start = pool.dec_lengths[:B]
+        where = torch.where(steps[None, :] < counts[:, None], start[:, None] + steps, pool.capacity)
+        # each token's bias row (its own position), and -inf on keys past it
+        bias = self._dec_bias[:, where.clamp(max=self._dec_bias.shape[-1] - 1), :width].transpose(0, 1)
+        keys = torch.arange(width, device=device)
+        self_mask = bias.masked_fill(keys[None, None, None, :] > where[:, None, :, None], float("-inf"))
+        enc_keys = torch.arange(enc_width, device=device)[None, :]
+        key_mask = torch.zeros(B, enc_width, dtype=bias.dtype, device=device).masked_fill(
+            enc_keys >= pool.enc_lengths[:B, None], float("-inf")).view(B, 1, 1, enc_width)
+        step = DecoderStep(where, torch.arange(B, device=device)[:, None].expand(B, P), self_mask, key_mask)
+        x = F.embedding(tokens, self.embed)
+        mem = pool.mem[:B, :enc_width]
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, step, pool.kv[:B, i], mem)
+        start += counts
+        return x
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """LM-head logits of final decoder states: only the candidate ``rows`` (fused choice head:
+        final norm + K rows, never ``[B, vocab]``), or the full vocabulary for decoding."""
+        scale = self.s.d_model ** -0.5 if self.s.scale_decoder_outputs else 1.0
+        if rows is not None:
+            return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, eps=self.s.eps, scale=scale)
+        return F.linear(rms_norm(hidden, self.dec_final_norm, self.s.eps) * scale, self.lm_head).float()

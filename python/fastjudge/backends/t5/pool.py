@@ -1,0 +1,79 @@
+"""The T5 backend's state pool: every decoder row's state in buffers allocated once per backend
+and addressed by slot, at static addresses (registered buffers marked with
+``torch._dynamo.mark_static_address``: a compiled step slices them inside the compiled code,
+so CUDA-graph trees keep its graphs).
+
+``mem`` ``[slots, enc_capacity, d_model]`` holds each row's encoder states, ``kv`` ``[slots,
+layers, 2, heads, capacity + 1, d_kv]`` its decoder self-attention K/V (column ``capacity`` is
+scratch: right padding writes there), ``enc_lengths`` / ``dec_lengths`` each row's prompt and
+decoder lengths (device; ``enc_held`` / ``dec_held`` mirror them on the host, so the host plans
+without reading the device). No cross-attention K/V at all: the reassociated cross-attention
+reads the encoder states. Slots are never cleared: a masked position's weight is exactly 0.
+Memory: ``slots * (enc_capacity * d_model + layers * 2 * heads * (capacity + 1) * d_kv) * b``
+bytes (:func:`row_bytes`), ``b`` the bytes per element of the model's dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .shape import T5Shape
+
+
+def row_bytes(shape: T5Shape, enc_capacity: int, capacity: int, element_size: int) -> int:
+    """Bytes one slot holds: its encoder states and its self-attention K/V."""
+    kv = shape.num_decoder_layers * 2 * shape.num_heads * (capacity + 1) * shape.d_kv
+    return (shape.d_model * enc_capacity + kv) * element_size
+
+
+class T5View:
+    """Slots ``start .. stop - 1`` of a pool, every tensor a view."""
+
+    def __init__(self, pool: "T5Pool", start: int, stop: int):
+        self.capacity = pool.capacity
+        self.mem, self.kv = pool.mem[start:stop], pool.kv[start:stop]
+        self.enc_lengths, self.dec_lengths = pool.enc_lengths[start:stop], pool.dec_lengths[start:stop]
+
+
+class T5Pool(torch.nn.Module):
+    def __init__(self, shape: T5Shape, slots: int, enc_capacity: int, capacity: int, device, dtype):
+        super().__init__()
+        self.capacity, self.enc_capacity = int(capacity), int(enc_capacity)
+        self.register_buffer("mem", torch.zeros(slots, enc_capacity, shape.d_model, dtype=dtype, device=device))
+        self.register_buffer("kv", torch.zeros(slots, shape.num_decoder_layers, 2, shape.num_heads, capacity + 1,
+                                               shape.d_kv, dtype=dtype, device=device))
+        self.register_buffer("enc_lengths", torch.zeros(slots, dtype=torch.long, device=device))
+        self.register_buffer("dec_lengths", torch.zeros(slots, dtype=torch.long, device=device))
+        for t in self.buffers():
+            torch._dynamo.mark_static_address(t)
+        self.enc_held = np.zeros(slots, dtype=np.int64)
+        self.dec_held = np.zeros(slots, dtype=np.int64)
+
+    @property
+    def slots(self) -> int:
+        return len(self.enc_held)
+
+    def view(self, start: int, stop: int) -> T5View:
+        return T5View(self, start, stop)
+
+    def load(self, first: int, states: list[torch.Tensor]) -> None:
+        """Rows' encoder states (``[n, d]`` each) into slots ``first ..``, at decoder length 0."""
+        for i, st in enumerate(states):
+            self.mem[first + i, : st.shape[0]] = st
+            self.enc_held[first + i] = st.shape[0]
+        rows = slice(first, first + len(states))
+        self.enc_lengths[rows] = torch.tensor(self.enc_held[rows]).to(self.mem.device, non_blocking=True)
+        self.dec_lengths[rows] = 0
+        self.dec_held[rows] = 0
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """The rows of slots ``src`` into slots ``dst``, one gather per buffer (every source read
+        before any slot is written), whatever the number of rows."""
+        device = self.mem.device
+        s = torch.tensor(src).to(device, non_blocking=True)
+        d = torch.tensor(dst).to(device, non_blocking=True)
+        for t in self.buffers():
+            t[d] = t[s]
+        self.enc_held[dst] = self.enc_held[src]
+        self.dec_held[dst] = self.dec_held[src]
