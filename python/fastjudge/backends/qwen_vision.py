@@ -1,40 +1,27 @@
 """Images for the Qwen3.5 judge: our vision tower and the multimodal rotary positions.
 
-- ``QwenVision``: the checkpoint's vision tower as plain ``torch.nn.Module`` code of ours
-  (:class:`VisionTower`, registered as ``model``; its state dict names are the checkpoint's
-  ``model.visual.*`` names), loaded straight from those tensors, their shapes checked against
-  ``vision_config`` (:class:`VisionShape`). The math is that of transformers'
-  ``Qwen3_5VisionModel`` (``transformers/models/qwen3_5/modeling_qwen3_5.py``), which
-  ``tests/test_qwen_vision.py`` compares ours against in float32; no transformers code runs here:
-
-  * patch embedding: transformers' ``Conv3d`` has kernel == stride over one patch, so it is a
-    linear over the flattened patch row (same weight, kept in its stored conv shape);
-  * learned position grid: the ``side x side`` table bilinearly resampled (corners aligned) to
-    each frame's ``h x w`` patch grid, as four weighted taps per patch;
-  * 2-D rotary embedding: head_dim / 4 frequencies per axis, row angles then column angles,
-    the pair repeated over both halves of each head (rotate-half convention), in float32;
-  * blocks: pre-LayerNorm (eps 1e-6) attention with one fused qkv linear, attention within each
-    frame, then an MLP with the checkpoint's ``hidden_act``;
-  * merger: LayerNorm, every ``merge x merge`` block of patches (consecutive in the tower's
-    patch order) concatenated, linear, exact GELU, linear to the language model's width.
-
-  Patches run in the processor's order: within a frame, merge block by merge block, row-major
-  inside each block. ``encode`` returns the merged embeddings that replace the
-  ``<|image_pad|>`` tokens, one row per pad token -- the ``pooler_output`` of transformers'
-  ``get_image_features``. Qwen3.5 has no DeepStack features (Qwen3-VL injects intermediate vision
-  features into early decoder layers; Qwen3.5 does not): a vision config that asks for them is
-  refused.
-- ``QwenVision.encode_images``: many images at once, each given as its own ``(pixel_values,
-  grid_thw)``: the pixels are never concatenated (each image's patch embeddings are written into
-  one shared tensor), images are grouped by grid size and the frames of one size attend as one
-  batched attention call; norms, linears, MLPs and the merger run over all patches at once. The
-  position taps and rotary tables of a grid size are computed once and kept (the last
-  :data:`GRID_TABLES` sizes).
+- ``QwenVision``: the checkpoint's vision tower, our own ``torch.nn.Module`` code
+  (:class:`VisionTower`, registered as ``model``, parameters named as the checkpoint's
+  ``model.visual.*`` tensors it is loaded from, shapes checked against ``vision_config``). Its
+  math is transformers' ``Qwen3_5VisionModel`` (``models/qwen3_5/modeling_qwen3_5.py``), the
+  reference ``tests/test_qwen_vision.py`` holds it to in float32: a patch embedding (a Conv3d
+  whose kernel is its stride, i.e. a linear over the flattened patch), the learned position grid
+  resampled bilinearly to each frame (four taps per patch), a 2-D rotary embedding, pre-LayerNorm
+  blocks (fused qkv attention within each frame, an MLP), and a merger of each 2x2 patch block
+  into one row of the language model's width. ``encode`` returns those rows, one per
+  ``<|image_pad|>`` token (transformers' ``get_image_features().pooler_output``). Qwen3.5 has no
+  DeepStack features (Qwen3-VL adds vision features to early decoder layers): a vision config
+  asking for them is refused.
+- ``QwenVision.encode_images``: many images, each its own ``(pixel_values, grid_thw)``; pixels
+  are never concatenated (each image's patch embeddings land in one shared tensor), the frames of
+  one grid size attend as one batched SDPA call, everything else runs over all patches at once;
+  each grid size's position taps and rotary tables are kept (the last :data:`GRID_TABLES`).
 - ``mrope_positions``: the ``[3, S]`` t/h/w positions of one prompt, as transformers'
   ``Qwen3_5Model.get_rope_index``.
 
 Image tokens (the Qwen3-VL / Qwen3.5 processor): ``<|vision_start|>`` + ``<|image_pad|>`` * N +
-``<|vision_end|>`` with ``N = t * h * w / merge_size**2`` of the image's ``grid_thw``.
+``<|vision_end|>`` with ``N = t * h * w / merge_size**2`` of the image's ``grid_thw``. Within a
+frame the patches come merge block by merge block, row-major inside each block.
 """
 
 from __future__ import annotations
@@ -125,7 +112,8 @@ def mrope_positions(input_ids: Sequence[int] | torch.Tensor, grid_thw: torch.Ten
 @dataclass(frozen=True)
 class VisionShape:
     """The tower's ``vision_config`` (transformers' names and defaults), checked for values no
-    model can have, and the tensor shapes it implies."""
+    model can have (the tensor shapes it implies are those of the :class:`VisionTower` built
+    from it)."""
 
     depth: int = 27
     hidden_size: int = 1152
@@ -179,23 +167,6 @@ class VisionShape:
     def patch_dim(self) -> int:
         """Values per patch row: channels x frames x pixels."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    def tensor_shapes(self) -> dict[str, tuple]:
-        """The shape of every tower tensor, by its name under ``model.visual.``."""
-        d, m, merged = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size ** 2
-        shapes = {"patch_embed.proj.weight": (d, self.in_channels, self.temporal_patch_size, self.patch_size,
-                                              self.patch_size),
-                  "patch_embed.proj.bias": (d,), "pos_embed.weight": (self.num_position_embeddings, d),
-                  "merger.norm.weight": (d,), "merger.norm.bias": (d,),
-                  "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
-                  "merger.linear_fc2.weight": (self.out_hidden_size, merged),
-                  "merger.linear_fc2.bias": (self.out_hidden_size,)}
-        for i in range(self.depth):
-            for name, shape in (("norm1", (d,)), ("norm2", (d,)), ("attn.qkv", (3 * d, d)), ("attn.proj", (d, d)),
-                                ("mlp.linear_fc1", (m, d)), ("mlp.linear_fc2", (d, m))):
-                shapes[f"blocks.{i}.{name}.weight"] = shape
-                shapes[f"blocks.{i}.{name}.bias"] = shape[:1]
-        return shapes
 
 
 class Span(NamedTuple):
@@ -281,19 +252,17 @@ class VisionBlock(torch.nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchMerger(torch.nn.Module):
+class PatchMerger(VisionMLP):
     """LayerNorm per patch, then each run of ``merge**2`` patches (one merge block) as one row
-    through a GELU MLP to the language model's width."""
+    through an exact-GELU MLP to the language model's width."""
 
     def __init__(self, s: VisionShape):
-        super().__init__()
-        self.width = s.hidden_size * s.spatial_merge_size ** 2
+        width = s.hidden_size * s.spatial_merge_size ** 2
+        super().__init__(width, width, s.out_hidden_size, F.gelu)
         self.norm = torch.nn.LayerNorm(s.hidden_size, eps=NORM_EPS)
-        self.linear_fc1, self.linear_fc2 = torch.nn.Linear(self.width, self.width), torch.nn.Linear(self.width,
-                                                                                                      s.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.width))))
+        return super().forward(self.norm(x).view(-1, self.linear_fc1.in_features))
 
 
 class VisionTower(torch.nn.Module):
@@ -316,21 +285,18 @@ class VisionTower(torch.nn.Module):
     def forward(self, images: Sequence[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
         """Merged embeddings of each ``(pixel_values [t*h*w, patch_dim], (t, h, w))``, in order."""
         order = sorted(range(len(images)), key=lambda i: images[i][1][1:])  # by grid size, stable
-        groups: list[list] = []  # [(h, w), first row, frames]
-        rows = 0
+        w0 = self.patch_embed.proj.weight
+        x = torch.empty(sum(p.shape[0] for p, _ in images), w0.shape[0], device=w0.device, dtype=w0.dtype)
+        groups: list[list] = []  # [(h, w), first row, frames] per grid size
+        start = 0
         for i in order:
-            t, h, w = images[i][1]
+            pixels, (t, h, w) = images[i]
+            # each image's rows embedded in place: the pixels are never concatenated
+            self.patch_embed(pixels, out=x[start: start + pixels.shape[0]])
             if groups and groups[-1][0] == (h, w):
                 groups[-1][2] += t
             else:
-                groups.append([(h, w), rows, t])
-            rows += t * h * w
-        w0 = self.patch_embed.proj.weight
-        x = torch.empty(rows, w0.shape[0], device=w0.device, dtype=w0.dtype)
-        start = 0
-        for i in order:  # each image's rows embedded in place: no concatenated copy of the pixels
-            pixels = images[i][0]
-            self.patch_embed(pixels, out=x[start: start + pixels.shape[0]])
+                groups.append([(h, w), start, t])
             start += pixels.shape[0]
         spans = []
         for (h, w), first, frames in groups:
@@ -358,9 +324,9 @@ class VisionTower(torch.nn.Module):
     def rotary(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin ``[n, head_dim]`` of patches at ``(rows, cols)``: head_dim / 4
         frequencies per axis, the row angles then the column angles, repeated for both halves."""
-        quarter = self.config.head_dim // 2
-        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32,
-                                                                 device=rows.device) / quarter)
+        half = self.config.head_dim // 2
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32,
+                                                                 device=rows.device) / half)
         angles = torch.cat([rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq], dim=-1)
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
@@ -409,14 +375,14 @@ class QwenVision(torch.nn.Module):
         weights = {k[len(VISION_PREFIX):]: v for k, v in state.items() if k.startswith(VISION_PREFIX)}
         if not weights:
             raise CheckpointError(f"checkpoint lacks vision tensors ({VISION_PREFIX}*)")
-        expected = shape.tensor_shapes()
+        with torch.device("meta"):  # shapes only: no memory, no random init of weights about to be replaced
+            tower = VisionTower(shape)
+        expected = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
         check_shapes(weights, expected)
         missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
         if missing or unexpected:
             raise CheckpointError(f"vision tensors do not match the vision config: missing {sorted(missing)[:5]}, "
                                   f"unexpected {sorted(unexpected)[:5]}")
-        with torch.device("meta"):  # no random init of weights about to be replaced
-            tower = VisionTower(shape)
         tower.load_state_dict(weights, strict=True, assign=True)
         self.model = tower.requires_grad_(False).to(device=torch.device(device), dtype=dtype).eval()
         self.config, self.spatial_merge_size = shape, shape.spatial_merge_size
