@@ -189,22 +189,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + turned * sin).to(x.dtype)
 
 
-def _weights(**shapes) -> torch.nn.Module:
-    """A module holding frozen parameters of the given shapes (filled at load)."""
-    m = torch.nn.Module()
-    for name, shape in shapes.items():
-        setattr(m, name, torch.nn.Parameter(torch.empty(shape), requires_grad=False))
-    return m
-
-
 class PatchEmbed(torch.nn.Module):
     """The patch projection: a linear over each flattened patch row (the checkpoint's Conv3d
     weight, kernel == stride, read as a matrix)."""
 
     def __init__(self, s: VisionShape):
         super().__init__()
-        self.proj = _weights(weight=(s.hidden_size, s.in_channels, s.temporal_patch_size, s.patch_size,
-                                     s.patch_size), bias=(s.hidden_size,))
+        self.proj = torch.nn.Module()  # the conv's weight and bias, under the checkpoint's names
+        self.proj.weight = torch.nn.Parameter(torch.empty(s.hidden_size, s.in_channels, s.temporal_patch_size,
+                                                          s.patch_size, s.patch_size))
+        self.proj.bias = torch.nn.Parameter(torch.empty(s.hidden_size))
 
     def forward(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``rows [N, patch_dim]`` -> ``[N, hidden]``, written into ``out`` when given."""
