@@ -13,6 +13,7 @@ from conftest import TEST_DEVICE
 from fastjudge.cli import build_parser
 from fastjudge.engine_options import EngineOptions
 from fastjudge.judges import registry
+from fastjudge.runtime.engine import Engine
 
 JOB = ["--model", "m", "--input", "i", "--output", "o"]
 COMMANDS = [["lave", *JOB], ["visexmem", *JOB], ["rescore", *JOB], ["serve", "--model", "m"],
@@ -70,15 +71,29 @@ def test_engine_reaches_the_judge_and_the_backend(t5_dir):
     engine = EngineOptions(device=TEST_DEVICE, dtype="float32", compile="off", max_batch_size=3,
                            max_batch_tokens=2000, max_decode_rows=2, max_input_tokens=700)
     judge = LaveJudge(t5_dir, num_shots=1, engine=engine)
-    assert judge.engine is engine
+    assert isinstance(judge.engine, Engine) and judge.options is engine
     assert (judge.max_batch_size, judge.max_batch_tokens) == (3, 2000)
     backend = judge.backend
+    assert backend.options is engine  # the options reach the backend whole, never unpacked
     assert (backend.compile, backend.max_decode_rows, backend.max_input_tokens) == ("off", 2, 700)
     assert str(backend.dtype) == "torch.float32"
     assert isinstance(judge.style, FastjudgeLave)
     # an open backend keeps its own settings; the batching limits still come from the engine
     shared = LaveJudge(backend, engine=EngineOptions(max_batch_size=5))
     assert shared.backend is backend and shared.max_batch_size == 5
+
+
+def test_a_failure_retry_shrinks_the_engine_not_the_judge(t5_backend):
+    """``runtime.failures.scaled_budget`` (the retry with smaller batches after an out-of-memory)
+    scales the limits of the judge's Engine, which the judge reads, and restores them."""
+    from fastjudge.judges.lave import LaveJudge
+    from fastjudge.runtime.failures import scaled_budget
+
+    judge = LaveJudge(t5_backend, num_shots=1, engine=EngineOptions(max_batch_size=8, max_batch_tokens=4000))
+    with scaled_budget(judge, 0.5):
+        assert (judge.engine.max_batch_size, judge.max_batch_tokens) == (4, 2000)
+        assert "max_batch_size" not in vars(judge)
+    assert (judge.max_batch_size, judge.max_batch_tokens) == (8, 4000)
 
 
 def test_engine_must_be_the_options_object(t5_backend):

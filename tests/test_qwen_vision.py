@@ -1,6 +1,11 @@
 """Image+text prompts through our Qwen3.5 path (vision tower + image embeddings + M-RoPE) against
 transformers' Qwen3_5ForConditionalGeneration on the same tiny random checkpoint (float32).
 
+The vision tower is our own code (``backends/qwen/vision.py``); its reference is transformers'
+``Qwen3_5VisionModel.forward`` and ``Qwen3_5Model.get_image_features`` (``pooler_output``), in
+``transformers/models/qwen3_5/modeling_qwen3_5.py`` (transformers 5.x as installed), with the index
+helpers of ``transformers/vision_utils.py``.
+
 pixel_values / grid_thw come from our ``kernels.crop_encode`` on the full-image box (the same
 tensors are given to both sides, so the comparison is of the models, not of preprocessing)."""
 
@@ -10,13 +15,20 @@ import numpy as np
 import pytest
 import torch
 
+from fastjudge.backends.loading import CheckpointError
+from fastjudge.backends.qwen import vision as qwen_vision
 from fastjudge.backends.qwen.backend import TorchQwenBackend
-from fastjudge.backends.qwen.vision import PatchEmbedLinear, QwenVision, image_block, mrope_positions
+from fastjudge.backends.qwen.model import run_step
+from fastjudge.backends.qwen.pool import StatePool
+from fastjudge.backends.qwen.positions import image_block, mrope_positions
+from fastjudge.backends.qwen.vision import QwenVision
 from fastjudge.checkpoints import build_random_qwen_vl
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.kernels.crop_encode import CropEncodeConfig, crop_encode
 
 TOL = 1e-4
+# max |ours - transformers| of the vision embeddings (float32), relative to the reference's max |value|
+VISION_TOL = 1e-5
 H, W = 80, 120  # -> smart-resized 84 x 112, grid (1, 6, 8), 12 image tokens
 
 
@@ -62,23 +74,51 @@ def hf_logits(s, ids, cands):
 
 
 @torch.inference_mode()
+def forward(model, t, pool=None, **images):
+    """Hidden states of unpadded prompt rows ``t`` [B, k] through the engine's one forward,
+    continuing the leading slots of ``pool`` (default: a fresh pool of empty slots)."""
+    if pool is None:
+        pool = StatePool(model.s, t.shape[0], 512, t.device, model.embed.dtype)
+    return run_step(model, pool, 0, t, [t.shape[1]] * t.shape[0], **images)
+
+
+def snapshot(pool):
+    return pool.snapshot(0, int(pool.positions[0]))
+
+
+@torch.inference_mode()
 def our_logits(s, ids, cands):
     model, image_id = s["backend"].model, s["cfg"].image_token_id
     t = torch.tensor([ids])
     emb = s["vision"].encode(s["pv"], s["grid"])
     pos = mrope_positions(ids, s["grid"], s["vision"].spatial_merge_size, image_id)
-    hidden, _ = model.forward(t, None, image_embeds=emb, image_mask=t == image_id, positions=pos)
+    hidden = forward(model, t, image_embeds=emb, image_mask=t == image_id, positions=pos[:, None])
     return model.logits(hidden[:, -1], torch.tensor(cands))[0]
 
 
-def test_vision_encode_matches_transformers(setup):
-    s = setup
-    ours = s["vision"].encode(s["pv"], s["grid"])
-    with torch.inference_mode():
-        ref = torch.cat(s["hf"].model.get_image_features(s["pv"], s["grid"]).pooler_output)
-    assert ours.shape == (12, s["cfg"].text_config.hidden_size)
-    assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
+def encoded(s, h, w, seed=0):
+    """``crop_encode`` patches and grid of a random ``3 x h x w`` image (the processor's layout)."""
+    img = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (3, h, w), dtype=np.uint8))
+    return crop_encode(img, torch.tensor([[0, 0, w, h]]), CropEncodeConfig.from_preprocessor_config(s["dir"]),
+                       impl="torch")
 
+
+@pytest.mark.parametrize("h, w", [(80, 120), (60, 60), (120, 90), (200, 150), (30, 300)])
+def test_vision_encode_matches_transformers(setup, h, w):
+    """One image (square, landscape, portrait, a long strip) against transformers'
+    ``Qwen3_5Model.get_image_features`` (pooler_output) and ``Qwen3_5VisionModel.forward``."""
+    s = setup
+    pv, grid = (s["pv"], s["grid"]) if (h, w) == (H, W) else encoded(s, h, w, seed=h + w)
+    ours = s["vision"].encode(pv, grid)
+    with torch.inference_mode():
+        ref = torch.cat(s["hf"].model.get_image_features(pv, grid).pooler_output)
+        ref_tower = s["hf"].model.visual(pv, grid_thw=grid).pooler_output
+    assert ours.shape == (int(grid.prod()) // 4, s["cfg"].text_config.hidden_size)
+    err = (ours - ref).abs().max().item()
+    print(f"vision {h}x{w} grid {grid[0].tolist()}: max |ours - transformers| {err:.1e} "
+          f"(max |ref| {ref.abs().max().item():.2f})")
+    scale = ref.abs().max().item()
+    assert err <= VISION_TOL * scale and (ours - ref_tower).abs().max().item() <= VISION_TOL * scale
 
 
 def test_vision_is_a_module_with_the_checkpoint_weights(setup):
@@ -99,79 +139,94 @@ def test_vision_is_a_module_with_the_checkpoint_weights(setup):
     torch.testing.assert_close(vision(s["pv"], s["grid"]), vision.encode(s["pv"], s["grid"]), rtol=0, atol=0)
 
 
-def test_several_images_of_mixed_sizes_match_transformers(setup, monkeypatch):
-    """``QwenVision.encode_images`` (our ``GroupedTower``: frames of one grid size attend as one
-    batched call, pixels never concatenated) against transformers'
-    ``Qwen3_5Model.get_image_features`` on the concatenated pixels with ``cu_seqlens`` per frame;
-    sizes interleaved (so grouping reorders them) and one two-frame image. Also the fallback
-    through transformers' own forward where the index helpers are missing."""
+def test_several_images_of_mixed_sizes_match_transformers(setup):
+    """``QwenVision.encode_images`` (frames of one grid size attend as one batched call, pixels
+    never concatenated) against transformers' ``Qwen3_5Model.get_image_features`` on the
+    concatenated pixels with ``cu_seqlens`` per frame; sizes interleaved (so grouping reorders
+    them), a two-frame image (t = 2, as a video's grid) and ``encode`` of them all in one call."""
     s = setup
-    cfg = CropEncodeConfig.from_preprocessor_config(s["dir"])
-    rng = np.random.default_rng(3)
-    images = []
-    for h, w in ((80, 120), (60, 60), (80, 120), (120, 90), (60, 60)):
-        img = torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8))
-        images.append(crop_encode(img, torch.tensor([[0, 0, w, h]]), cfg, impl="torch"))
+    images = [encoded(s, h, w, seed=i) for i, (h, w) in enumerate(((80, 120), (60, 60), (80, 120), (120, 90),
+                                                                     (60, 60)))]
     pv, grid = images[2]
     images.append((torch.cat([pv, pv + 0.25]), grid * torch.tensor([[2, 1, 1]])))  # t = 2
     items = [(p, g[0].tolist()) for p, g in images]
     ours = s["vision"].encode_images(items)
+    all_pv, all_grid = torch.cat([p for p, _ in images]), torch.cat([g for _, g in images])
     with torch.inference_mode():
-        ref = s["hf"].model.get_image_features(torch.cat([p for p, _ in images]),
-                                               torch.cat([g for _, g in images])).pooler_output
-    assert s["vision"]._tower is not None
+        ref = s["hf"].model.get_image_features(all_pv, all_grid).pooler_output
     assert len(ours) == len(ref) == 6 and len({tuple(g[1:]) for _, g in items}) == 3
-    for a, b in zip(ours, ref):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0)
-    monkeypatch.setattr(s["vision"], "_tower", None)
-    for a, b in zip(s["vision"].encode_images(items), ref):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    errs = [(a - b).abs().max().item() for a, b in zip(ours, ref)]
+    print(f"six images in one call: max |ours - transformers| per image {[f'{e:.1e}' for e in errs]}")
+    scale = max(r.abs().max().item() for r in ref)
+    assert max(errs) <= VISION_TOL * scale
+    assert (s["vision"].encode(all_pv, all_grid) - torch.cat(ref)).abs().max().item() <= VISION_TOL * scale
     with pytest.raises(ValueError, match="expected"):
         s["vision"].encode_images([(pv[1:], grid[0].tolist())])
+    with pytest.raises(ValueError, match="multiples"):
+        s["vision"].encode_images([(pv[: 6 * 3], [1, 6, 3])])
 
-def test_patch_embedding_runs_as_a_matmul(setup, monkeypatch):
-    """transformers' Qwen3_5VisionPatchEmbed (models/qwen3_5/modeling_qwen3_5.py,
-    Qwen3_5VisionPatchEmbed.forward) is a Conv3d with kernel == stride over patch rows viewed as
-    [N, C, T, p, p]; ours runs it as a linear over the flattened rows (no conv3d call) and gives
-    transformers' own, unpatched vision model's embeddings."""
+
+def test_vision_tower_is_our_code(setup, monkeypatch):
+    """No module of the tower is transformers', the patch embedding never calls a convolution
+    (transformers' ``Qwen3_5VisionPatchEmbed`` is a Conv3d with kernel == stride: ours is the
+    same linear over the flattened patch), and the tower loads and encodes with transformers'
+    Qwen3.5 model code and vision helpers made unimportable."""
+    import sys
+
     s = setup
-    visual, hf_visual = s["vision"].model, s["hf"].model.visual
-    assert isinstance(visual.patch_embed.proj, PatchEmbedLinear)
-    assert isinstance(hf_visual.patch_embed.proj, torch.nn.Conv3d)
-    ours_sd, ref_sd = visual.state_dict(), hf_visual.state_dict()
-    assert set(ours_sd) == set(ref_sd) and all(torch.equal(ours_sd[k], ref_sd[k]) for k in ref_sd)
+    assert all(type(m).__module__.startswith(("fastjudge.", "torch.")) for m in s["vision"].modules())
     real, calls = torch.nn.functional.conv3d, []
     monkeypatch.setattr(torch.nn.functional, "conv3d", lambda *a, **k: calls.append(1) or real(*a, **k))
-    pv = s["pv"] + torch.randn(s["pv"].shape, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        ours, ours_rows = s["vision"].encode(pv, s["grid"]), visual.patch_embed(pv)
+        rows = s["vision"].model.patch_embed(s["pv"])
         assert not calls
-        ref, ref_rows = hf_visual(pv, grid_thw=s["grid"]).pooler_output, hf_visual.patch_embed(pv)
-    assert calls  # the counter sees transformers' convolution
-    for a, b in ((ours_rows, ref_rows), (ours, ref)):
-        assert a.shape == b.shape
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        ref_rows = s["hf"].model.visual.patch_embed(s["pv"])
+    assert calls and (rows - ref_rows).abs().max().item() <= VISION_TOL * ref_rows.abs().max().item()
+    expected = s["vision"].encode(s["pv"], s["grid"])
+    for name in ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.vision_utils"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now fails
+    alone = QwenVision.from_pretrained(s["dir"], device="cpu", dtype="float32")
+    assert torch.equal(alone.encode(s["pv"], s["grid"]), expected)
 
 
-def test_patch_embedding_keeps_other_convolutions(setup, monkeypatch):
-    """Only a convolution that is exactly a matmul over whole patches is replaced."""
-    conv = torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4))
-    assert PatchEmbedLinear.applies_to(conv)
-    x = torch.randn(5, 3, 2, 4, 4)
-    with torch.inference_mode():
-        torch.testing.assert_close(PatchEmbedLinear(conv)(x), conv(x), rtol=1e-5, atol=1e-6)
-    for other in (torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(1, 4, 4)),
-                  torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), padding=1),
-                  torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), dilation=(1, 2, 2)),
-                  torch.nn.Conv3d(4, 8, (2, 4, 4), stride=(2, 4, 4), groups=2)):
-        assert not PatchEmbedLinear.applies_to(other)
-    # a vision model whose convolution does not qualify keeps it, with the same embeddings
+def test_grid_tables_keep_the_last_sizes(setup, monkeypatch):
+    """Per-grid position taps and rotary tables: computed once per size, the last GRID_TABLES
+    sizes kept, dropped when the tower moves (``.to``); results unchanged either way."""
     s = setup
-    monkeypatch.setattr(PatchEmbedLinear, "applies_to", staticmethod(lambda conv: False))
-    kept = QwenVision.from_pretrained(s["dir"], device="cpu", dtype="float32")
-    assert isinstance(kept.model.patch_embed.proj, torch.nn.Conv3d)
-    torch.testing.assert_close(kept.encode(s["pv"], s["grid"]), s["vision"].encode(s["pv"], s["grid"]),
-                               rtol=1e-5, atol=1e-6)
+    vision = QwenVision.from_pretrained(s["dir"], device="cpu", dtype="float32")
+    monkeypatch.setattr(qwen_vision, "GRID_TABLES", 2)
+    images = [encoded(s, h, w) for h, w in ((60, 60), (80, 120), (120, 90))]
+    first = [vision.encode(p, g) for p, g in images]
+    assert list(vision.model._tables) == [tuple(g[0, 1:].tolist()) for _, g in images[1:]]  # the last two
+    vision.to(torch.float32)
+    assert not vision.model._tables
+    for (p, g), e in zip(images, first):
+        assert torch.equal(vision.encode(p, g), e)
+
+
+def test_vision_checkpoint_checks(setup):
+    """Tensors whose shapes do not match vision_config, missing or extra tensors and impossible
+    configs are refused with a CheckpointError naming the problem."""
+    from safetensors.torch import load_file
+
+    s = setup
+    cfg = s["hf"].config.to_dict()
+    state = {k: v for f in s["dir"].glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    QwenVision(cfg, state)  # as saved: loads
+    bad = dict(state, **{"model.visual.blocks.0.attn.qkv.weight": torch.zeros(64, 32)})
+    with pytest.raises(CheckpointError, match="blocks.0.attn.qkv.weight.*implies"):
+        QwenVision(cfg, bad)
+    with pytest.raises(CheckpointError, match="missing.*merger.norm.bias"):
+        QwenVision(cfg, {k: v for k, v in state.items() if k != "model.visual.merger.norm.bias"})
+    with pytest.raises(CheckpointError, match="unexpected.*blocks.1"):
+        QwenVision(cfg, dict(state, **{"model.visual.blocks.1.norm1.weight": torch.ones(32)}))
+    for change, match in (({"num_heads": 3}, "num_heads"), ({"hidden_act": "tanh"}, "hidden_act"),
+                          ({"num_position_embeddings": 2000}, "square"), ({"depth": 0}, "depth"),
+                          ({"deepstack_visual_indexes": [0]}, "DeepStack")):
+        with pytest.raises(CheckpointError, match=match):
+            QwenVision(dict(cfg, vision_config={**cfg["vision_config"], **change}), state)
+    with pytest.raises(CheckpointError, match="vision_config"):
+        QwenVision({k: v for k, v in cfg.items() if k != "vision_config"}, state)
 
 
 def test_mrope_positions_match_get_rope_index(setup):
@@ -201,7 +256,7 @@ def test_image_prompt_logits_match_transformers(setup):
     print(f"image prompt: max |diff| vs transformers {diff:.2e}")
     assert diff < TOL
     # the image matters: without its embeddings the logits differ
-    text_only = s["backend"].model.logits(s["backend"].model.forward(torch.tensor([prefix + suffix]), None)[0][:, -1],
+    text_only = s["backend"].model.logits(forward(s["backend"].model, torch.tensor([prefix + suffix]))[:, -1],
                                           torch.tensor(cands))[0]
     assert (text_only - ref).abs().max().item() > 1e-3
     # and so do the M-RoPE rows: plain 1-D positions, or h and w swapped, are off
@@ -210,8 +265,7 @@ def test_image_prompt_logits_match_transformers(setup):
     emb = s["vision"].encode(s["pv"], s["grid"])
     pos = mrope_positions(prefix + suffix, s["grid"], s["vision"].spatial_merge_size, image_id)
     for wrong in (torch.arange(ids.shape[1]).expand(3, -1), pos[[0, 2, 1]]):
-        with torch.inference_mode():
-            h, _ = model.forward(ids, None, image_embeds=emb, image_mask=ids == image_id, positions=wrong)
+        h = forward(model, ids, image_embeds=emb, image_mask=ids == image_id, positions=wrong[:, None])
         assert (model.logits(h[:, -1], torch.tensor(cands))[0] - ref).abs().max().item() > 1e-4
 
 
@@ -227,14 +281,18 @@ def test_prefix_reuse_across_image(setup):
     t = torch.tensor([prefix])
     emb = s["vision"].encode(s["pv"], s["grid"])
     pos = mrope_positions(prefix, s["grid"], s["vision"].spatial_merge_size, image_id)
-    _, state = model.forward(t, None, save=True, image_embeds=emb, image_mask=t == image_id, positions=pos)
+    pool = StatePool(model.s, len(claims), 512, t.device, model.embed.dtype)
+    forward(model, t, pool, image_embeds=emb, image_mask=t == image_id, positions=pos[:, None])
+    state = snapshot(pool)
     assert state.length == len(prefix) and state.next_position == int(pos.max()) + 1 < len(prefix)
 
     S = max(len(x) for x in suffixes)
     batch = torch.zeros(len(suffixes), S, dtype=torch.long)
     for i, x in enumerate(suffixes):
         batch[i, : len(x)] = torch.tensor(x)
-    hidden, _ = model.forward(batch, state)
+    for b in range(len(suffixes)):
+        pool.load(b, state)
+    hidden = run_step(model, pool, 0, batch, [len(x) for x in suffixes])
     last = torch.tensor([len(x) - 1 for x in suffixes])
     reused = model.logits(hidden[torch.arange(len(suffixes)), last], torch.tensor(cands))
     worst_alone, worst_hf = 0.0, 0.0
@@ -246,10 +304,11 @@ def test_prefix_reuse_across_image(setup):
     assert worst_alone < TOL and worst_hf < TOL
 
     # one-token continuation from a saved suffix state keeps counting from next_position
-    _, st = model.forward(torch.tensor([suffixes[0]]), state, save=True)
-    assert st.next_position == state.next_position + len(suffixes[0])
+    pool.load(0, state)
+    forward(model, torch.tensor([suffixes[0]]), pool)
+    assert snapshot(pool).next_position == state.next_position + len(suffixes[0])
     nxt = cands[0]
-    h1, _ = model.forward(torch.tensor([[nxt]]), st)
+    h1 = forward(model, torch.tensor([[nxt]]), pool)
     step = model.logits(h1[:, -1], torch.tensor(cands))[0]
     full = our_logits(s, prefix + suffixes[0] + [nxt], cands)
     assert (step - full).abs().max().item() < TOL

@@ -93,8 +93,8 @@ class EngineOptions:
         return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
 
     def with_(self, **changes) -> "EngineOptions":
-        """A copy with ``changes`` (the object itself is frozen)."""
-        return replace(self, **changes)
+        """A copy with ``changes`` (the object itself is frozen); itself when there are none."""
+        return replace(self, **changes) if changes else self
 
 
 def engine_fields():

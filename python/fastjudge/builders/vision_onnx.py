@@ -41,7 +41,7 @@ DYNAMIC_AXES = {"pixel_values": {0: "patches"}, "pos_indices": {0: "patches"}, "
 
 
 class VisionGraph(torch.nn.Module):
-    """transformers' ``Qwen3_5VisionModel`` as a graph of host-computed index inputs: the same
+    """Our vision tower (``QwenVision.model``) as a graph of host-computed index inputs: the same
     modules and weights, attention over all patches with a same-segment mask."""
 
     def __init__(self, visual):
@@ -49,18 +49,18 @@ class VisionGraph(torch.nn.Module):
         self.visual = visual
 
     def forward(self, pixel_values, pos_indices, pos_weights, rope_positions, segment_ids):
-        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
+        from fastjudge.backends.qwen.vision import rotate
 
         v = self.visual
         h = v.patch_embed(pixel_values)
         h = h + (v.pos_embed(pos_indices) * pos_weights[:, :, None]).sum(1).to(h.dtype)
-        cos, sin = v.rotary_pos_emb(h, rope_positions)
+        cos, sin = (c[:, None] for c in v.rotary(rope_positions[:, 0], rope_positions[:, 1]))
         same = segment_ids[:, None] == segment_ids[None, :]
         n = h.shape[0]
         for blk in v.blocks:
             a = blk.attn
             q, k, val = a.qkv(blk.norm1(h)).reshape(n, 3, a.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-            q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1),
                                                attn_mask=same, scale=a.scaling)
             h = h + a.proj(o.transpose(0, 1).reshape(n, -1))

@@ -39,8 +39,8 @@ from .caches import ImageEmbeddingCache, prefix_cache_key
 from .decode import decode_greedy
 from .model import QwenModel, run_step
 from .pool import PrefixState, StatePool, pool_bytes
+from .positions import mrope_positions
 from .shape import QwenShape
-from .vision import mrope_positions
 
 log = logging.getLogger("fastjudge")
 

@@ -63,7 +63,7 @@ class QwenModel(torch.nn.Module):
         ``fresh``: every row starts empty and has k real tokens (a prefix prefill; no state is
         read). Images: ``image_embeds`` [N, d] replace the embeddings where ``image_mask``
         [B, k] is true (row-major, as transformers' masked_scatter) and ``positions`` [3, B, k]
-        are the M-RoPE positions (``vision.mrope_positions``); without them each row counts on
+        are the M-RoPE positions (``positions.mrope_positions``); without them each row counts on
         from its slot's next position."""
         B, k = tokens.shape
         device = tokens.device

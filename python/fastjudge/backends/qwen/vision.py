@@ -1,279 +1,331 @@
-"""Images for the Qwen3.5 judge: the vision tower and multimodal rotary positions.
+"""Images for the Qwen3.5 judge: our vision tower and the multimodal rotary positions.
 
-- ``QwenVision``: a ``torch.nn.Module`` holding transformers' ``Qwen3_5VisionModel`` (patch
-  embedding, learned position grid, vision blocks, 2x2 patch merger) built from the checkpoint's
-  ``vision_config`` and loaded with its ``model.visual.*`` tensors. Its patch embedding is a
-  ``Conv3d`` whose kernel equals its stride: each patch row meets the kernel exactly once, so it
-  runs as the matmul it is (:class:`PatchEmbedLinear`, same weights; about 4x faster than the
-  convolution on CPU).
-  ``encode`` returns the merged embeddings that replace the ``<|image_pad|>`` tokens, one row
-  per pad token -- the ``pooler_output`` of transformers' ``get_image_features``. Qwen3.5 has
-  no DeepStack features (Qwen3-VL injects intermediate vision features into early decoder
-  layers; Qwen3.5 does not): a vision config that asks for them is refused.
-- ``QwenVision.encode_images``: many images at once, each given as its own ``(pixel_values,
-  grid_thw)``, through our forward of the same modules (:class:`GroupedTower`): the images'
-  pixels are never concatenated (each image's patch embeddings are written into one shared
-  tensor), and images of one grid size attend as one batched attention call instead of one
-  call per image.
-- ``mrope_positions``: the ``[3, S]`` t/h/w positions of one prompt, as transformers'
-  ``Qwen3_5Model.get_rope_index``.
+- ``QwenVision``: the checkpoint's vision tower, our own ``torch.nn.Module`` code
+  (:class:`VisionTower`, registered as ``model``, parameters named as the checkpoint's
+  ``model.visual.*`` tensors it is loaded from, shapes checked against ``vision_config``). Its
+  math is transformers' ``Qwen3_5VisionModel`` (``models/qwen3_5/modeling_qwen3_5.py``), the
+  reference ``tests/test_qwen_vision.py`` holds it to in float32: a patch embedding (a Conv3d
+  whose kernel is its stride, i.e. a linear over the flattened patch), the learned position grid
+  resampled bilinearly to each frame (four taps per patch), a 2-D rotary embedding, pre-LayerNorm
+  blocks (fused qkv attention within each frame, an MLP), and a merger of each 2x2 patch block
+  into one row of the language model's width. ``encode`` returns those rows, one per
+  ``<|image_pad|>`` token (transformers' ``get_image_features().pooler_output``). Qwen3.5 has no
+  DeepStack features (Qwen3-VL adds vision features to early decoder layers): a vision config
+  asking for them is refused.
+- ``QwenVision.encode_images``: many images, each its own ``(pixel_values, grid_thw)``; pixels
+  are never concatenated (each image's patch embeddings land in one shared tensor), the frames of
+  one grid size attend as one batched SDPA call, everything else runs over all patches at once;
+  each grid size's position taps and rotary tables are kept (the last :data:`GRID_TABLES`).
 
-Image tokens (the Qwen3-VL / Qwen3.5 processor): ``<|vision_start|>`` + ``<|image_pad|>`` * N +
-``<|vision_end|>`` with ``N = t * h * w / merge_size**2`` of the image's ``grid_thw``.
+The image tokens and M-RoPE positions of a prompt are ``positions``. Within a frame the patches come merge block by
+merge block, row-major inside each block.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..loading import CheckpointError, load_state_dict, read_config, resolve_device, resolve_dtype
+from ..loading import (
+    CheckpointError,
+    check_shapes,
+    load_state_dict,
+    read_config,
+    require_ints,
+    require_positive,
+    resolve_device,
+    resolve_dtype,
+    shape_from_config,
+)
 
 VISION_PREFIX = "model.visual."
-GRID_TABLES = 64  # grid sizes whose position taps and rotary tables GroupedTower keeps
+GRID_TABLES = 64  # grid sizes whose position taps and rotary tables the tower keeps
+NORM_EPS = 1e-6  # the tower's LayerNorms (not in the config)
+ACTIVATIONS = {  # the block MLP's hidden_act, by its transformers name
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu, "silu": F.silu, "swish": F.silu, "relu": F.relu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
 
 
-def image_token_count(grid_thw: Sequence[int] | torch.Tensor, spatial_merge_size: int) -> int:
-    t, h, w = (int(v) for v in grid_thw)
-    return t * h * w // spatial_merge_size ** 2
+@dataclass(frozen=True)
+class VisionShape:
+    """The tower's ``vision_config`` (transformers' names and defaults), checked for values no
+    model can have (the tensor shapes it implies are those of the :class:`VisionTower` built
+    from it)."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "VisionShape":
+        return shape_from_config(cls, cfg)
+
+    @classmethod
+    def _read(cls, cfg: dict) -> "VisionShape":
+        v = cfg.get("vision_config") or {}
+        if not v:
+            raise CheckpointError("checkpoint has no vision_config (not a multimodal Qwen3.5)")
+        if v.get("deepstack_visual_indexes"):
+            # Qwen3-VL-style DeepStack (vision features added to early decoder layers) is not
+            # part of Qwen3.5 and not implemented here.
+            raise CheckpointError("vision_config uses DeepStack features (Qwen3-VL); not supported")
+        rope = v.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise CheckpointError(f"vision rope type {rope['rope_type']!r} is not supported (axial only)")
+        names = [f for f in cls.__dataclass_fields__ if f != "rope_theta"]
+        return cls(**{n: v[n] for n in names if n in v}, rope_theta=rope.get("rope_theta", cls.rope_theta))
+
+    def _validate(self) -> None:
+        require_ints({n: getattr(self, n) for n in self.__dataclass_fields__ if n not in ("hidden_act", "rope_theta")})
+        require_positive({"vision rope_theta": self.rope_theta})
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            # the rotary embedding gives each axis head_dim / 4 rotated pairs
+            raise CheckpointError(f"vision_config: hidden_size {self.hidden_size} / num_heads {self.num_heads} "
+                                  "must be a whole multiple of 4")
+        if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+            raise CheckpointError("vision_config: num_position_embeddings must be a square (the position grid)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise CheckpointError(f"vision_config: unsupported hidden_act {self.hidden_act!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row: channels x frames x pixels."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
-def image_block(grid_thw, spatial_merge_size: int, vision_start_id: int, image_token_id: int,
-                vision_end_id: int) -> list[int]:
-    """The prompt tokens standing for one image."""
-    return [vision_start_id] + [image_token_id] * image_token_count(grid_thw, spatial_merge_size) + [vision_end_id]
+class Span(NamedTuple):
+    """``frames`` consecutive frames of one ``n``-patch grid size, from patch row ``start``, and
+    that grid's rotary tables ``[n, 1, 1, head_dim]``."""
+
+    start: int
+    frames: int
+    n: int
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
-def mrope_positions(input_ids: Sequence[int] | torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]] | None,
-                    spatial_merge_size: int, image_token_id: int, start: int = 0) -> torch.Tensor:
-    """``[3, S]`` int64 M-RoPE positions of one prompt (transformers' ``get_rope_index``).
-
-    Text tokens get the same position on all three rows, counting on from the previous token.
-    Each run of ``image_token_id`` tokens is one image (the next row of ``grid_thw``): t, h, w
-    grid positions (in merged units) offset by the position reached so far; text after it
-    continues from ``max + 1``. ``start`` offsets everything (a prompt continuing a prefix whose
-    ``next_position`` is ``start``)."""
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).cpu()
-    grids = [] if grid_thw is None else [tuple(int(v) for v in g) for g in torch.as_tensor(grid_thw).reshape(-1, 3)]
-    is_image = (ids == image_token_id).tolist()
-    out, pos, i, k, S = [], start, 0, 0, len(is_image)
-    while i < S:
-        j = i
-        while j < S and is_image[j] == is_image[i]:
-            j += 1
-        if not is_image[i]:
-            out.append(torch.arange(pos, pos + j - i).expand(3, -1))
-            pos += j - i
-        else:
-            if k >= len(grids):
-                raise ValueError("more image-token runs than grid_thw rows")
-            t, h, w = grids[k]
-            k += 1
-            gh, gw = h // spatial_merge_size, w // spatial_merge_size
-            if j - i != t * gh * gw:
-                raise ValueError(f"image {k - 1}: {j - i} image tokens for grid {grids[k - 1]} "
-                                 f"(expected {t * gh * gw})")
-            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-            out.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
-            pos += max(h, w) // spatial_merge_size
-        i = j
-    if k != len(grids):
-        raise ValueError(f"{len(grids)} grid_thw rows for {k} image-token runs")
-    if not out:
-        return torch.zeros(3, 0, dtype=torch.long)
-    return torch.cat(out, dim=1).long()
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (last dim = head_dim) in float32, back to ``x``'s dtype: each
+    element ``i`` of the first half pairs with ``i + head_dim / 2``."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    turned = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + turned * sin).to(x.dtype)
 
 
-class PatchEmbedLinear(torch.nn.Module):
-    """A ``Conv3d`` with kernel == stride, no padding, dilation or groups, applied to inputs the
-    size of one kernel (``[N, C, T, p, p]``, as transformers' patch embedding views its patch
-    rows): ``y[n] = W.reshape(out, -1) @ x[n].reshape(-1) + b`` -- a linear over the flattened
-    patch. Holds the convolution's own parameters under the same names, so state dict keys and
-    ``weight.dtype`` (read by transformers' forward) are unchanged."""
+class PatchEmbed(torch.nn.Module):
+    """The patch projection: a linear over each flattened patch row (the checkpoint's Conv3d
+    weight, kernel == stride, read as a matrix)."""
 
-    def __init__(self, conv: torch.nn.Conv3d):
+    def __init__(self, s: VisionShape):
         super().__init__()
-        self.weight, self.bias = conv.weight, conv.bias
-        self.out_channels, self.kernel_size = conv.out_channels, tuple(conv.kernel_size)
+        self.proj = torch.nn.Module()  # the conv's weight and bias, under the checkpoint's names
+        self.proj.weight = torch.nn.Parameter(torch.empty(s.hidden_size, s.in_channels, s.temporal_patch_size,
+                                                          s.patch_size, s.patch_size))
+        self.proj.bias = torch.nn.Parameter(torch.empty(s.hidden_size))
 
-    @staticmethod
-    def applies_to(conv: torch.nn.Module) -> bool:
-        """Whether ``conv`` is exactly a matmul over whole patches."""
-        return (isinstance(conv, torch.nn.Conv3d) and tuple(conv.kernel_size) == tuple(conv.stride)
-                and conv.padding in ((0, 0, 0), "valid") and tuple(conv.dilation) == (1, 1, 1)
-                and conv.groups == 1)
+    def forward(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows [N, patch_dim]`` -> ``[N, hidden]``, written into ``out`` when given."""
+        return torch.addmm(self.proj.bias, rows, self.proj.weight.flatten(1).t(), out=out)
+
+
+class VisionMLP(torch.nn.Module):
+    def __init__(self, d_in: int, d_mid: int, d_out: int, act):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2, self.act = torch.nn.Linear(d_in, d_mid), torch.nn.Linear(d_mid, d_out), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tuple(x.shape[2:]) != self.kernel_size:
-            raise ValueError(f"patch embedding expects [N, C, {', '.join(map(str, self.kernel_size))}] "
-                             f"inputs, got {tuple(x.shape)}")
-        n = x.shape[0]
-        y = F.linear(x.reshape(n, -1), self.weight.reshape(self.out_channels, -1), self.bias)
-        return y.view(n, self.out_channels, 1, 1, 1)
-
-    def project_into(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The same linear over ``rows [N, C*T*p*p]`` written into ``out [N, out_channels]``, a
-        slice of a larger tensor: several images' embeddings land in one tensor with no
-        concatenation (``addmm`` is the kernel ``F.linear`` runs; the result is the same)."""
-        w = self.weight.reshape(self.out_channels, -1).t()
-        return torch.mm(rows, w, out=out) if self.bias is None else torch.addmm(self.bias, rows, w, out=out)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class GroupedTower:
-    """transformers' ``Qwen3_5VisionModel.forward`` (and ``Qwen3_5VisionBlock.forward``,
-    ``Qwen3_5VisionAttention.forward``) over a list of images, on the model's own modules, with
-    the same math per image:
+class VisionAttention(torch.nn.Module):
+    """Multi-head self-attention within each frame: one qkv GEMM over all patches, one SDPA call
+    per grid size over its frames ``[frames, heads, n, head_dim]``, one output GEMM."""
 
-    * each image's patches are embedded alone, straight into its rows of one embedding tensor
-      (:meth:`PatchEmbedLinear.project_into`; a patch embedding left a convolution embeds each
-      image and concatenates the embeddings): the pixels are never concatenated;
-    * the position-embedding taps and the rotary cos/sin of a frame depend on its grid alone:
-      computed once per grid size, the last :data:`GRID_TABLES` sizes kept;
-    * attention stays within each frame as transformers' ``cu_seqlens`` split has it, but the
-      frames of one grid size attend as one SDPA call ``[frames, heads, h * w, head_dim]``
-      instead of one call each (images are grouped by size, input order kept within a size);
-    * layer norms, linears, the MLPs and the patch merger run over all patches at once, as there.
+    def __init__(self, s: VisionShape):
+        super().__init__()
+        self.num_heads, self.scaling = s.num_heads, s.head_dim ** -0.5
+        self.qkv, self.proj = torch.nn.Linear(s.hidden_size, 3 * s.hidden_size), torch.nn.Linear(s.hidden_size,
+                                                                                                   s.hidden_size)
 
-    Needs the vision index helpers of ``transformers.vision_utils`` and the model attributes
-    its forward reads (:meth:`available`); without them ``QwenVision`` keeps transformers'
-    forward."""
+    def forward(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        qkv, outs = self.qkv(x), []
+        for sp in spans:
+            part = qkv[sp.start: sp.start + sp.frames * sp.n].view(sp.frames, sp.n, 3, self.num_heads, -1)
+            q, k = rotate(part[:, :, :2], sp.cos, sp.sin).transpose(1, 3).unbind(2)  # [f, heads, n, hd]
+            o = F.scaled_dot_product_attention(q, k, part[:, :, 2].transpose(1, 2), scale=self.scaling)
+            outs.append(o.transpose(1, 2).reshape(sp.frames * sp.n, -1))
+        return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def __init__(self, model):
-        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
-        from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
-        self.model = model
-        self._rotary = apply_rotary_pos_emb_vision
-        self._taps, self._rope_ids = get_vision_interpolation_indices_and_weights, get_vision_position_ids
+class VisionBlock(torch.nn.Module):
+    def __init__(self, s: VisionShape):
+        super().__init__()
+        self.norm1, self.norm2 = (torch.nn.LayerNorm(s.hidden_size, eps=NORM_EPS) for _ in range(2))
+        self.attn = VisionAttention(s)
+        self.mlp = VisionMLP(s.hidden_size, s.intermediate_size, s.hidden_size, ACTIVATIONS[s.hidden_act])
+
+    def forward(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), spans)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(VisionMLP):
+    """LayerNorm per patch, then each run of ``merge**2`` patches (one merge block) as one row
+    through an exact-GELU MLP to the language model's width."""
+
+    def __init__(self, s: VisionShape):
+        width = s.hidden_size * s.spatial_merge_size ** 2
+        super().__init__(width, width, s.out_hidden_size, F.gelu)
+        self.norm = torch.nn.LayerNorm(s.hidden_size, eps=NORM_EPS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x).view(-1, self.linear_fc1.in_features))
+
+
+class VisionTower(torch.nn.Module):
+    """Patch embedding + learned position grid + blocks + merger over a list of images; its
+    parameter names are the checkpoint's ``model.visual.*`` names."""
+
+    # how the learned position grid is resampled to a frame's grid (the builders' ONNX export reads these)
+    interpolation_mode, interpolation_align_corners = "bilinear", True
+
+    def __init__(self, s: VisionShape):
+        super().__init__()
+        self.config = s
+        self.num_grid_per_side = math.isqrt(s.num_position_embeddings)
+        self.patch_embed = PatchEmbed(s)
+        self.pos_embed = torch.nn.Embedding(s.num_position_embeddings, s.hidden_size)
+        self.blocks = torch.nn.ModuleList(VisionBlock(s) for _ in range(s.depth))
+        self.merger = PatchMerger(s)
         self._tables: OrderedDict[tuple[int, int], tuple[torch.Tensor, ...]] = OrderedDict()
 
-    @staticmethod
-    def available(model) -> bool:
-        try:
-            import transformers.vision_utils as vu
-        except ImportError:
-            return False
-        helpers = all(hasattr(vu, n) for n in ("get_vision_interpolation_indices_and_weights",
-                                               "get_vision_position_ids"))
-        attrs = all(hasattr(model, n) for n in ("num_grid_per_side", "interpolation_mode",
-                                                "interpolation_align_corners", "rotary_pos_emb"))
-        return helpers and attrs
-
-    def __call__(self, images: Sequence[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+    def forward(self, images: Sequence[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
         """Merged embeddings of each ``(pixel_values [t*h*w, patch_dim], (t, h, w))``, in order."""
-        v = self.model
-        order = sorted(range(len(images)), key=lambda i: images[i][1][1:])  # stable
-        spans = []  # [(h, w), first row, frames] per grid size
+        order = sorted(range(len(images)), key=lambda i: images[i][1][1:])  # by grid size, stable
+        w0 = self.patch_embed.proj.weight
+        x = torch.empty(sum(p.shape[0] for p, _ in images), w0.shape[0], device=w0.device, dtype=w0.dtype)
+        groups: list[list] = []  # [(h, w), first row, frames] per grid size
         start = 0
         for i in order:
-            t, h, w = images[i][1]
-            if spans and spans[-1][0] == (h, w):
-                spans[-1][2] += t
+            pixels, (t, h, w) = images[i]
+            # each image's rows embedded in place: the pixels are never concatenated
+            self.patch_embed(pixels, out=x[start: start + pixels.shape[0]])
+            if groups and groups[-1][0] == (h, w):
+                groups[-1][2] += t
             else:
-                spans.append([(h, w), start, t])
-            start += t * h * w
-        x = self._embed_patches([images[i][0] for i in order], start)
-        tables = [self._grid_tables(hw, x) for hw, _, _ in spans]
-        for (hw, s, frames), (idx, wts, _, _) in zip(spans, tables):
-            pos = (v.pos_embed(idx) * wts[:, :, None]).sum(1)  # one frame's, as transformers sums it
-            n = hw[0] * hw[1]
-            x[s: s + frames * n].view(frames, n, -1).add_(pos.to(x.dtype))
-        for blk in v.blocks:
-            x = x + self._attention(blk.attn, blk.norm1(x), spans, tables)
-            x = x + blk.mlp(blk.norm2(x))
-        merged = v.merger(x)
-        unit = v.config.spatial_merge_size ** 2
-        parts = merged.split([images[i][0].shape[0] // unit for i in order])
+                groups.append([(h, w), start, t])
+            start += pixels.shape[0]
+        spans = []
+        for (h, w), first, frames in groups:
+            idx, wts, cos, sin = self._grid_tables(h, w)
+            pos = (self.pos_embed(idx) * wts[:, :, None]).sum(1)  # one frame's, summed in float32
+            x[first: first + frames * h * w].view(frames, h * w, -1).add_(pos.to(x.dtype))
+            spans.append(Span(first, frames, h * w, cos, sin))
+        for blk in self.blocks:
+            x = blk(x, spans)
+        unit = self.config.spatial_merge_size ** 2
+        parts = self.merger(x).split([images[i][0].shape[0] // unit for i in order])
         out: list[torch.Tensor] = [None] * len(images)  # type: ignore[list-item]
         for i, part in zip(order, parts):
             out[i] = part
         return out
 
-    def _embed_patches(self, pixels: list[torch.Tensor], rows: int) -> torch.Tensor:
-        """``[rows, hidden]`` patch embeddings of the images' pixels, in the given order."""
-        proj = self.model.patch_embed.proj
-        if not isinstance(proj, PatchEmbedLinear):
-            embeds = [self.model.patch_embed(p) for p in pixels]
-            return embeds[0] if len(embeds) == 1 else torch.cat(embeds)
-        x = torch.empty(rows, proj.out_channels, device=pixels[0].device, dtype=proj.weight.dtype)
-        start = 0
-        for p in pixels:
-            proj.project_into(p, x[start: start + p.shape[0]])
-            start += p.shape[0]
-        return x
+    def patch_coordinates(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column of each patch of an ``h x w`` frame, in the tower's patch order (merge
+        block by merge block, row-major within a block)."""
+        m, dev = self.config.spatial_merge_size, self.pos_embed.weight.device
+        rows = torch.arange(h, device=dev).view(h // m, 1, m, 1).expand(-1, w // m, -1, m)
+        cols = torch.arange(w, device=dev).view(1, w // m, 1, m).expand(h // m, -1, m, -1)
+        return rows.flatten(), cols.flatten()
 
-    def _attention(self, attn, x: torch.Tensor, spans, tables) -> torch.Tensor:
-        """``Qwen3_5VisionAttention.forward`` with each grid size's frames batched."""
-        qkv = attn.qkv(x)
-        outs = []
-        for ((h, w), s, frames), (_, _, cos, sin) in zip(spans, tables):
-            n = h * w
-            q, k, val = qkv[s: s + frames * n].view(frames, n, 3, attn.num_heads, -1).unbind(2)
-            q, k = self._rotary(q, k, cos, sin)  # cos/sin [n, head_dim] broadcast over frames
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2),
-                                               scale=attn.scaling)
-            outs.append(o.transpose(1, 2).reshape(frames * n, -1))
-        return attn.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+    def rotary(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin ``[n, head_dim]`` of patches at ``(rows, cols)``: head_dim / 4
+        frequencies per axis, the row angles then the column angles, repeated for both halves."""
+        half = self.config.head_dim // 2
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32,
+                                                                 device=rows.device) / half)
+        angles = torch.cat([rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
 
-    def _grid_tables(self, hw: tuple[int, int], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Position-embedding taps and weights and rotary cos/sin of one ``h x w`` frame
-        (transformers' helpers on a one-frame grid; every frame of a grid has the same)."""
-        hit = self._tables.pop(hw, None)
+    def position_taps(self, rows: torch.Tensor, cols: torch.Tensor, h: int, w: int):
+        """``[n, 4]`` indices into the flattened position table and their bilinear weights: the
+        ``side x side`` grid resampled to ``h x w`` with corners aligned (edges clamped)."""
+        side = self.num_grid_per_side
+
+        def axis(pos: torch.Tensor, size: int):
+            src = pos.float() * (side - 1) / max(size - 1, 1)
+            low = src.floor()
+            frac = src - low
+            taps = torch.stack([low, low + 1], dim=-1).long().clamp_(0, side - 1)
+            return taps, torch.stack([1 - frac, frac], dim=-1)
+
+        (rt, rw), (ct, cw) = axis(rows, h), axis(cols, w)
+        return (rt[:, :, None] * side + ct[:, None, :]).flatten(1), (rw[:, :, None] * cw[:, None, :]).flatten(1)
+
+    def _grid_tables(self, h: int, w: int) -> tuple[torch.Tensor, ...]:
+        """Position taps and weights and rotary cos/sin ``[n, 1, 1, head_dim]`` of one ``h x w``
+        frame (every frame of that size has the same), the last GRID_TABLES sizes kept."""
+        hit = self._tables.pop((h, w), None)
         if hit is None:
-            v = self.model
-            grid = torch.tensor([[1, *hw]], device=like.device)
-            idx, wts = self._taps(grid, num_grid_per_side=v.num_grid_per_side, mode=v.interpolation_mode,
-                                  align_corners=v.interpolation_align_corners,
-                                  spatial_merge_size=v.config.spatial_merge_size)
-            cos, sin = v.rotary_pos_emb(like, self._rope_ids(grid, v.config.spatial_merge_size))
-            hit = (idx, wts, cos, sin)
+            rows, cols = self.patch_coordinates(h, w)
+            cos, sin = self.rotary(rows, cols)
+            hit = (*self.position_taps(rows, cols, h, w), cos[:, None, None], sin[:, None, None])
             while len(self._tables) >= GRID_TABLES:
                 self._tables.popitem(last=False)
-        self._tables[hw] = hit
+        self._tables[(h, w)] = hit
         return hit
+
+    def _apply(self, fn, recurse=True):
+        self._tables.clear()  # computed on the old device
+        return super()._apply(fn, recurse)
 
 
 class QwenVision(torch.nn.Module):
-    """The checkpoint's vision tower as a ``torch.nn.Module``: transformers' tower module,
-    registered as ``model`` (its parameters and buffers are this module's: ``state_dict``,
-    ``.to(device)``, ``register_forward_hook``), loaded by our code; ``forward`` is :meth:`encode`."""
+    """The checkpoint's vision tower: :class:`VisionTower` registered as ``model`` (its
+    parameters are this module's: ``state_dict``, ``.to(device)``, ``register_forward_hook``),
+    loaded from the checkpoint's ``model.visual.*`` tensors; ``forward`` is :meth:`encode`."""
 
     def __init__(self, config: dict, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
         super().__init__()
-        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
-        vcfg = dict(config.get("vision_config") or {})
-        if not vcfg:
-            raise CheckpointError("checkpoint has no vision_config (not a multimodal Qwen3.5)")
-        if vcfg.get("deepstack_visual_indexes"):
-            # Qwen3-VL-style DeepStack (vision features added to early decoder layers) is not
-            # part of Qwen3.5 and not implemented here.
-            raise CheckpointError("vision_config uses DeepStack features (Qwen3-VL); not supported")
-        vcfg["model_type"] = "qwen3_5_vision"
-        self.config = Qwen3_5VisionConfig(**vcfg)
-        model = Qwen3_5VisionModel(self.config)  # non-persistent buffers (rotary) computed here
+        shape = VisionShape.from_config(config)
         weights = {k[len(VISION_PREFIX):]: v for k, v in state.items() if k.startswith(VISION_PREFIX)}
         if not weights:
             raise CheckpointError(f"checkpoint lacks vision tensors ({VISION_PREFIX}*)")
-        expected = set(model.state_dict())
-        missing, unexpected = expected - set(weights), set(weights) - expected
+        with torch.device("meta"):  # shapes only: no memory, no random init of weights about to be replaced
+            tower = VisionTower(shape)
+        expected = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
+        check_shapes(weights, expected)
+        missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
         if missing or unexpected:
             raise CheckpointError(f"vision tensors do not match the vision config: missing {sorted(missing)[:5]}, "
                                   f"unexpected {sorted(unexpected)[:5]}")
-        model.load_state_dict(weights, strict=True)
-        model = model.to(device=torch.device(device))
-        for p in model.parameters():  # buffers (rotary inverse frequencies) stay float32
-            p.data = p.data.to(dtype)
-        if PatchEmbedLinear.applies_to(model.patch_embed.proj):  # any other conv stays a conv
-            model.patch_embed.proj = PatchEmbedLinear(model.patch_embed.proj)
-        self.model = model.eval()
-        self.spatial_merge_size = self.config.spatial_merge_size
-        self._tower = GroupedTower(model) if GroupedTower.available(model) else None
+        tower.load_state_dict(weights, strict=True, assign=True)
+        self.model = tower.requires_grad_(False).to(device=torch.device(device), dtype=dtype).eval()
+        self.config, self.spatial_merge_size = shape, shape.spatial_merge_size
 
     @property
     def device(self) -> torch.device:
@@ -284,12 +336,6 @@ class QwenVision(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         """The weights' dtype (images are cast to it)."""
         return self.model.patch_embed.proj.weight.dtype
-
-    def _apply(self, fn, recurse=True):
-        # the grouped forward's per-grid tables were computed on the old device and dtype
-        if getattr(self, "_tower", None) is not None:
-            self._tower._tables.clear()
-        return super()._apply(fn, recurse)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.encode(pixel_values, grid_thw)
@@ -317,21 +363,15 @@ class QwenVision(torch.nn.Module):
     def encode_images(self, images: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> list[torch.Tensor]:
         """Image embeddings ``[tokens_i, hidden]`` of each ``(pixel_values_i, grid_thw_i)`` (one
         image's patch rows and its ``(t, h, w)``), in order, computed together without
-        concatenating the pixels (:class:`GroupedTower`)."""
-        c = self.config
-        width, items = c.in_channels * c.temporal_patch_size * c.patch_size ** 2, []
+        concatenating the pixels."""
+        width, merge, items = self.config.patch_dim, self.spatial_merge_size, []
         for pixels, grid in images:
             t, h, w = (int(g) for g in torch.as_tensor(grid).reshape(3).tolist())
             pixels = torch.as_tensor(pixels)
             if tuple(pixels.shape) != (t * h * w, width):
                 raise ValueError(f"pixel_values {tuple(pixels.shape)} for grid {(t, h, w)} "
                                  f"(expected {(t * h * w, width)})")
+            if min(t, h, w) < 1 or h % merge or w % merge:
+                raise ValueError(f"grid {(t, h, w)}: h and w must be positive multiples of {merge}")
             items.append((pixels.to(self.device, self.dtype), (t, h, w)))
-        if not items:
-            return []
-        if self._tower is not None:
-            return self._tower(items)
-        # transformers without the helpers GroupedTower reads: its own forward, all images at once
-        grid = torch.tensor([g for _, g in items], dtype=torch.long, device=self.device)
-        out = self.model(torch.cat([p for p, _ in items]), grid_thw=grid).pooler_output
-        return list(out.split([image_token_count(g, self.spatial_merge_size) for _, g in items]))
+        return self.model(items) if items else []
