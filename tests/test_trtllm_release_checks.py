@@ -324,3 +324,62 @@ def test_close_shuts_the_llm_down_once(t5_dir):
     assert LLM.shutdowns == 1 and b._llm is None
     with pytest.raises(RuntimeError, match="load_engine=False"):
         b.run([])
+
+
+# --------------------------------------------------------------------------------------------
+# item 4: Qwen3.5 FP8 exclusions in TensorRT-LLM's own module names
+
+@pytest.mark.parametrize("vl", [False, True])
+def test_qwen3_5_exclusions_in_upstream_names(tmp_path, vl):
+    """NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_qwen3_next.py`` (commit b93e14ca)
+    builds the Gated DeltaNet's ``conv1d`` as a ``Linear`` with the model's global quant config,
+    and its Qwen3.5 weight mapper packs ``in_proj_qkv``/``in_proj_z`` into ``in_proj_qkvz`` and
+    ``in_proj_a``/``in_proj_b`` into ``in_proj_ba``; ``_normalize_qwen35_exclude_modules``
+    (``modeling_qwen3_5.py``, commit 2478158c) maps the checkpoint's names onto
+    ``model.layers.N.linear_attn.in_proj_qkvz*`` / ``in_proj_ba*`` after dropping
+    ``model.language_model.``, and passes ``conv1d`` through untranslated. So every Gated DeltaNet
+    layer of a real (tiny) Qwen3.5 gets ``model.layers.N.linear_attn.conv1d`` and the packed names
+    in ``hf_quant_config.json``, beside the checkpoint's own names, which stay first."""
+    from fastjudge.builders import qwen3_5 as q35
+    from fastjudge.builders.fp8_export import quant_declarations
+    from fastjudge.checkpoints import build_random_qwen, build_random_qwen_vl
+    from fastjudge.demo import tokenizer_corpus
+
+    build = build_random_qwen_vl if vl else build_random_qwen
+    model_dir = build(tmp_path / "q", tokenizer_corpus(), seed=3)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    model = q35.hf_model(str(model_dir), cfg["model_type"], torch.float32)
+    blocks = [n for n, _ in model.named_modules() if n.endswith(".linear_attn")]
+    assert blocks and all(type(m.conv1d).__name__ == "Conv1d" for n, m in model.named_modules()
+                          if n.endswith(".linear_attn"))
+    hf = [f"{b}.{p}" for b in blocks for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")] + ["lm_head"]
+    engine = q35.trtllm_exclude_modules(hf, blocks)
+    text_cfg = cfg.get("text_config", cfg)
+    gdn = [i for i, kind in enumerate(text_cfg["layer_types"]) if kind == "linear_attention"]
+    packed = ("conv1d", "in_proj_qkvz", "in_proj_ba")
+    assert engine == [f"model.layers.{i}.linear_attn.{p}" for i in gdn for p in packed]
+    assert q35.trtllm_exclude_modules([], blocks) == [f"model.layers.{i}.linear_attn.conv1d" for i in gdn]
+    hf_quant, inline = quant_declarations(True, hf, {"name": "fastjudge"}, engine)
+    assert hf_quant["quantization"]["exclude_modules"] == hf + engine
+    assert inline["ignore"] == hf  # the checkpoint's own declaration keeps the checkpoint's names
+    # what upstream's normalizer makes of the list: every module it must exclude is matched
+    import fnmatch
+    import re
+
+    def upstream_normalized(names):  # the translation rules of _normalize_qwen35_exclude_modules
+        out = set()
+        for name in names:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            if name.startswith("model.visual"):
+                continue
+            name = re.sub(r"\.in_proj_[ab](\b|\*)", ".in_proj_ba*", name)
+            name = re.sub(r"\.in_proj_(q|k|v|z|qkv)(\b|\*)", ".in_proj_qkvz*", name)
+            out.add(name)
+        return out
+
+    for names in (upstream_normalized(hf_quant["quantization"]["exclude_modules"]),
+                  set(hf_quant["quantization"]["exclude_modules"])):  # releases without the normalizer
+        for i in gdn:
+            for mod in ("conv1d", "in_proj_qkvz", "in_proj_ba"):
+                assert any(fnmatch.fnmatch(f"model.layers.{i}.linear_attn.{mod}", p) for p in names), (i, mod)
