@@ -76,8 +76,12 @@ def agree(a, b) -> bool:
 
 class GraphWatch:
     """CUDA-graph replays (every ``torch.cuda.CUDAGraph.replay``, which inductor's CUDA-graph
-    trees call to run a recorded step) and the graphs inductor skipped, from its perf_hints
-    log records and its ``cudagraph_skips`` counter (``torch._dynamo.utils.counters``)."""
+    trees call to run a recorded step) and the graphs inductor skipped: its "skipping
+    cudagraphs" records (``torch._inductor.cudagraph_utils.log_cudagraph_skip_and_bump_counter``
+    logs them to the ``cudagraphs`` artifact; ``perf_hints`` carries the other hints) and the
+    ``cudagraph_skips`` counter it bumps (``torch._dynamo.utils.counters["inductor"]``). Both
+    artifacts are switched on; torch's loggers do not propagate past ``torch._inductor``, so the
+    handler sits there."""
 
     SKIP = "skipping cudagraphs"
 
@@ -87,10 +91,10 @@ class GraphWatch:
         import torch._logging
 
         self.replays, self.skip_messages = 0, []
-        torch._logging.set_logs(perf_hints=True)
+        torch._logging.set_logs(perf_hints=True, cudagraphs=True)
         handler = logging.Handler()
         handler.emit = self._record
-        logging.getLogger("torch").addHandler(handler)
+        logging.getLogger("torch._inductor").addHandler(handler)
         original = torch.cuda.CUDAGraph.replay
 
         def replay(graph, *args, **kwargs):

@@ -11,7 +11,8 @@
 #               FP8 GEMM (benchmarks/gpu_check.py --only kernels)
 #   3 compiled  the compiled decoding steps with CUDA graphs: outputs equal to eager, graph
 #               replays per decode step, FAIL on any graph inductor skipped ("skipping
-#               cudagraphs", perf_hints) (benchmarks/bench_compiled.py --cuda-graph-report)
+#               cudagraphs" with TORCH_LOGS=perf_hints,cudagraphs, and inductor's
+#               cudagraph_skips counter) (benchmarks/bench_compiled.py --cuda-graph-report)
 #   4 speed     the speed ratios (benchmarks/gpu_speed.py via gpu_check.py --only speed), then
 #     roofline  benchmarks/bench_roofline.py where that file exists
 #   5 trtllm    the TensorRT-LLM backend against the torch backend (benchmarks/gpu_check_trtllm.py),
@@ -53,9 +54,18 @@ DEV=cuda MODE=quick
 [ "$DRY" = 1 ] && MODE="dry-run"
 T_START=$(date +%s.%N)
 
-# cap CAP_S and GPU estimate EST_S per stage and mode (quick | full | dry-run): "cap est"
+# "CAP EST GPU_CAP" of a stage: its cap in this mode (quick | full | dry-run), its estimated
+# seconds on one H100/H200 (a guess until a GPU has run it; a dry run gives the quick run's),
+# and its cap on the GPU (the quick run's for a dry run)
 limits() {
-  case "$MODE:$1" in
+  local own gpu
+  own=$(caps "$MODE" "$1")
+  if [ "$MODE" = dry-run ]; then gpu=$(caps quick "$1"); else gpu=$own; fi
+  echo "${own% *} ${gpu#* } ${gpu% *}"
+}
+caps() {  # MODE NAME -> "cap est"
+  local MODE="$1"
+  case "$MODE:$2" in
     quick:setup) echo "45 20" ;;     full:setup) echo "180 60" ;;     dry-run:setup) echo "120 20" ;;
     quick:verify) echo "90 60" ;;    full:verify) echo "150 100" ;;   dry-run:verify) echo "240 60" ;;
     quick:kernels) echo "40 25" ;;   full:kernels) echo "120 60" ;;   dry-run:kernels) echo "120 25" ;;
@@ -69,10 +79,10 @@ limits() {
 }
 
 # Merge one stage's result into gpu_check.json (written whole, then renamed: never half a file).
-record() {  # NAME STATUS SECONDS CAP EST LOG REASON
+record() {  # NAME STATUS SECONDS CAP EST GPU_CAP LOG REASON
   "$PY" - "$JSON" "$MODE" "$@" <<'EOF'
 import json, os, sys
-path, mode, name, status, seconds, cap, est, log, reason = sys.argv[1:10]
+path, mode, name, status, seconds, cap, est, gpu_cap, log, reason = sys.argv[1:11]
 try:
     with open(path) as f:
         report = json.load(f)
@@ -82,14 +92,18 @@ tail = ""
 if log and os.path.exists(log):
     with open(log, errors="replace") as f:
         tail = f.read()[-3000:]
-report["stages"][name] = {"status": status, "seconds": round(float(seconds), 1), "cap_s": int(cap),
-                          "gpu_estimate_s": int(est), "log": log or None, "reason": reason or None,
-                          "log_tail": tail}
+cap, est, gpu_cap = (int(x) for x in (cap, est, gpu_cap))
+report["stages"][name] = {"status": status, "seconds": round(float(seconds), 1), "cap_s": cap,
+                          "gpu_estimate_s": est, "gpu_cap_s": gpu_cap, "log": log or None,
+                          "reason": reason or None, "log_tail": tail}
 stages = report["stages"].values()
 report["failures"] = [n for n, s in report["stages"].items() if s["status"] in ("FAIL", "TIMEOUT")]
 report["seconds_total"] = round(sum(s["seconds"] for s in stages), 1)
-report["gpu_estimate_total_s"] = sum(s["gpu_estimate_s"] for s in stages if s["status"] != "SKIP")
-report["cap_total_s"] = sum(s["cap_s"] for s in stages if s["status"] != "SKIP")
+# what a GPU run costs: the stages that ran (a dry run: every stage, its GPU estimate and cap
+# being the quick run's, skipped ones included since a GPU run has them)
+counted = [s for s in stages if mode == "dry-run" or s["status"] != "SKIP"]
+report["gpu_estimate_total_s"] = sum(s["gpu_estimate_s"] for s in counted)
+report["gpu_cap_total_s"] = sum(s["gpu_cap_s"] for s in counted)
 with open(path + ".tmp", "w") as f:
     json.dump(report, f, indent=2)
 os.replace(path + ".tmp", path)
@@ -101,8 +115,8 @@ SUMMARY=()
 # TIMEOUT; a stage's own extra check (CHECK, a shell test on its log) can turn PASS into FAIL.
 stage() {
   local name="$1"; shift
-  read -r cap est < <(limits "$name")
-  local log="$OUT/$name.log" t0 t1 rc status secs
+  local cap est gpu_cap log="$OUT/$name.log" t0 t1 rc status secs
+  read -r cap est gpu_cap < <(limits "$name")
   echo "gpu_check: stage $name (cap ${cap} s) ..." >&2
   t0=$(date +%s.%N)
   timeout --kill-after=10 "$cap" "$@" >"$log" 2>&1
@@ -111,13 +125,14 @@ stage() {
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b - a}')
   case $rc in 0) status=PASS ;; 124|137) status=TIMEOUT ;; *) status=FAIL ;; esac
   if [ "$status" = PASS ] && [ -n "${CHECK:-}" ] && ! eval "$CHECK"; then status=FAIL; fi
-  record "$name" "$status" "$secs" "$cap" "$est" "$log" "${REASON:-}"
+  record "$name" "$status" "$secs" "$cap" "$est" "$gpu_cap" "$log" "${REASON:-}"
   SUMMARY+=("$(printf '%-9s %-7s %7s s  (cap %4s s, GPU estimate %4s s)' "$name" "$status" "$secs" "$cap" "$est")")
   echo "gpu_check: stage $name: $status in $secs s ($log)" >&2
 }
 skip() {  # NAME REASON
-  read -r cap est < <(limits "$1")
-  record "$1" SKIP 0 "$cap" "$est" "" "$2"
+  local cap est gpu_cap
+  read -r cap est gpu_cap < <(limits "$1")
+  record "$1" SKIP 0 "$cap" "$est" "$gpu_cap" "" "$2"
   SUMMARY+=("$(printf '%-9s %-7s %7s    %s' "$1" SKIP - "$2")")
   echo "gpu_check: stage $1: skipped: $2" >&2
 }
@@ -158,12 +173,12 @@ case $MODE in
   full) COMPILED=(--shape mini --rows 1 16 64 --repeats 3) ;;
   dry-run) COMPILED=(--shape tiny --rows 1 --max-new-tokens 4 --repeats 1) ;;
 esac
-CHECK="! grep -q 'skipping cudagraphs' \"\$log\"" TORCH_LOGS="${TORCH_LOGS:-perf_hints}" \
+CHECK="! grep -q 'skipping cudagraphs' \"\$log\"" TORCH_LOGS="${TORCH_LOGS:-perf_hints,cudagraphs}" \
   stage compiled "$PY" benchmarks/bench_compiled.py --device "$DEV" "${COMPILED[@]}" --cuda-graph-report
 
 # ---- 4 speed ratios, roofline --------------------------------------------------------------
 SPEED=(--only speed)
-read -r speed_cap _ < <(limits speed)
+read -r speed_cap _ _ < <(limits speed)
 SPEED+=(--budget-s "$((speed_cap - 10))" --speed-s "$((speed_cap - 10))")
 [ "$MODE" != full ] && SPEED+=(--quick)
 [ "$DRY" = 1 ] && SPEED+=(--dry-run)
@@ -212,8 +227,9 @@ with open(path) as f:
 report["wall_s"] = round(t1 - t0, 1)
 with open(path, "w") as f:
     json.dump(report, f, indent=2)
-print(f"wall {report['wall_s']} s here; estimated GPU total {report['gpu_estimate_total_s']} s "
-      f"(caps {report['cap_total_s']} s) for the stages that ran; "
+what = "every stage, quick run" if report["mode"] == "dry-run" else "the stages that ran"
+print(f"wall {report['wall_s']} s here; estimated GPU total {report['gpu_estimate_total_s']} s, "
+      f"caps {report['gpu_cap_total_s']} s ({what}; estimates unmeasured until a GPU run); "
       + ("FAILURES: " + ", ".join(report["failures"]) if report["failures"] else "no stage failed"))
 print(f"wrote {path}")
 sys.exit(1 if report["failures"] else 0)

@@ -50,6 +50,13 @@ QUICK_GPU_ARGS = {
     "holistic": ["--shapes", "mini", "--pairs", "16", "--captions", "4", "--repeats", "1"],
     "visexmem_e2e": ["--shapes", "mini", "--items", "4", "--repeats", "1", "--jump-forward", "both"],
 }
+# ... and on the CPU, for its dry run: the smallest inputs that still run every stage.
+QUICK_DRY_ARGS = {
+    "holistic": ["--shapes", "tiny", "--pairs", "2", "--captions", "1", "--repeats", "1", "--size", "224x168"],
+    "visexmem_e2e": ["--shapes", "tiny", "--items", "1", "--repeats", "1", "--jump-forward", "on",
+                     "--size", "224x168", "--max-claims", "2", "--max-claim-chars", "12",
+                     "--max-explanation-chars", "12"],
+}
 # the lines of a benchmark's output that carry its result
 RESULT_LINE = re.compile(r"^(json|text) |ratio|PASS|FAIL|IDENTICAL|MISMATCH|identical|jump-forward alone|items/s"
                          r"|^\s*(tiny|mini|small|decompose|total)\s")
@@ -80,7 +87,8 @@ def run_speed(dry: bool, seconds: float, out_dir: Path, lave_repo: str | None, r
     todo = [b for b in BENCHMARKS if not quick or b[0] in QUICK_GPU_ARGS]
     while todo:
         name, script, gpu_args, dry_args = todo.pop(0)
-        gpu_args = QUICK_GPU_ARGS[name] if quick else gpu_args
+        if quick:
+            gpu_args, dry_args = QUICK_GPU_ARGS[name], QUICK_DRY_ARGS[name]
         args = [*(dry_args if dry else gpu_args), *device]
         if name == "lave_official":
             if not lave_repo:
