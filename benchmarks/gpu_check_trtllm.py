@@ -111,7 +111,7 @@ def check_build(kind: str, precision: str, source: Path, out: Path, examples: li
     try:  # the LLM is shut down whatever happens, so the next build's LLM gets its memory
         r["trtllm_load_s"] = time.perf_counter() - t0
         r["t5_logit_scale"] = trt.logit_scale
-        r["t5_max_input_tokens"] = trt.max_input_tokens
+        r["max_input_tokens"] = trt.max_input_tokens  # T5: capped where the release clamps at 512
         cls = TorchT5Backend if kind == "flan-t5" else TorchQwenBackend
         ref = cls(out / m["artifacts"]["checkpoint"], device=device, dtype="bfloat16")
         ours, r["trtllm_s"] = timed_score(LaveJudge(trt, num_shots=2), examples)
