@@ -93,15 +93,26 @@ def test_t5_encoder_graph_config_has_token_and_length_buckets(max_input, batch):
     """NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/pyexecutor/engine/runners/encoder.py`` (commit
     a13147e7), ``EncoderConfigMixin.create``: for a model without a feature-mode graph spec (T5)
     the encoder graph config goes through ``validate_token_encoder_bucket_config(num_tokens,
-    seq_lens, stays_eager=not is_encoder_decoder)``, whose complaint is a ``ValueError`` for an
+    seq_lens, stays_eager=not is_encoder_decoder)`` (``tensorrt_llm/llmapi/llm_args.py``, commit
+    00043967: a complaint when either list is empty), raised as a ``ValueError`` for an
     encoder-decoder model; graphs are built only when both the ``num_tokens`` and the
     ``seq_lens`` buckets survive filtering (``_filter_cuda_graph_num_tokens``: values up to
     ``max_num_tokens``; ``_filter_cuda_graph_seq_lens``: up to ``max_seq_len``; with padding one
-    larger value is clamped to the limit). The options give both, ascending, every bucket within
-    its limit, the last at it, so nothing is dropped or clamped."""
+    larger value is clamped to the limit). ``EncodeCudaGraphConfig`` (same llm_args.py) takes
+    both as lists of positive ints and sorts them. The options give both, ascending, every
+    bucket within its limit, the last at it, so nothing is dropped or clamped; without
+    ``num_tokens`` (the options before this was fixed) the validator complains."""
+
+    def upstream_complaint(graphs: dict) -> str | None:  # validate_token_encoder_bucket_config's rule
+        missing = [k for k in ("num_tokens", "seq_lens") if not graphs.get(k)]
+        return f"encoder CUDA graph configuration has {missing} unset" if missing else None
+
     options = llm_options("flan-t5", "t5", limits(max_input, 1, batch, max_input - 100, decoder_prefix=1))
     graphs = options["encoder_cuda_graph_config"]
     _check_options(options)
+    assert upstream_complaint(graphs) is None
+    assert upstream_complaint({k: v for k, v in graphs.items() if k != "num_tokens"}) is not None
+    assert all(isinstance(n, int) and n > 0 for n in graphs["num_tokens"] + graphs["seq_lens"])
     for key, limit in (("num_tokens", options["max_num_tokens"]), ("seq_lens", options["max_seq_len"])):
         values = graphs[key]
         assert values and values == sorted(set(values)) and values[0] > 0 and values[-1] <= limit, key
