@@ -54,7 +54,7 @@ def test_first_merge_t5_is_refused_for_each_defect_and_the_fixed_file_passes():
     it in ``load_weights``; builds ``T5Attention`` / ``T5CrossAttention`` with ``q_scaling=1.0``
     (the backends scale scores by 1/(sqrt(head_dim) * q_scaling), T5 by nothing); and returns to
     the base attention without the relative bias once ``kv_cache_manager`` is set. The later file
-    (``_t5_q_scaling`` = 1/sqrt(d_kv), ``lm_head`` re-created when the checkpoint has
+    (commit e18ea371: ``_t5_q_scaling`` = 1/sqrt(d_kv), ``lm_head`` re-created when the checkpoint has
     ``lm_head.weight``, the bias table passed with the cache) has none of them."""
     first = t5_release_defects(_sources("first_merge"), config_ties=True)
     assert len(first) == 3

@@ -353,11 +353,13 @@ def release_loads_t5_fp8(source: str) -> bool:
 
 
 # The first-merge T5 (upstream #13919, the file as shipped from 1.3.0rc19) against the checkpoint's
-# model, as read in that file (commit 289b3768) and in upstream's later version of it (the one
-# defining ``_t5_q_scaling``): each check below finds the first-merge form in the installed source.
+# model, as read in that file (commit 289b3768) and in upstream's later version of it (commit
+# e18ea371, defining ``_t5_q_scaling``): each check below finds the first-merge form in the
+# installed source. Which release first ships the later file could not be read.
 T5_FIX = ("a TensorRT-LLM whose tensorrt_llm/_torch/models/modeling_t5.py carries upstream's T5 fixes "
-          "(the later file defining _t5_q_scaling, which unties lm_head in load_weights and passes the "
-          "relative attention bias with the KV cache), none of them in the first-merge file of #13919")
+          "(the file as of upstream commit e18ea371, defining _t5_q_scaling: q_scaling 1/sqrt(d_kv), lm_head "
+          "untied in load_weights, the relative attention bias passed with the KV cache); the first-merge "
+          "file of #13919 has none of them")
 
 
 def t5_release_defects(sources: dict, config_ties: bool) -> list[str]:
