@@ -12,6 +12,13 @@ step replays CUDA graphs (one per shape bucket), so the ratio there is what the 
 
     python benchmarks/bench_compiled.py --shape tiny --rows 8 --repeats 3
     python benchmarks/bench_compiled.py --device cuda --shape mini --rows 1 16 64
+    python benchmarks/bench_compiled.py --device cuda --rows 1 16 --cuda-graph-report
+
+``--cuda-graph-report`` (the GPU check's compiled-step stage): after each row of the table, a
+``graphs`` line with the CUDA-graph replays of one more compiled run and its decode steps
+(replays per step), and every graph inductor skipped: its "skipping cudagraphs" messages
+(``perf_hints`` logging, switched on here) and its ``cudagraph_skips`` counter. Exit 1 when a
+graph was skipped, or when on CUDA a compiled run replayed none.
 """
 
 from __future__ import annotations
@@ -67,6 +74,67 @@ def agree(a, b) -> bool:
     return True
 
 
+class GraphWatch:
+    """CUDA-graph replays (every ``torch.cuda.CUDAGraph.replay``, which inductor's CUDA-graph
+    trees call to run a recorded step) and the graphs inductor skipped: its "skipping
+    cudagraphs" records (``torch._inductor.cudagraph_utils.log_cudagraph_skip_and_bump_counter``
+    logs them to the ``cudagraphs`` artifact; ``perf_hints`` carries the other hints) and the
+    ``cudagraph_skips`` counter it bumps (``torch._dynamo.utils.counters["inductor"]``). Both
+    artifacts are switched on; torch's loggers do not propagate past ``torch._inductor``, so the
+    handler sits there."""
+
+    SKIP = "skipping cudagraphs"
+
+    def __init__(self):
+        import logging
+
+        import torch._logging
+
+        self.replays, self.skip_messages = 0, []
+        torch._logging.set_logs(perf_hints=True, cudagraphs=True)
+        handler = logging.Handler()
+        handler.emit = self._record
+        logging.getLogger("torch._inductor").addHandler(handler)
+        original = torch.cuda.CUDAGraph.replay
+
+        def replay(graph, *args, **kwargs):
+            self.replays += 1
+            return original(graph, *args, **kwargs)
+
+        torch.cuda.CUDAGraph.replay = replay
+
+    def _record(self, record) -> None:
+        message = record.getMessage()
+        if self.SKIP in message:
+            self.skip_messages.append(message)
+
+    @staticmethod
+    def skip_counter() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["inductor"].get("cudagraph_skips", 0))
+
+    def skipped(self) -> int:
+        return max(len(self.skip_messages), self.skip_counter())
+
+    def report(self, backend, reqs, device) -> tuple[str, bool]:
+        """One more compiled run of ``reqs``: its replays per decode step, as a line, and whether
+        it passed (no skipped graph; on CUDA at least one replay)."""
+        before = self.replays
+        stats = getattr(backend, "reset_decode_stats", None)
+        if stats:
+            stats()
+        backend.run(reqs)
+        replays = self.replays - before
+        steps = (getattr(backend, "decode_stats", None) or {}).get("decode_steps")
+        per = f"{replays / steps:.2f}" if steps else "?"
+        ok = self.skipped() == 0 and (device.type != "cuda" or replays > 0)
+        line = (f"graphs {replays} replays over {steps if steps is not None else '?'} decode steps ({per} per step), "
+                f"{self.skipped()} skipped" + (f": {self.skip_messages[-1][:200]}" if self.skip_messages else "")
+                + ("" if ok else "  FAIL"))
+        return line, ok
+
+
 def per_step(backend, reqs) -> dict:
     return profile_decoding(lambda: backend.run(reqs))
 
@@ -78,8 +146,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=DEVICES)
+    ap.add_argument("--cuda-graph-report", action="store_true",
+                    help="count CUDA-graph replays per decode step and fail on a skipped graph (see above)")
     args = ap.parse_args(argv)
     device = bench_device(args.device)
+    watch = GraphWatch() if args.cuda_graph_report else None
     bad = False
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_qwen(Path(tmp), tokenizer_corpus(), arch="qwen3_5", seed=3, shape=args.shape)
@@ -101,7 +172,11 @@ def main(argv=None) -> int:
                 (e, _, pe), (c, _, pc) = results["off"], results["on"]
                 print(f"{name:<6} {rows:>4} {e:>12.1f} {c:>15.1f} {c / e:>6.2f} "
                       f"{pe['syncs']:>7.1f}/{pc['syncs']:<7.1f} {pe['ops']:>6.0f}/{pc['ops']:<7.0f} "
-                      f"{backends['on'].compile_seconds:>10.1f}  {'identical' if same else 'MISMATCH'}")
+                      f"{backends['on'].compile_seconds:>10.1f}  {'identical' if same else 'MISMATCH'}", flush=True)
+                if watch is not None:
+                    line, ok = watch.report(backends["on"], reqs, device)
+                    bad |= not ok
+                    print(f"{'':<6} {rows:>4} {line}", flush=True)
     return 1 if bad else 0
 
 

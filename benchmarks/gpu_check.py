@@ -387,6 +387,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check")
     ap.add_argument("--speed-s", type=float, default=150.0, help="share of the budget for the speed benchmarks")
     ap.add_argument("--skip-speed", action="store_true", help="skip the speed benchmarks")
+    ap.add_argument("--only", choices=("kernels", "speed", "tests"), default=None,
+                    help="one part of the check (gpu_check.sh runs them as separate stages): kernels = 1, 2 "
+                         "and 4 above; speed = 5; tests = 3 and 6")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --only speed: the quick GPU check's sizes, without the compiled-step benchmark")
     ap.add_argument("--lave-repo", default=None,
                     help="checkout of the LAVE authors' repository for the official-LAVE benchmark "
                          "(default: $FASTJUDGE_LAVE_REPO; skipped without one)")
@@ -411,7 +416,13 @@ def main(argv=None) -> int:
     rows: list = [("environment", "device / torch / triton",
                    f"{report['device']} / {report['torch']} / {report['triton']}")]
     failures = []
-    for name, fn in (("choice_head", check_choice_head), ("crop_encode", check_crop_encode)):
+    kernels = args.only in (None, "kernels")
+    if args.only in ("kernels", "tests"):
+        args.skip_speed = True
+    if args.only in ("kernels", "speed"):
+        args.skip_tests = True
+    report["seconds"] = {}
+    for name, fn in (("choice_head", check_choice_head), ("crop_encode", check_crop_encode))[:2 if kernels else 0]:
         t0 = time.perf_counter()
         try:
             fn(ch if name == "choice_head" else ce, device, dry, timer, rows, report)
@@ -426,9 +437,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     t0 = time.perf_counter()
     try:
-        check_scaled_mm(device, dry, timer, rows, report)
-        if any(not v.get("ok", True) for v in report["scaled_mm"].values() if isinstance(v, dict)):
-            failures.append("scaled_mm (accuracy)")
+        if kernels:
+            check_scaled_mm(device, dry, timer, rows, report)
+            if any(not v.get("ok", True) for v in report["scaled_mm"].values() if isinstance(v, dict)):
+                failures.append("scaled_mm (accuracy)")
     except Exception as e:
         import traceback
 
@@ -441,7 +453,8 @@ def main(argv=None) -> int:
     if not args.skip_speed:
         t0 = time.perf_counter()
         left = args.budget_s - (t0 - t_start)
-        run_speed(dry, min(args.speed_s, left / 2), out, args.lave_repo, rows, report)
+        share = left if args.only == "speed" else left / 2
+        run_speed(dry, min(args.speed_s, share), out, args.lave_repo, rows, report, quick=args.quick)
         for name, r in report["speed"].items():
             if "timed_out" in r:
                 failures.append(f"speed {name} (timed out)")
@@ -457,7 +470,7 @@ def main(argv=None) -> int:
         run_trtllm_checks(dry, args.budget_s - (time.perf_counter() - t_start) - 10, out, rows, report)
         if "skipped" not in report["trtllm_tests"] and report["trtllm_tests"].get("returncode") != 0:
             failures.append("trtllm_tests")
-    for part in ("choice_head", "crop_encode"):
+    for part in ("choice_head", "crop_encode")[:2 if kernels else 0]:
         vals = report.get(part, {})
         vals = vals.values() if part == "choice_head" else [vals]
         if any(not v.get("ok", False) for v in vals):

@@ -10,8 +10,11 @@ Qwen3.5 (random ``mini`` shape, head_dim 64), twice each: ``fastjudge build --dt
 CUDA). Reported per build: rating agreement and max |Δp| between the two (BF16: the ratings must
 be identical and |Δp| at most 0.02, else the stage fails; FP8: printed; a build the backend
 refuses, such as FP8 Flan-T5 on a release whose T5 loader drops FP8 scales, is reported as
-such), the build's own calibration agreement, and the wall time of each backend over the items
-(after one warm-up call; TensorRT-LLM's load, compile and CUDA-graph capture timed apart). Needs
+such), the build's own calibration agreement, whether the Choice log-probabilities passed the
+backend's logits-processor check (else it read generation logits), and the wall time of each
+backend over the items (after one warm-up call; TensorRT-LLM's load, compile and CUDA-graph
+capture timed apart). Each build's LLM takes a small KV-cache share (:data:`KV_CACHE_FRACTION`)
+and is shut down (``TrtllmBackend.close``) before the next one opens. Needs
 TensorRT-LLM (``fastjudge[trtllm]``) and a CUDA device; prints why it skips otherwise. Writes
 OUT_DIR/gpu_check_trtllm.json.
 """
@@ -26,6 +29,10 @@ import traceback
 from pathlib import Path
 
 BF16_MAX_DPROB = 0.02  # bf16 kernels differ in rounding; the probabilities may not differ more
+# The share of free GPU memory each build's LLM takes for its KV cache: the builds here are tiny
+# and run one after another in this process, beside the torch backend's copy of the same judge,
+# so a small pool leaves room for both (each LLM is shut down before the next one opens).
+KV_CACHE_FRACTION = 0.1
 
 
 def why_not_here() -> str | None:
@@ -88,7 +95,8 @@ def check_build(kind: str, precision: str, source: Path, out: Path, examples: li
 
     t0 = time.perf_counter()
     rc = build_main(["build", kind, "--model", str(source), "--out", str(out), "--dtype", precision,
-                     "--device", device, "--num-shots", "2", "--max-calib", "32", "--max-heldout", "16"])
+                     "--device", device, "--num-shots", "2", "--max-calib", "32", "--max-heldout", "16",
+                     "--kv-cache-fraction", str(KV_CACHE_FRACTION)])
     r = {"build_rc": rc, "build_s": time.perf_counter() - t0}
     m = read_manifest(out)
     gate = m["agreement"].get("fp8") or m["agreement"]["bf16_checkpoint_torch"]
@@ -100,15 +108,20 @@ def check_build(kind: str, precision: str, source: Path, out: Path, examples: li
     except TensorRTLLMUnavailable as refused:  # e.g. FP8 T5 on a release whose T5 loader drops scales
         r["refused"] = str(refused)
         return r
-    r["trtllm_load_s"] = time.perf_counter() - t0
-    r["t5_logit_scale"] = trt.logit_scale
-    cls = TorchT5Backend if kind == "flan-t5" else TorchQwenBackend
-    ref = cls(out / m["artifacts"]["checkpoint"], device=device, dtype="bfloat16")
-    ours, r["trtllm_s"] = timed_score(LaveJudge(trt, num_shots=2), examples)
-    theirs, r["torch_s"] = timed_score(LaveJudge(ref, num_shots=2), examples)
-    r["trtllm_vs_torch"] = compare(ours, theirs)
-    r["items_per_s"] = {"trtllm": len(examples) / r["trtllm_s"], "torch": len(examples) / r["torch_s"]}
-    del trt
+    try:  # the LLM is shut down whatever happens, so the next build's LLM gets its memory
+        r["trtllm_load_s"] = time.perf_counter() - t0
+        r["t5_logit_scale"] = trt.logit_scale
+        r["max_input_tokens"] = trt.max_input_tokens  # T5: capped where the release clamps at 512
+        cls = TorchT5Backend if kind == "flan-t5" else TorchQwenBackend
+        ref = cls(out / m["artifacts"]["checkpoint"], device=device, dtype="bfloat16")
+        ours, r["trtllm_s"] = timed_score(LaveJudge(trt, num_shots=2), examples)
+        r["choice_from_generation_logits"] = trt.choice_from_logits  # True: the processor check failed
+        theirs, r["torch_s"] = timed_score(LaveJudge(ref, num_shots=2), examples)
+        r["trtllm_vs_torch"] = compare(ours, theirs)
+        r["items_per_s"] = {"trtllm": len(examples) / r["trtllm_s"], "torch": len(examples) / r["torch_s"]}
+        del ref
+    finally:
+        trt.close()
     return r
 
 

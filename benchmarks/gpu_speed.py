@@ -43,6 +43,20 @@ BENCHMARKS = (
      ["--shapes", "mini", "--items", "8", "--repeats", "2", "--jump-forward", "both"],
      ["--shapes", "tiny", "--items", "1", "--repeats", "1", "--jump-forward", "both"]),
 )
+# The quick GPU check (``gpu_check.sh`` without ``--full``): the compiled steps have a stage of
+# their own there, so only these run, at sizes for about a minute in all on one GPU (estimates:
+# no GPU has run them yet).
+QUICK_GPU_ARGS = {
+    "holistic": ["--shapes", "mini", "--pairs", "16", "--captions", "4", "--repeats", "1"],
+    "visexmem_e2e": ["--shapes", "mini", "--items", "4", "--repeats", "1", "--jump-forward", "both"],
+}
+# ... and on the CPU, for its dry run: the smallest inputs that still run every stage.
+QUICK_DRY_ARGS = {
+    "holistic": ["--shapes", "tiny", "--pairs", "2", "--captions", "1", "--repeats", "1", "--size", "224x168"],
+    "visexmem_e2e": ["--shapes", "tiny", "--items", "1", "--repeats", "1", "--jump-forward", "on",
+                     "--size", "224x168", "--max-claims", "2", "--max-claim-chars", "12",
+                     "--max-explanation-chars", "12"],
+}
 # the lines of a benchmark's output that carry its result
 RESULT_LINE = re.compile(r"^(json|text) |ratio|PASS|FAIL|IDENTICAL|MISMATCH|identical|jump-forward alone|items/s"
                          r"|^\s*(tiny|mini|small|decompose|total)\s")
@@ -59,18 +73,22 @@ def _text(out) -> str:
     return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
-def run_speed(dry: bool, seconds: float, out_dir: Path, lave_repo: str | None, rows: list, report: dict) -> None:
+def run_speed(dry: bool, seconds: float, out_dir: Path, lave_repo: str | None, rows: list, report: dict,
+              quick: bool = False) -> None:
     """Run the benchmarks in turn within ``seconds`` in all; each gets an equal share of what
-    is left when it starts."""
+    is left when it starts. ``quick``: only :data:`QUICK_GPU_ARGS`' benchmarks, at those sizes
+    on the GPU (the dry run's sizes on the CPU)."""
     lave_repo = lave_repo or os.environ.get("FASTJUDGE_LAVE_REPO")
     device = ["--device", "cpu" if dry else "cuda"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     deadline = time.perf_counter() + seconds
     results = report.setdefault("speed", {})
-    todo = list(BENCHMARKS)
+    todo = [b for b in BENCHMARKS if not quick or b[0] in QUICK_GPU_ARGS]
     while todo:
         name, script, gpu_args, dry_args = todo.pop(0)
+        if quick:
+            gpu_args, dry_args = QUICK_GPU_ARGS[name], QUICK_DRY_ARGS[name]
         args = [*(dry_args if dry else gpu_args), *device]
         if name == "lave_official":
             if not lave_repo:

@@ -5,8 +5,11 @@
 # platform, with no dependency resolution (each needed one is named below).
 #
 #   bash benchmarks/offline_wheels.sh WHEEL_DIR [PYTHON_VERSION]   # here: default 3.12
-#   python3 -m pip install --no-index --no-deps WHEEL_DIR/*.whl     # there, then:
-#   python3 -m pip install --no-deps --no-build-isolation --no-index .
+#   bash benchmarks/gpu_check.sh OUT_DIR --wheels WHEEL_DIR         # there: installs them, then checks
+#
+# Where this machine's python3 is PYTHON_VERSION, fastjudge's own wheel is built into WHEEL_DIR
+# too, so the GPU check's setup stage installs it instead of compiling fastjudge there (which
+# would take most of that stage's 45 s cap).
 #
 # Versions: xgrammar at the version the tests run (0.2.9); the rest at their newest.
 set -euo pipefail
@@ -24,4 +27,11 @@ for p in "${PACKAGES[@]}"; do
   $PIP download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
     "${PLATFORMS[@]/#/--platform=}" -d "$DIR" "$p"
 done
+here="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+if [ "$here" = "$PYVER" ]; then
+  $PIP wheel -q --no-deps -w "$DIR" "$(dirname "$0")/.." \
+    || echo "offline_wheels: fastjudge's own wheel did not build (the GPU check will build it there)" >&2
+else
+  echo "offline_wheels: python3 here is $here, not $PYVER: fastjudge's own wheel is not built" >&2
+fi
 ls "$DIR"

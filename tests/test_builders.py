@@ -405,6 +405,9 @@ def test_qwen_build_checkpoint_matches_trtllm_expectations(qwen_build, qwen_dir)
                 assert f"{p}.linear_attn.{lin}.weight_scale" not in w
                 assert f"{p}.linear_attn.{lin}" in hq["exclude_modules"]
             assert w[f"{p}.linear_attn.conv1d.weight"].dtype == torch.float32
+            # and in TensorRT-LLM's own names, conv1d included (a Linear there)
+            for mod in ("conv1d", "in_proj_qkvz", "in_proj_ba"):
+                assert f"model.layers.{i}.linear_attn.{mod}" in hq["exclude_modules"]
     assert "lm_head" in hq["exclude_modules"] and w["lm_head.weight"].dtype == torch.float32
     base = TorchQwenBackend(qwen_dir, device="cpu", dtype="float32")
     judge = m["judge"]

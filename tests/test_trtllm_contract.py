@@ -64,12 +64,14 @@ def test_options_use_only_release_argument_names(kind, model_type, rationale):
     assert options["max_seq_len"] == lim["max_seq_len"] >= lim["max_input_len"] + lim["max_new_tokens"]
     assert options["max_num_tokens"] >= options["max_input_len"]  # a whole prompt fits one batch
     assert options["cuda_graph_config"]["batch_sizes"][-1] == options["max_batch_size"]
-    assert options["torch_compile_config"]["enable_piecewise_cuda_graph"] is False
+    assert "torch_compile_config" not in options  # opt-in (test_torch_compile_is_opt_in)
     kv = options["kv_cache_config"]
     if kind == "flan-t5":
         assert options["attn_backend"] == "TRTLLM" and options["enable_chunked_prefill"] is False
         assert 0.5 < kv["cross_kv_cache_fraction"] < 1 and kv["enable_block_reuse"] is False
-        assert options["encoder_cuda_graph_config"]["seq_lens"][-1] == 700
+        graphs = options["encoder_cuda_graph_config"]
+        assert graphs["seq_lens"][-1] == 700
+        assert graphs["num_tokens"] and graphs["num_tokens"][-1] == options["max_num_tokens"]
     else:
         assert "cross_kv_cache_fraction" not in kv and options["guided_decoding_backend"] == "xgrammar"
         # Qwen3.5: KV-cache reuse is listed unsupported (docs/source/models/supported-models.md)
@@ -84,6 +86,54 @@ def test_the_options_of_real_builds_use_release_names(tmp_path):
 
     write_llm_options(tmp_path, llm_options("flan-t5", "t5", limits(256, 1, 8, 100, decoder_prefix=1)))
     _check_options(read_llm_options(tmp_path))
+
+
+@pytest.mark.parametrize("max_input, batch", [(256, 8), (700, 64), (1536, 16)])
+def test_t5_encoder_graph_config_has_token_and_length_buckets(max_input, batch):
+    """NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/pyexecutor/engine/runners/encoder.py`` (commit
+    a13147e7), ``EncoderConfigMixin.create``: for a model without a feature-mode graph spec (T5)
+    the encoder graph config goes through ``validate_token_encoder_bucket_config(num_tokens,
+    seq_lens, stays_eager=not is_encoder_decoder)`` (``tensorrt_llm/llmapi/llm_args.py``, commit
+    00043967: a complaint when either list is empty), raised as a ``ValueError`` for an
+    encoder-decoder model; graphs are built only when both the ``num_tokens`` and the
+    ``seq_lens`` buckets survive filtering (``_filter_cuda_graph_num_tokens``: values up to
+    ``max_num_tokens``; ``_filter_cuda_graph_seq_lens``: up to ``max_seq_len``; with padding one
+    larger value is clamped to the limit). ``EncodeCudaGraphConfig`` (same llm_args.py) takes
+    both as lists of positive ints and sorts them. The options give both, ascending, every
+    bucket within its limit, the last at it, so nothing is dropped or clamped; without
+    ``num_tokens`` (the options before this was fixed) the validator complains."""
+
+    def upstream_complaint(graphs: dict) -> str | None:  # validate_token_encoder_bucket_config's rule
+        missing = [k for k in ("num_tokens", "seq_lens") if not graphs.get(k)]
+        return f"encoder CUDA graph configuration has {missing} unset" if missing else None
+
+    options = llm_options("flan-t5", "t5", limits(max_input, 1, batch, max_input - 100, decoder_prefix=1))
+    graphs = options["encoder_cuda_graph_config"]
+    _check_options(options)
+    assert upstream_complaint(graphs) is None
+    assert upstream_complaint({k: v for k, v in graphs.items() if k != "num_tokens"}) is not None
+    assert all(isinstance(n, int) and n > 0 for n in graphs["num_tokens"] + graphs["seq_lens"])
+    for key, limit in (("num_tokens", options["max_num_tokens"]), ("seq_lens", options["max_seq_len"])):
+        values = graphs[key]
+        assert values and values == sorted(set(values)) and values[0] > 0 and values[-1] <= limit, key
+    assert graphs["num_tokens"][-1] == options["max_num_tokens"]
+    assert graphs["seq_lens"][-1] == options["max_input_len"]
+    assert graphs["num_tokens"][0] <= graphs["seq_lens"][0]  # one shortest sequence fits the smallest bucket
+    assert "encoder_cuda_graph_config" not in llm_options("qwen3.5", "qwen3_5_text", limits(700, 1, 8, 600))
+
+
+@pytest.mark.parametrize("kind, model_type", [("flan-t5", "t5"), ("qwen3.5", "qwen3_5_text")])
+def test_torch_compile_is_opt_in(kind, model_type):
+    """Upstream's encoder-decoder examples set no ``torch_compile_config``
+    (``docs/source/models/encoder-decoder.md``) and ``docs/source/models/supported-models.md``
+    does not list torch.compile for the hybrid Qwen3.5 rows: off unless asked for, and then with
+    full graphs, no inductor, no piecewise CUDA graphs."""
+    lim = limits(700, 1, 8, 600, decoder_prefix=1 if kind == "flan-t5" else 0)
+    assert "torch_compile_config" not in llm_options(kind, model_type, lim)
+    on = llm_options(kind, model_type, lim, torch_compile=True)
+    _check_options(on)
+    assert on["torch_compile_config"] == {"enable_fullgraph": True, "enable_inductor": False,
+                                          "enable_piecewise_cuda_graph": False}
 
 
 def test_cross_pool_share_follows_the_token_budgets():
@@ -120,7 +170,8 @@ def test_sampling_kwargs_use_only_release_argument_names(spec):
     kw = sampling_kwargs(spec, EOS)
     assert set(kw) <= set(API["SamplingParams"]), set(kw) - set(API["SamplingParams"])
     if isinstance(spec, Choice):
-        assert kw["max_tokens"] == 1 and kw["logprobs"] == len(spec.token_ids) + spec.full_vocab
+        # K (+ the rest entry) finite, plus one probe slot (test_trtllm_release_checks.py)
+        assert kw["max_tokens"] == 1 and kw["logprobs"] == len(spec.token_ids) + spec.full_vocab + 1
         assert "top_k" not in kw and "return_generation_logits" not in kw  # nothing vocabulary-wide comes back
         params = [p for p in inspect.signature(kw["logits_processor"].__call__).parameters]
         assert params == API["LogitsProcessor.__call__"]
@@ -194,16 +245,29 @@ class _Logprob:
         self.logprob, self.rank = logprob, rank
 
 
+def _step_logprobs(row: torch.Tensor, n: int) -> dict:
+    """The ``n`` largest log-probabilities of a processed row, as the LLM API returns them."""
+    lp = torch.log_softmax(row.double(), -1)
+    top = torch.topk(lp, n)
+    return {int(t): _Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(top.values, top.indices))}
+
+
 def test_choice_output_reads_the_candidates_and_refuses_a_row_without_them():
     assert sorted(vars(_Logprob(0.0))) == sorted(API["Logprob"])
-    row = {5: _Logprob(-0.1, 1), 9: _Logprob(-2.5, 2), 11: _Logprob(-3.0, 3)}
-    req = Request(index=4, prompt_ids=[3], spec=Choice((11, 5, 9), full_vocab=True))
-    out = choice_output(req, row)
-    assert out.index == 4 and np.allclose(out.logprobs, [-3.0, -0.1, -2.5])
-    assert np.allclose(out.probs, choice_probs([-3.0, -0.1, -2.5]))
-    assert choice_output(Request(index=0, prompt_ids=[3], spec=Choice((5, 9))), row).logprobs is None
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(5)) * 2
+    full = Choice((11, 5, 9), full_vocab=True)
+    row = logits.clone()
+    sampling_kwargs(full, EOS)["logits_processor"](0, row, [[3]], None, None)
+    out = choice_output(Request(index=4, prompt_ids=[3], spec=full), _step_logprobs(row, 5))
+    exact = torch.log_softmax(logits.double(), -1)[[11, 5, 9]].numpy()
+    assert out.index == 4 and np.allclose(out.logprobs, exact, atol=1e-9)
+    assert np.allclose(out.probs, choice_probs(logits[[11, 5, 9]].numpy()), atol=1e-9)
+    row = logits.clone()
+    CandidateLogits((5, 9))(0, row, [[3]], None, None)
+    assert choice_output(Request(index=0, prompt_ids=[3], spec=Choice((5, 9))), _step_logprobs(row, 3)).logprobs \
+        is None
     with pytest.raises(RuntimeError, match="candidate ids \\[12\\]"):
-        choice_output(Request(index=0, prompt_ids=[3], spec=Choice((5, 12))), row)
+        choice_output(Request(index=0, prompt_ids=[3], spec=Choice((5, 12))), _step_logprobs(row, 3))
 
 
 def test_text_output_stops_at_eos_and_reads_tracked_columns():

@@ -19,10 +19,16 @@ options being the build's LLM-API options file (:data:`OPTIONS_FILE`, written by
 (NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/models/modeling_t5.py``, v1.3.0rc22 to v1.4.0rc1:
 ``attn_backend="TRTLLM"`` for the relative attention bias, a cross-attention KV pool sized by
 ``kv_cache_config.cross_kv_cache_fraction``, prompts given as encoder token ids, the decoder
-started by the checkpoint's ``decoder_start_token_id``); two behaviours of that file are read
-from the installed release's source at load (:func:`t5_logit_scale`: its unconditional
-d_model**-0.5 logit scaling, undone exactly; :func:`release_loads_t5_fp8`: FP8 builds are
-refused where its weight conversion drops the scales). Qwen3.5 / Qwen3 are decoder-only.
+started by the checkpoint's ``decoder_start_token_id``); what that file does is read from the
+installed release's source at load: its unconditional d_model**-0.5 logit scaling, undone
+exactly (:func:`t5_logit_scale`); FP8 builds refused where its weight conversion drops the
+scales (:func:`release_loads_t5_fp8`); any release refused whose T5 computes another model than
+the checkpoint's (:func:`t5_release_defects`: LM head tied over the checkpoint's own, attention
+scores scaled, relative bias dropped once a KV cache exists); and its 512-token ``max_seq_len``
+(:func:`t5_length_plan`: lifted through ``TLLM_ALLOW_LONG_MAX_MODEL_LEN`` where the release reads
+it, else prompts capped at the release's limit and longer ones refused). Qwen3.5 / Qwen3 are
+decoder-only. :meth:`TrtllmBackend.close` shuts the LLM down (its GPU memory, KV cache included,
+is released only then).
 
 The request mapping (:func:`sampling_kwargs`; ``tensorrt_llm/sampling_params.py``,
 ``SamplingParams`` and ``GuidedDecodingParams``, same tags):
@@ -33,9 +39,13 @@ The request mapping (:func:`sampling_kwargs`; ``tensorrt_llm/sampling_params.py`
   log-softmax among themselves: the ``probs`` a judge reads. A ``full_vocab`` Choice keeps one
   more entry, a "rest" token whose logit is the log-sum-exp of every other logit, so the K
   log-probabilities are those under the whole vocabulary. Nothing of vocabulary width leaves
-  the device; the sampled token itself is discarded. Should the release's log-probabilities
-  turn out not to follow the processor (a candidate missing from them), the backend says so
-  once and reads Choices from ``return_generation_logits`` instead.
+  the device; the sampled token itself is discarded. One more log-probability than can be finite
+  is asked for, and the returned ones are checked (:func:`checked_choice_logprobs`): exactly the
+  K candidates (and the rest entry) finite, their log-sum-exp 0. A row the processor did not
+  restrict fails that, however high the candidates rank (upstream lists the logits
+  post-processor as untested for ``Qwen3_5ForConditionalGeneration`` and
+  ``Qwen3NextForCausalLM``, ``docs/source/models/supported-models.md``); the backend then says
+  so once and reads Choices from ``return_generation_logits`` instead.
 * ``Text``: greedy (``top_k=1``) up to EOS (``end_id``; the other EOS ids as
   ``stop_token_ids``); ``track_ids`` read from ``return_generation_logits`` (the one place a
   vocabulary-wide row per step comes back, only for judges that track rating tokens while
@@ -208,7 +218,8 @@ def sampling_kwargs(spec, eos_token_ids: Sequence[int], logit_scale: float = 1.0
     if isinstance(spec, Choice):
         # No sampling settings: the one token drawn is never read, only the log-probabilities.
         rest = rest_token(spec.token_ids) if spec.full_vocab else None
-        return {"max_tokens": 1, "logprobs": len(spec.token_ids) + (rest is not None),
+        # one more than can be finite: an unrestricted row shows itself by a finite extra entry
+        return {"max_tokens": 1, "logprobs": len(spec.token_ids) + (rest is not None) + 1,
                 "logits_processor": CandidateLogits(spec.token_ids, rest, logit_scale), "detokenize": False}
     greedy = {"top_k": 1, "end_id": eos[0], "stop_token_ids": eos[1:] or None, "detokenize": False}
     if isinstance(spec, Text):
@@ -230,20 +241,46 @@ def json_grammar_ebnf(schema: str) -> str:
 
 
 class CandidatesMissing(RuntimeError):
-    """The returned log-probabilities lack a candidate: they were not taken after the logits
-    processor."""
+    """The returned log-probabilities were not taken after the logits processor: a candidate
+    missing, another token finite, or a log-sum-exp away from 0."""
 
 
-def choice_output(request: Request, step_logprobs) -> Output:
-    """A Choice from the one generated step's returned log-probabilities (``{token id:
-    Logprob(logprob, rank)}``). They must hold every candidate: a release that returned them
-    before the logits processor ran would not, and is refused rather than misread."""
+# How far from 0 the candidates' log-sum-exp may be: float32 log-softmax rounding is ~1e-6 and a
+# bf16 one ~4e-3; a restricted row's candidates hold all the mass, so anything further is a row
+# the processor did not restrict (where the count check has not already caught it).
+LOGSUMEXP_TOL = 1e-2
+
+
+def checked_choice_logprobs(request: Request, step_logprobs) -> np.ndarray:
+    """The K candidates' log-probabilities from one generated step's returned log-probabilities
+    (``{token id: Logprob(logprob, rank)}``), after checking that they came from the row the
+    logits processor restricted: exactly the candidates (and, for a full-vocabulary Choice, the
+    rest entry) are finite, and their log-sum-exp is 0 within :data:`LOGSUMEXP_TOL`. Raises
+    :class:`CandidatesMissing` otherwise."""
     ids = list(request.spec.token_ids)
     missing = [t for t in ids if t not in step_logprobs]
     if missing:
         raise CandidatesMissing(f"TensorRT-LLM returned no log-probability for candidate ids {missing}: "
                                 "the logits processor did not restrict the row the log-probabilities came from")
-    z = np.array([float(getattr(step_logprobs[t], "logprob", step_logprobs[t])) for t in ids], dtype=np.float64)
+    values = {int(t): float(getattr(v, "logprob", v)) for t, v in step_logprobs.items()}
+    finite = {t for t, v in values.items() if np.isfinite(v)}
+    expected = set(ids) | ({rest_token(ids)} if request.spec.full_vocab else set())
+    if finite != expected:
+        raise CandidatesMissing(
+            f"TensorRT-LLM returned {len(finite)} finite log-probabilities where the logits processor leaves "
+            f"exactly {len(expected)} (ids {sorted(expected)}; got {sorted(finite)[:8]}): the row was not restricted")
+    kept = np.array([values[t] for t in sorted(expected)], dtype=np.float64)
+    lse = float(kept.max() + np.log(np.exp(kept - kept.max()).sum()))
+    if abs(lse) > LOGSUMEXP_TOL:
+        raise CandidatesMissing(f"the returned candidate log-probabilities sum to log-probability {lse:.4g}, not 0: "
+                                "they are not the log-softmax of the restricted row")
+    return np.array([values[t] for t in ids], dtype=np.float64)
+
+
+def choice_output(request: Request, step_logprobs) -> Output:
+    """A Choice from the one generated step's returned log-probabilities, checked by
+    :func:`checked_choice_logprobs`."""
+    z = checked_choice_logprobs(request, step_logprobs)
     return Output(index=request.index, logits=z, probs=choice_probs(z),
                   logprobs=z.copy() if request.spec.full_vocab else None)
 
@@ -315,6 +352,81 @@ def release_loads_t5_fp8(source: str) -> bool:
     return "weight_scale" in source
 
 
+# The first-merge T5 (upstream #13919, the file as shipped from 1.3.0rc19) against the checkpoint's
+# model, as read in that file (commit 289b3768) and in upstream's later version of it (commit
+# e18ea371, defining ``_t5_q_scaling``): each check below finds the first-merge form in the
+# installed source. Which release first ships the later file could not be read.
+T5_FIX = ("a TensorRT-LLM whose tensorrt_llm/_torch/models/modeling_t5.py carries upstream's T5 fixes "
+          "(the file as of upstream commit e18ea371, defining _t5_q_scaling: q_scaling 1/sqrt(d_kv), lm_head "
+          "untied in load_weights, the relative attention bias passed with the KV cache); the first-merge "
+          "file of #13919 has none of them")
+
+
+def t5_release_defects(sources: dict, config_ties: bool) -> list[str]:
+    """What makes the release's T5 compute another model than the checkpoint's, read from its
+    source (``sources``: ``init`` and ``load_weights`` of ``T5ForConditionalGeneration``,
+    ``self_attention_init``, ``self_attention_forward`` of ``T5Attention`` and
+    ``cross_attention_init`` of ``T5CrossAttention``); ``config_ties``: whether the installed
+    transformers' ``T5Config`` of the checkpoint says ``tie_word_embeddings`` (transformers 5
+    forces it on for T5 configs, whatever the checkpoint says)."""
+    import re
+
+    out = []
+    ties = "lm_head.weight = self.model.shared_embedding.weight" in sources.get("init", "")
+    if config_ties and ties and "lm_head.weight" not in sources.get("load_weights", ""):
+        out.append("it ties lm_head to the embedding and never unties it when the checkpoint has its own "
+                   "lm_head.weight, so loading one overwrites the other")
+    unscaled = re.compile(r"q_scaling\s*=\s*1(\.0*)?\s*[,)]")
+    if any(unscaled.search(sources.get(k, "")) for k in ("self_attention_init", "cross_attention_init")):
+        out.append("its attention uses q_scaling=1.0, scaling scores by d_kv**-0.5 where T5 scales none")
+    forward = sources.get("self_attention_forward", "")
+    if "kv_cache_manager is not None" in forward and "relative_attention_bias" not in forward:
+        out.append("its self-attention drops the relative position bias once a KV cache exists")
+    return out
+
+
+def release_t5_max_seq_len(source: str) -> int | None:
+    """The sequence limit the release's ``T5ForConditionalGeneration.infer_max_seq_len`` reports
+    (512 in the files read), or None where it has none."""
+    import re
+
+    m = re.search(r"def infer_max_seq_len\(self\)[^:]*:\s*(?:\"\"\"[^\"]*\"\"\"\s*)?return\s+(\d+)", source)
+    return int(m.group(1)) if m else None
+
+
+LONG_LEN_ENV = "TLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def release_reads_long_len_env(source: str) -> bool:
+    """Whether the release's ``PyTorchModelEngine._init_max_seq_len`` (``source``) lets
+    :data:`LONG_LEN_ENV` keep a ``max_seq_len`` above the model's inferred limit
+    (``tensorrt_llm/_torch/pyexecutor/model_engine.py``); releases without it clamp."""
+    return LONG_LEN_ENV in source
+
+
+def t5_length_plan(options: dict, release_limit: int | None, reads_env: bool) -> tuple[bool, dict]:
+    """How the build's T5 lengths meet the release's ``max_seq_len`` limit: (set
+    :data:`LONG_LEN_ENV`, the options to load with). Within the limit, or where the release
+    reads the variable, the options stay; otherwise ``max_seq_len`` becomes the limit and
+    ``max_input_len`` the limit less the decoder tokens (encoder graph lengths cut to match), so
+    the backend refuses longer prompts itself instead of the release clamping under them."""
+    seq = int(options["max_seq_len"])
+    if release_limit is None or seq <= release_limit:
+        return False, options
+    if reads_env:
+        return True, options
+    decoder = seq - int(options["max_input_len"])
+    cap = release_limit - decoder
+    if cap < 1:
+        raise TensorRTLLMUnavailable(f"this TensorRT-LLM limits T5 to {release_limit} tokens, fewer than the "
+                                     f"{decoder} decoder tokens the build needs")
+    capped = {**options, "max_seq_len": release_limit, "max_input_len": cap}
+    graphs = options.get("encoder_cuda_graph_config")
+    if graphs and graphs.get("seq_lens"):
+        capped["encoder_cuda_graph_config"] = {**graphs, "seq_lens": [n for n in graphs["seq_lens"] if n < cap] + [cap]}
+    return False, capped
+
+
 # ---------------------------------------------------------------------------------------------
 
 class TrtllmBackend:
@@ -362,6 +474,7 @@ class TrtllmBackend:
 
         if self.kind == "encoder-decoder":
             self._t5_compat()
+            self._t5_lengths()
         kwargs, left_out = llm_kwargs(self.options, set(TorchLlmArgs.model_fields))
         if left_out:
             log.info("fastjudge: this TensorRT-LLM has no %s; running without them", ", ".join(left_out))
@@ -380,11 +493,64 @@ class TrtllmBackend:
                 "(tensorrt_llm/_torch/models/modeling_t5.py, _convert_hf_t5_weights); build the Flan-T5 judge "
                 "with --dtype bf16 for TensorRT-LLM (this FP8 checkpoint runs in the torch backend)")
         config = json.loads((self.checkpoint_dir / "config.json").read_text())
-        self.logit_scale = t5_logit_scale(config, release_rescales_t5_logits(
-            inspect.getsource(modeling_t5.T5ForConditionalGeneration.__init__)))
+        from transformers import T5Config
+
+        model, attn = modeling_t5.T5ForConditionalGeneration, modeling_t5.T5Attention
+        cross = modeling_t5.T5CrossAttention
+        sources = {"init": inspect.getsource(model.__init__), "load_weights": inspect.getsource(model.load_weights),
+                   "self_attention_init": inspect.getsource(attn.__init__),
+                   "self_attention_forward": inspect.getsource(attn.forward),
+                   "cross_attention_init": inspect.getsource(cross.__init__)}
+        defects = t5_release_defects(sources, bool(getattr(T5Config.from_dict(config), "tie_word_embeddings", True)))
+        if defects:
+            from importlib import metadata
+
+            raise TensorRTLLMUnavailable(
+                f"{self.build_dir}: TensorRT-LLM {metadata.version('tensorrt_llm')} would not compute this Flan-T5 "
+                f"as the checkpoint does (tensorrt_llm/_torch/models/modeling_t5.py): {'; '.join(defects)}. "
+                f"Install {T5_FIX}; until then this judge runs in the torch backend "
+                f"(LaveJudge('{self.checkpoint_dir}')).")
+        self.logit_scale = t5_logit_scale(config, release_rescales_t5_logits(sources["init"]))
         if self.logit_scale != 1.0:
             log.info("fastjudge: this TensorRT-LLM scales T5 logits by d_model**-0.5 where the checkpoint does "
                      "not; the backend multiplies them by %.3f", self.logit_scale)
+
+    def _t5_lengths(self) -> None:
+        """The release's T5 ``max_seq_len`` limit (:func:`t5_length_plan`)."""
+        import inspect
+
+        from tensorrt_llm._torch.models import modeling_t5
+
+        try:
+            from tensorrt_llm._torch.pyexecutor import model_engine
+
+            engine = inspect.getsource(model_engine.PyTorchModelEngine._init_max_seq_len)
+        except (ImportError, AttributeError, OSError, TypeError):
+            engine = ""  # no such method to read: assume the release clamps
+        limit = release_t5_max_seq_len(inspect.getsource(modeling_t5.T5ForConditionalGeneration))
+        set_env, self.options = t5_length_plan(self.options, limit, release_reads_long_len_env(engine))
+        if set_env:  # read by the engine when it loads, in this process or its workers (inherited)
+            os.environ[LONG_LEN_ENV] = "1"
+            log.info("fastjudge: %s=1 so that this TensorRT-LLM keeps max_seq_len %d above its T5 limit %d",
+                     LONG_LEN_ENV, self.options["max_seq_len"], limit)
+        elif self.options["max_input_len"] < self.max_input_tokens:
+            self.max_input_tokens = int(self.options["max_input_len"])
+            log.warning("fastjudge: this TensorRT-LLM limits T5 to %d tokens and does not read %s: prompts are "
+                        "capped at %d tokens and longer ones refused (the torch backend takes them)",
+                        limit, LONG_LEN_ENV, self.max_input_tokens)
+
+    def close(self) -> None:
+        """Shut the LLM down (``LLM.shutdown``: its workers, model and KV cache); safe to call
+        twice. Without it the GPU memory stays held until the process exits."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def cost(self, request: Request) -> int:
         return request.num_tokens
@@ -412,6 +578,11 @@ class TrtllmBackend:
 
         prompts, params = [], []
         for r in batch:
+            if self.kind == "encoder-decoder" and len(r.prompt_ids) > self.max_input_tokens:
+                # the judges refuse these first; here for callers that build requests themselves
+                raise ValueError(f"a prompt of {len(r.prompt_ids)} tokens is longer than this judge's "
+                                 f"{self.max_input_tokens} on this TensorRT-LLM (not truncated; the torch backend "
+                                 "takes longer prompts)")
             if self.kind == "encoder-decoder" and r.response_prefix:
                 # the LLM API starts T5's decoder from its start token; it takes no decoder prefix
                 raise NotImplementedError("the trtllm backend cannot continue a Flan-T5 decoder prefix "

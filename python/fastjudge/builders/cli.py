@@ -52,6 +52,9 @@ def add_build_parser(sub) -> None:
                    help="LLM-API max_input_len (default: longest calibration prompt plus headroom)")
     p.add_argument("--kv-cache-fraction", type=float, default=DEFAULT_KV_CACHE_FRACTION,
                    help=f"share of free GPU memory for the KV cache ({DEFAULT_KV_CACHE_FRACTION})")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="add torch_compile_config to the LLM-API options (off: upstream's encoder-decoder "
+                        "and Qwen3.5 configurations run without it)")
     p.add_argument("--no-onnx", action="store_true", help="qwen3.5 VL: skip the vision tower's ONNX export")
     p.add_argument("--onnx-opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset ({DEFAULT_OPSET})")
 
@@ -66,7 +69,7 @@ def options(args):
                         precision=args.dtype, calib_dtype=args.calib_dtype, kv_fp8=not args.no_fp8_kv,
                         min_agreement=args.min_agreement, max_batch_size=args.max_batch_size,
                         max_input_len=args.max_input_len, kv_cache_fraction=args.kv_cache_fraction,
-                        onnx=not args.no_onnx, onnx_opset=args.onnx_opset)
+                        torch_compile=args.torch_compile, onnx=not args.no_onnx, onnx_opset=args.onnx_opset)
 
 
 def run_build(args) -> int:

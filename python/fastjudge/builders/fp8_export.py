@@ -74,11 +74,16 @@ def fp8_state(source: Mapping[str, torch.Tensor], linears: Mapping[str, LinearAm
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def quant_declarations(kv_cache: bool, exclude_modules: Sequence[str], producer: dict) -> tuple[dict, dict]:
-    """(``hf_quant_config.json`` content, ``config.json`` ``quantization_config``)."""
+def quant_declarations(kv_cache: bool, exclude_modules: Sequence[str], producer: dict,
+                       engine_exclude: Sequence[str] = ()) -> tuple[dict, dict]:
+    """(``hf_quant_config.json`` content, ``config.json`` ``quantization_config``).
+    ``engine_exclude``: the same exclusions in TensorRT-LLM's own module names, listed in
+    ``hf_quant_config.json`` after the checkpoint's names (which TensorRT-LLM reads) for releases
+    that do not translate the checkpoint's names themselves (``qwen3_5.trtllm_exclude_modules``)."""
+    names = list(exclude_modules) + [e for e in engine_exclude if e not in exclude_modules]
     hf_quant = {"producer": producer,
                 "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv_cache else None,
-                                 "exclude_modules": list(exclude_modules)}}
+                                 "exclude_modules": names}}
     scheme = {"dynamic": False, "num_bits": 8, "type": "float"}
     inline = {"quant_method": "modelopt", "quant_algo": "FP8", "producer": producer,
               "config_groups": {"group_0": {"input_activations": scheme, "weights": scheme, "targets": ["Linear"]}},
@@ -89,10 +94,12 @@ def quant_declarations(kv_cache: bool, exclude_modules: Sequence[str], producer:
 
 
 def write_fp8_checkpoint(source_dir: str | os.PathLike, out_dir: str | os.PathLike, state: Mapping[str, torch.Tensor],
-                         kv_cache: bool, exclude_modules: Sequence[str], producer: dict) -> Path:
+                         kv_cache: bool, exclude_modules: Sequence[str], producer: dict,
+                         engine_exclude: Sequence[str] = ()) -> Path:
     """Write ``state`` (from :func:`fp8_state`) as a checkpoint directory next to the source's
-    config, tokenizer and preprocessing files, its quantization declared."""
-    hf_quant, inline = quant_declarations(kv_cache, exclude_modules, producer)
+    config, tokenizer and preprocessing files, its quantization declared (``engine_exclude``:
+    see :func:`quant_declarations`)."""
+    hf_quant, inline = quant_declarations(kv_cache, exclude_modules, producer, engine_exclude)
     out = _write(source_dir, out_dir, state, {"quantization_config": inline})
     (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
     return out

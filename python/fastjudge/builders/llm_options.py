@@ -12,9 +12,13 @@ NVIDIA/TensorRT-LLM ``tensorrt_llm/llmapi/llm_args.py`` (v1.3.0rc22 to v1.4.0rc1
   ``max_num_tokens`` (a batch's token budget, never below one whole prompt: T5's encoder input
   is not chunked);
 * ``cuda_graph_config``: decode-step CUDA graphs for powers of two up to ``max_batch_size``,
-  batches padded up to the next one; ``torch_compile_config``: torch.compile of the model with
-  full graphs, no inductor and no piecewise CUDA graphs (which the encoder-decoder path does not
-  support: ``docs/source/models/encoder-decoder.md``);
+  batches padded up to the next one;
+* ``torch_compile_config`` only when asked for (``torch_compile=True``; ``fastjudge build
+  --torch-compile``): torch.compile of the model with full graphs, no inductor and no piecewise
+  CUDA graphs. Off by default: upstream's encoder-decoder examples never set it
+  (``docs/source/models/encoder-decoder.md``) and its support table does not list torch.compile
+  for the hybrid Qwen3.5 rows (``docs/source/models/supported-models.md``), so the default is
+  the configuration upstream runs;
 * ``kv_cache_config``: the share of free GPU memory for the KV cache; block reuse only where the
   release supports it (not for T5, whose requests share no decoder prefix, nor for Qwen3.5, listed
   without KV-cache reuse in ``docs/source/models/supported-models.md``); for T5
@@ -23,7 +27,12 @@ NVIDIA/TensorRT-LLM ``tensorrt_llm/llmapi/llm_args.py`` (v1.3.0rc22 to v1.4.0rc1
   decoder tokens in the self pool, block-rounded;
 * T5: ``attn_backend="TRTLLM"`` (the backend that applies T5's relative attention bias),
   ``enable_chunked_prefill=False``, encoder CUDA graphs (``encoder_cuda_graph_config``,
-  ``encoder_max_batch_size``; releases before them run the encoder eagerly); Qwen:
+  ``encoder_max_batch_size``; releases before them run the encoder eagerly). The encoder graph
+  config carries both token-count buckets (``num_tokens``) and sequence-length buckets
+  (``seq_lens``): the releases that read it build token-mode encoder graphs only when both are
+  given, and refuse an encoder-decoder model whose config lacks them at ``LLM()``
+  (``tensorrt_llm/_torch/pyexecutor/engine/runners/encoder.py``, ``EncoderConfigMixin.create``
+  calling ``validate_token_encoder_bucket_config``); Qwen:
   ``guided_decoding_backend="xgrammar"`` for VisExMEM's JSON stages.
 """
 
@@ -68,9 +77,10 @@ def limits(max_input_len: int, max_new_tokens: int, max_batch_size: int, longest
 
 
 def llm_options(kind: str, model_type: str | None, lim: dict,
-                kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION) -> dict:
+                kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION, torch_compile: bool = False) -> dict:
     """The options of a ``kind`` judge ("flan-t5" or "qwen3.5") with limits ``lim``
-    (:func:`limits`)."""
+    (:func:`limits`); ``torch_compile``: add ``torch_compile_config`` (off by default, see the
+    module docstring)."""
     encoder_decoder = kind == "flan-t5"
     batch = graph_batch_sizes(lim["max_batch_size"])
     reuse = not encoder_decoder and "qwen3_5" not in (model_type or "")
@@ -80,20 +90,29 @@ def llm_options(kind: str, model_type: str | None, lim: dict,
         "max_input_len": lim["max_input_len"], "max_seq_len": lim["max_seq_len"], "max_beam_width": 1,
         "attn_backend": "TRTLLM",
         "cuda_graph_config": {"batch_sizes": batch, "enable_padding": True},
-        "torch_compile_config": {"enable_fullgraph": True, "enable_inductor": False,
-                                 "enable_piecewise_cuda_graph": False},
         "kv_cache_config": kv,
     }
+    if torch_compile:
+        options["torch_compile_config"] = {"enable_fullgraph": True, "enable_inductor": False,
+                                           "enable_piecewise_cuda_graph": False}
     if encoder_decoder:
         kv["cross_kv_cache_fraction"] = cross_kv_fraction(lim["max_input_len"],
                                                           lim["max_seq_len"] - lim["max_input_len"])
         options["enable_chunked_prefill"] = False
         options["encoder_max_batch_size"] = lim["max_batch_size"]
-        options["encoder_cuda_graph_config"] = {"batch_sizes": batch, "seq_lens": _seq_buckets(lim["max_input_len"]),
-                                                "enable_padding": True}
+        options["encoder_cuda_graph_config"] = {
+            "batch_sizes": batch, "num_tokens": token_buckets(lim["max_num_tokens"]),
+            "seq_lens": _seq_buckets(lim["max_input_len"]), "enable_padding": True}
     else:
         options["guided_decoding_backend"] = "xgrammar"
     return options
+
+
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """Encoder graph token counts (a packed batch's total tokens): powers of two from 64, then
+    ``max_num_tokens`` (a packed batch is padded up to the next; buckets above the batch token
+    budget would be dropped by the release)."""
+    return _seq_buckets(max_num_tokens)
 
 
 def _seq_buckets(max_input_len: int) -> list[int]:

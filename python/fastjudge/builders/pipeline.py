@@ -53,6 +53,7 @@ class BuildOptions:
     max_batch_size: int = 64
     max_input_len: int | None = None
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    torch_compile: bool = False  # torch_compile_config in the LLM-API options (llm_options.py)
     onnx: bool = True
     onnx_opset: int = DEFAULT_ONNX_OPSET
 
@@ -204,7 +205,8 @@ def finish(out: Path, opts: BuildOptions, kind: str, model: dict, quantization: 
     """Write the LLM-API options file and the manifest; returns the manifest."""
     from .manifest import new_manifest, write_manifest
 
-    options_path = write_llm_options(out, llm_options(kind, model.get("model_type"), lim, opts.kv_cache_fraction))
+    options_path = write_llm_options(out, llm_options(kind, model.get("model_type"), lim, opts.kv_cache_fraction,
+                                                          opts.torch_compile))
     why = trtllm_here(kind, model.get("model_type"))
     stages["trtllm"] = ({"status": "not run at build time",
                          "reason": "the LLM API loads the checkpoint with the options file and compiles at load"}

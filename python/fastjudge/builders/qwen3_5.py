@@ -20,6 +20,17 @@ DeltaNet layers ``conv1d``, ``in_proj_a``/``in_proj_b`` (ModelOpt's FP8 config) 
 grouped ``in_proj_qkvz`` tensor and splits scale tensors by rows, which a per-tensor scalar scale
 does not survive (NVIDIA/TensorRT-LLM
 ``tensorrt_llm/_torch/models/checkpoints/hf/qwen3_5_weight_mapper.py``, v1.3.0rc22 to v1.4.0rc1).
+
+``exclude_modules`` names the checkpoint's modules, which is what ModelOpt writes and what
+TensorRT-LLM's newer Qwen3.5 loaders translate (``_normalize_qwen35_exclude_modules`` in
+``tensorrt_llm/_torch/models/modeling_qwen3_5.py``: the language-model prefix dropped, split
+projections mapped to the packed ``in_proj_qkvz`` / ``in_proj_ba``). Releases without that
+translation match none of them, and in every release read the Gated DeltaNet's ``conv1d`` (an
+``nn.Conv1d`` in the checkpoint, so never a quantized linear layer here) is built as a ``Linear``
+under the global FP8 config (``modeling_qwen3_next.py``). So ``hf_quant_config.json`` also lists
+the same exclusions in TensorRT-LLM's own names (:func:`trtllm_exclude_modules`), ``conv1d``
+included; the additions name no module of the checkpoint, so they change nothing for loaders
+that read the checkpoint's names.
 The vision tower is left out of the quantization (it keeps the checkpoint's dtype). No
 engine is built: the LLM API compiles the model (torch.compile, CUDA graphs) when it loads the
 checkpoint with the options file.
@@ -31,6 +42,7 @@ and, for VL checkpoints with ``--images``, image-caption prompts with their imag
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -60,6 +72,29 @@ MODEL_KIND = "qwen3.5"
 QWEN_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
 # Beyond ModelOpt's own FP8 exclusions (see the module docstring).
 EXCLUDE = ("*linear_attn.in_proj_qkv", "*linear_attn.in_proj_z")
+
+
+def trtllm_exclude_modules(hf_excluded: list[str], linear_attn_blocks: list[str]) -> list[str]:
+    """The FP8 exclusions of the Gated DeltaNet layers in TensorRT-LLM's module names.
+
+    ``linear_attn_blocks``: the checkpoint's linear-attention modules (``...layers.N.linear_attn``,
+    with or without the VL ``model.language_model.`` prefix); ``hf_excluded``: the checkpoint
+    names left unquantized. For each block, upstream's ``model.layers.N.linear_attn``: ``conv1d``
+    always; ``in_proj_qkvz`` where ``in_proj_qkv`` or ``in_proj_z`` is excluded (upstream packs
+    them into one GEMM); ``in_proj_ba`` where ``in_proj_a`` or ``in_proj_b`` is."""
+    excluded = set(hf_excluded)
+    out = []
+    for block in linear_attn_blocks:
+        m = re.search(r"layers\.(\d+)\.linear_attn$", block)
+        if m is None:
+            continue
+        base = f"model.layers.{m.group(1)}.linear_attn"
+        out.append(f"{base}.conv1d")
+        if excluded & {f"{block}.in_proj_qkv", f"{block}.in_proj_z"}:
+            out.append(f"{base}.in_proj_qkvz")
+        if excluded & {f"{block}.in_proj_a", f"{block}.in_proj_b"}:
+            out.append(f"{base}.in_proj_ba")
+    return out
 
 
 def hf_model(model_dir: str, model_type: str, dtype: torch.dtype):
@@ -129,11 +164,13 @@ def build(opts: BuildOptions) -> dict:
             calibration_loop(prompts.calibration, images, cfg.get("image_token_id")), opts, encoder_decoder=False,
             exclude=EXCLUDE if model_type != "qwen3" else (), fused=fused_groups(model), device_label=str(device))
         exclude = excluded_linears(model, linears, collapse=("model.visual.",))
+        engine_exclude = trtllm_exclude_modules(
+            exclude, [name for name, _ in model.named_modules() if name.endswith(".linear_attn")])
         del model
         source = read_checkpoint(opts.model)
         kv_names = {attn: (f"{attn}.k_proj", f"{attn}.v_proj", k, v) for attn, (k, v) in kv.items()}
         ckpt_dir = write_fp8_checkpoint(opts.model, out / "checkpoint", fp8_state(source, linears, kv_names),
-                                        opts.kv_fp8, exclude, producer())
+                                        opts.kv_fp8, exclude, producer(), engine_exclude)
         del source
     else:
         ckpt_dir = write_bf16(opts, out)
