@@ -120,18 +120,32 @@ def said(text: str) -> list[dict]:
 
 
 # -- LAVE --------------------------------------------------------------------------------------
-def test_tool_call_turn_is_an_empty_answer(lave_judge):
+def test_answers_without_text_are_error_rows(lave_judge):
+    """A tool-call turn (``content: None``, as ``_calculate_rewards`` receives it), an empty and
+    a whitespace-only completion are never judged: NaN for TRL (``error_value`` None), the
+    reason in the ``lave_error`` column. TRL v1.9.0 ``trl/trainer/grpo_trainer.py``,
+    ``_calculate_rewards``."""
     from fastjudge.judges.lave import VQAExample
     from fastjudge.rl import _text, lave_reward_fn
 
-    # the answer text the judge sees: empty, not the string "None"
+    # the prompt text of a tool-call turn: empty, not the string "None"
     assert _text([{"role": "assistant", "content": None}]) == ""
-    reward = lave_reward_fn(lave_judge)
-    expected = lave_judge.score([VQAExample("What sport is this?", ["skiing"], "")])[0].score
-    got = reward(prompts=[[{"role": "user", "content": "What sport is this?"}]],
-                 completions=[[{"role": "assistant", "content": None}]],
-                 references=[["skiing"]])
-    assert got == [float(expected)]
+    inputs = [{"prompt": [{"role": "user", "content": "What sport is this?"}],
+               "references": ["skiing"]} for _ in range(4)]
+    completions = [[{"role": "assistant", "content": None}], said(""), said(" \n\t "),
+                   said("skiing")]
+    logs = TrlLogs()
+    rewards = trl_calculate_rewards(lave_reward_fn(lave_judge), inputs, completions, logs)
+    expected = lave_judge.score([VQAExample("What sport is this?", ["skiing"], "skiing")])[0]
+    assert_rewards(rewards, [None, None, None, expected.score])
+    errors = logs.extra["lave_error"]
+    assert "tool-call" in errors[0] and "empty" in errors[1] and "whitespace" in errors[2]
+    assert errors[3] == "" and logs.extra["lave_rating"][3] == expected.rating
+    assert logs.flushed_metrics()["lave/error_rate"] == pytest.approx(0.75)
+    # the reward the user configured for errors
+    fixed = trl_calculate_rewards(lave_reward_fn(lave_judge, error_value=-1.0), inputs[:2],
+                                  completions[:2], None)
+    assert fixed.tolist() == [-1.0, -1.0]
 
 
 def test_rejected_item_is_nan_for_trl_and_lave_logs(lave_judge):
