@@ -32,8 +32,9 @@ Failures, as verl's own reward-loop client treats them (``RewardLoopWorker._post
 and nothing was scored), a 429 (its queue is full), a lost connection or a timeout is retried,
 up to ``fastjudge_max_attempts`` posts, waiting the answer's ``Retry-After`` or else
 ``min(2**attempt, 30)`` seconds; when every attempt failed the call raises, since a judge that
-is gone must stop the run rather than hand out error rewards. A 4xx answer (an item the server
-refuses) is the item's error dict, not retried.
+is gone must stop the run rather than hand out error rewards. So does a 401, 403 or 404 (a
+wrong key or URL). Another 4xx answer (an item the server refuses) is the item's error dict,
+not retried.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def _attempt(method: str, url: str, body: Any, key: str | None, timeout: float) 
             after = bad.headers.get("Retry-After")
             raise _Retry(f"HTTP {bad.code}: {message}",
                          float(after) if after and after.strip().isdigit() else None) from None
+        if bad.code in (401, 403, 404, 405):  # a wrong key or URL: no item is to blame
+            raise RuntimeError(f"fastjudge server {url}: HTTP {bad.code}: {message}") from None
         raise Refused(f"the judge server refused the item (HTTP {bad.code}): {message}") from None
     except (urllib.error.URLError, OSError, TimeoutError) as bad:  # lost connection, timeout
         raise _Retry(f"{type(bad).__name__}: {bad}") from None
