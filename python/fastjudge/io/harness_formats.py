@@ -23,8 +23,9 @@ The document of a sample is that row, else the record's ``doc`` (older writers k
   VQA prompts put the question first; a task's ``pre_prompt`` comes before it, so that line
   is then wrong: give the dataset as ``--references``).
 
-VLMEvalKit (``<model>_<dataset>.xlsx``, ``.tsv`` or, with ``PRED_FORMAT=json``, ``.json``: an
-indented JSON array of row objects, ``vlmeval/smp/file.py`` ``dump_json``): ``index`` -> id,
+VLMEvalKit (``<model>_<dataset>.xlsx``; on its main branch only, no tagged release, also
+``.tsv`` or, with ``PRED_FORMAT=json``, ``.json``: an indented JSON array of row objects,
+``vlmeval/smp/file.py`` ``dump_json``): ``index`` -> id,
 ``question``, ``answer`` -> references, ``prediction``. An ``answer`` written as a Python list
 literal such as ``"['a', 'b']"`` is parsed with :func:`ast.literal_eval` (data only: nothing
 in it is run) into one reference per element; any other answer is one reference. ``index`` is
