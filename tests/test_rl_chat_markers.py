@@ -224,3 +224,15 @@ def test_a_template_no_table_knows(tmp_path):
         split_response(query, prompt)
     assert clean(split_response(query, prompt, markers), markers) == "skiing"
     assert prompt_question(prompt, markers) == QUESTION
+
+
+def test_serve_command_line_takes_the_policy_template():
+    from fastjudge.cli import build_parser
+    from fastjudge.serve.command import policy_markers_of
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--policy-template",
+                                      str(TEMPLATES / "gemma4"), "--reasoning", "keep"])
+    assert policy_markers_of(args) == load_markers(TEMPLATES / "gemma4")
+    assert args.reasoning == "keep"
+    plain = build_parser().parse_args(["serve", "--model", "m"])
+    assert policy_markers_of(plain) is None and plain.reasoning == "strip"

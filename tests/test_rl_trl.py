@@ -348,3 +348,28 @@ def test_trl_itself_calculates_the_rewards(lave_judge):
     assert torch.isnan(rewards[1]).all() and torch.equal(rewards[[0, 2], 0], rewards[[0, 2], 1])
     assert len(trainer._pending_extra_logs["lave_error"]) == 6  # both functions logged
     assert trainer._pending_metrics["lave/error_rate"] == [pytest.approx(1 / 3)] * 2
+
+
+def test_image_rewards_judge_the_answer_and_refuse_none(visex):
+    """The image judges' TRL rewards read completions as the LAVE one does: a Gemma 4 thought
+    channel or a ``<think>`` block removed, an empty, whitespace-only or tool-call answer never
+    sent to the judge (``_calculate_rewards`` as above)."""
+    from PIL import Image
+
+    from fastjudge import HolisticJudge
+    from fastjudge.rl import holistic_reward_fn, visexmem_reward_fn
+
+    image = Image.fromarray(pixels(2))
+    completions = [said("<|channel>thought\nRed and round.<channel|>A red bus."),
+                   said("<think>\nRed.\n</think>\n\nA red bus."), said(""), said(" \n "),
+                   [{"role": "assistant", "content": None}], said("<think>\nRed and")]
+    inputs = [{"prompt": vlm_prompt(image), "images": [image]} for _ in completions]
+    for build, name, inner in ((visexmem_reward_fn, "visexmem", visex),
+                               (holistic_reward_fn, "holistic", HolisticJudge(visex.backend))):
+        judge, logs = Recording(inner), TrlLogs()
+        rewards = trl_calculate_rewards(build(judge), inputs, completions, logs)
+        assert [e.text for e in judge.sent] == ["A red bus.", "A red bus."]
+        assert_rewards(rewards, [judge.results[0].score, judge.results[1].score] + [None] * 4)
+        errors = logs.extra[f"{name}_error"]
+        assert errors[:2] == ["", ""] and all("empty" in e for e in errors[2:5])
+        assert "never closes" in errors[5]
