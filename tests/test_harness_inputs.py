@@ -268,3 +268,26 @@ def test_lmms_eval_references_from_the_dataset(t5_dir, tmp_path):
     assert rescore(t5_dir, log, tmp_path / "nope.jsonl", "--references", str(parquet),
                    "--references-column", "answer") != 0
     assert not (tmp_path / "nope.jsonl").exists()
+
+
+def test_lmms_eval_multiple_choice_logs_are_error_rows():
+    """A ``multiple_choice`` sample as lmms-eval logs it (EvolvingLMMs-Lab/lmms-eval commit
+    75571cfe0fa36ca5ec2e6aa2bb268f9d38295af3): ``lmms_eval/api/task.py``
+    ``ConfigurableTask.process_results`` reads each request's result as a
+    ``(loglikelihood, is_greedy)`` pair (``lls, is_greedy = zip(*results)``), so ``resps`` holds
+    one ``[[ll, is_greedy]]`` per choice and ``filtered_resps`` one ``[ll, is_greedy]``; the
+    ``loglikelihood`` output type logs a single pair. None of them is text to judge."""
+    from fastjudge.io.harness_formats import lmms_eval_item
+
+    choices = [(-1.23, False), (-0.45, True), (-3.5, False)]
+    multiple_choice = {"doc_id": 3, "doc": {"question": "Which animal is shown?"},
+                       "target": "1", "resps": [[list(c)] for c in choices],
+                       "filtered_resps": [list(c) for c in choices], "acc": 1.0}
+    single = {"doc_id": 4, "doc": {"question": "Is it a cat?"}, "target": "yes",
+              "filtered_resps": [-0.7, True]}
+    for record in (multiple_choice, single, {**multiple_choice, "filtered_resps": None}):
+        with pytest.raises(ValueError, match="log-likelihood scores, not generated text"):
+            lmms_eval_item(record)
+    # text responses are read as before
+    text = {**multiple_choice, "resps": [["a cat"]], "filtered_resps": ["a cat"], "target": "cat"}
+    assert lmms_eval_item(text)["prediction"] == "a cat"

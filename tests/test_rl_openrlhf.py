@@ -16,7 +16,10 @@ rewards to ``torch.tensor``.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -183,29 +186,60 @@ def test_failed_split_and_empty_label_are_error_rows(client):
     assert "query[1]: the label is empty" in r["errors"][1] and "label_key" in r["errors"][1]
 
 
-def test_image_judge_reads_the_labels_image_under_image_root(vl_dir, tmp_path, qwen_processor):
-    """OpenRLHF sends no image bytes: the label names the image (the dataset's image path)."""
+@contextlib.contextmanager
+def image_host(folder):
+    """A loopback HTTP server of ``folder``'s files; yields its base URL."""
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_image_judge_reads_the_labels_image_as_openrlhfs_image_column(vl_dir, tmp_path, qwen_processor):
+    """OpenRLHF sends no image bytes: the label names the image as the dataset's image column
+    holds it (``openrlhf/datasets/prompts_dataset.py``: ``data.get(image_key)``;
+    ``openrlhf/utils/vlm_utils.py`` ``load_images``, v0.11.0: a path, an http(s) URL, a
+    base64 / ``data:`` string, or a list of these). Paths are read only under the image root,
+    URLs fetched only under an allowed prefix."""
     from PIL import Image
 
     from fastjudge.judges.holistic import HolisticJudge
     from fastjudge.judges.visexmem import ImageTextExample
 
     (tmp_path / "coco").mkdir()
-    Image.new("RGB", (48, 40), (200, 30, 30)).save(tmp_path / "coco" / "1.png")
-    (tmp_path.parent / "outside.png").write_bytes((tmp_path / "coco" / "1.png").read_bytes())
+    picture = tmp_path / "coco" / "1.png"
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(picture)
+    (tmp_path.parent / "outside.png").write_bytes(picture.read_bytes())
+    data_url = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
     tokenizer = qwen_processor.tokenizer
     query = executor_query(tokenizer, vlm_prompt_ids(qwen_processor, VLM_PROMPT), "a red square<|im_end|>")
-    labels = [json.dumps({"image": "coco/1.png"}), json.dumps({"image": "../outside.png"}),
-              json.dumps({"image": str(tmp_path / "coco" / "1.png")})]
     judge = HolisticJudge(vl_dir, image_root=str(tmp_path), engine=EngineOptions(device="cpu", dtype="float32"))
-    expected = judge.score([ImageTextExample(image=str(tmp_path / "coco" / "1.png"),
-                                             text="a red square")])[0].score
-    with TestClient(create_app(judge, "holistic", reward_on_error=-1.0)) as c:
-        r = c.post("/get_reward", json={"query": [query] * 3, "prompts": [VLM_PROMPT] * 3,
-                                        "labels": labels}).json()
-    assert r["rewards"][0] == pytest.approx(expected) and r["errors"][0] is None
-    assert "leaves --image-root" in r["errors"][1]
-    assert "relative to --image-root" in r["errors"][2]
+    expected = judge.score([ImageTextExample(image=str(picture), text="a red square")])[0].score
+    with image_host(tmp_path) as base:
+        images = ["coco/1.png", str(picture), [str(picture)], data_url, base + "coco/1.png",
+                  "../outside.png", str(tmp_path.parent / "outside.png"), [str(picture)] * 2,
+                  "http://127.0.0.2:9/coco/1.png", base + "missing.png"]
+        labels = [json.dumps({"image": image}) for image in images]
+        app = create_app(judge, "holistic", reward_on_error=-1.0, image_url_prefixes=(base,))
+        with TestClient(app) as c:
+            r = c.post("/get_reward", json={"query": [query] * len(labels),
+                                            "prompts": [VLM_PROMPT] * len(labels),
+                                            "labels": labels}).json()
+    assert r["rewards"][:5] == [pytest.approx(expected)] * 5 and r["errors"][:5] == [None] * 5
+    assert "outside --image-root" in r["errors"][5] and "outside --image-root" in r["errors"][6]
+    assert "holds 2 images" in r["errors"][7]
+    assert "not under an allowed prefix" in r["errors"][8]
+    assert "could not be fetched" in r["errors"][9]
+    assert r["rewards"][5:] == [-1.0] * 5
     judge.image_root = None  # a server started without --image-root reads no files
     with TestClient(create_app(judge, "holistic", reward_on_error=-1.0)) as c:
         r = c.post("/get_reward", json={"query": [query], "prompts": [VLM_PROMPT],

@@ -120,18 +120,32 @@ def said(text: str) -> list[dict]:
 
 
 # -- LAVE --------------------------------------------------------------------------------------
-def test_tool_call_turn_is_an_empty_answer(lave_judge):
+def test_answers_without_text_are_error_rows(lave_judge):
+    """A tool-call turn (``content: None``, as ``_calculate_rewards`` receives it), an empty and
+    a whitespace-only completion are never judged: NaN for TRL (``error_value`` None), the
+    reason in the ``lave_error`` column. TRL v1.9.0 ``trl/trainer/grpo_trainer.py``,
+    ``_calculate_rewards``."""
     from fastjudge.judges.lave import VQAExample
     from fastjudge.rl import _text, lave_reward_fn
 
-    # the answer text the judge sees: empty, not the string "None"
+    # the prompt text of a tool-call turn: empty, not the string "None"
     assert _text([{"role": "assistant", "content": None}]) == ""
-    reward = lave_reward_fn(lave_judge)
-    expected = lave_judge.score([VQAExample("What sport is this?", ["skiing"], "")])[0].score
-    got = reward(prompts=[[{"role": "user", "content": "What sport is this?"}]],
-                 completions=[[{"role": "assistant", "content": None}]],
-                 references=[["skiing"]])
-    assert got == [float(expected)]
+    inputs = [{"prompt": [{"role": "user", "content": "What sport is this?"}],
+               "references": ["skiing"]} for _ in range(4)]
+    completions = [[{"role": "assistant", "content": None}], said(""), said(" \n\t "),
+                   said("skiing")]
+    logs = TrlLogs()
+    rewards = trl_calculate_rewards(lave_reward_fn(lave_judge), inputs, completions, logs)
+    expected = lave_judge.score([VQAExample("What sport is this?", ["skiing"], "skiing")])[0]
+    assert_rewards(rewards, [None, None, None, expected.score])
+    errors = logs.extra["lave_error"]
+    assert "tool-call" in errors[0] and "empty" in errors[1] and "whitespace" in errors[2]
+    assert errors[3] == "" and logs.extra["lave_rating"][3] == expected.rating
+    assert logs.flushed_metrics()["lave/error_rate"] == pytest.approx(0.75)
+    # the reward the user configured for errors
+    fixed = trl_calculate_rewards(lave_reward_fn(lave_judge, error_value=-1.0), inputs[:2],
+                                  completions[:2], None)
+    assert fixed.tolist() == [-1.0, -1.0]
 
 
 def test_rejected_item_is_nan_for_trl_and_lave_logs(lave_judge):
@@ -334,3 +348,28 @@ def test_trl_itself_calculates_the_rewards(lave_judge):
     assert torch.isnan(rewards[1]).all() and torch.equal(rewards[[0, 2], 0], rewards[[0, 2], 1])
     assert len(trainer._pending_extra_logs["lave_error"]) == 6  # both functions logged
     assert trainer._pending_metrics["lave/error_rate"] == [pytest.approx(1 / 3)] * 2
+
+
+def test_image_rewards_judge_the_answer_and_refuse_none(visex):
+    """The image judges' TRL rewards read completions as the LAVE one does: a Gemma 4 thought
+    channel or a ``<think>`` block removed, an empty, whitespace-only or tool-call answer never
+    sent to the judge (``_calculate_rewards`` as above)."""
+    from PIL import Image
+
+    from fastjudge import HolisticJudge
+    from fastjudge.rl import holistic_reward_fn, visexmem_reward_fn
+
+    image = Image.fromarray(pixels(2))
+    completions = [said("<|channel>thought\nRed and round.<channel|>A red bus."),
+                   said("<think>\nRed.\n</think>\n\nA red bus."), said(""), said(" \n "),
+                   [{"role": "assistant", "content": None}], said("<think>\nRed and")]
+    inputs = [{"prompt": vlm_prompt(image), "images": [image]} for _ in completions]
+    for build, name, inner in ((visexmem_reward_fn, "visexmem", visex),
+                               (holistic_reward_fn, "holistic", HolisticJudge(visex.backend))):
+        judge, logs = Recording(inner), TrlLogs()
+        rewards = trl_calculate_rewards(build(judge), inputs, completions, logs)
+        assert [e.text for e in judge.sent] == ["A red bus.", "A red bus."]
+        assert_rewards(rewards, [judge.results[0].score, judge.results[1].score] + [None] * 4)
+        errors = logs.extra[f"{name}_error"]
+        assert errors[:2] == ["", ""] and all("empty" in e for e in errors[2:5])
+        assert "never closes" in errors[5]

@@ -58,7 +58,7 @@ from fastjudge import rl
 from fastjudge.judges.base import Judge
 from fastjudge.judges.lave import VQAExample
 
-NUMBERS = ["score", "rating", "soft_score", "prob_1", "prob_2", "prob_3", "error"]
+NUMBERS = ["score", "rating", "soft_score", "prob_1", "prob_2", "prob_3", "acc", "error"]
 KEYS = NUMBERS + ["error_reason"]
 FORMS = ("compute_score", "compute_score_async", "compute_score_batch", "compute_score_float")
 

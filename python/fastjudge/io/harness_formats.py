@@ -6,7 +6,9 @@ Each harness row becomes one :class:`.jsonl.InputLine` with the LAVE item fields
 
 lmms-eval (``--log_samples``: one ``*_samples_<task>.jsonl`` per task, one JSON object a line):
 ``doc_id`` -> id; ``filtered_resps`` (else ``resps``), its first leaf when it is a list ->
-prediction. Current lmms-eval writes no ``doc`` (the writer drops it and keeps ``input``, the
+prediction. A multiple-choice (or loglikelihood) task logs ``[log-likelihood, is_greedy]`` pairs
+there instead of text: such a record is an error row saying so, not a "prediction" like
+``"-1.23"``. Current lmms-eval writes no ``doc`` (the writer drops it and keeps ``input``, the
 prompt the model saw, and ``target``, one ``str(doc_to_target(doc))``), so a VQAv2 sample keeps
 one of its ten answers. Hence :class:`References`: the task's dataset itself (JSONL or Parquet,
 one row per document), joined on ``doc_id`` (its ``doc_id`` column, else the row's position,
@@ -21,8 +23,9 @@ The document of a sample is that row, else the record's ``doc`` (older writers k
   VQA prompts put the question first; a task's ``pre_prompt`` comes before it, so that line
   is then wrong: give the dataset as ``--references``).
 
-VLMEvalKit (``<model>_<dataset>.xlsx``, ``.tsv`` or, with ``PRED_FORMAT=json``, ``.json``: an
-indented JSON array of row objects, ``vlmeval/smp/file.py`` ``dump_json``): ``index`` -> id,
+VLMEvalKit (``<model>_<dataset>.xlsx``; on its main branch only, no tagged release, also
+``.tsv`` or, with ``PRED_FORMAT=json``, ``.json``: an indented JSON array of row objects,
+``vlmeval/smp/file.py`` ``dump_json``): ``index`` -> id,
 ``question``, ``answer`` -> references, ``prediction``. An ``answer`` written as a Python list
 literal such as ``"['a', 'b']"`` is parsed with :func:`ast.literal_eval` (data only: nothing
 in it is run) into one reference per element; any other answer is one reference. ``index`` is
@@ -193,6 +196,11 @@ def lmms_eval_item(record: Any, references: dict | None = None,
         prediction = _flatten(record.get("resps"))
     if prediction is None:
         raise ValueError("no response: filtered_resps and resps are empty or missing")
+    if not isinstance(prediction, str):
+        # a loglikelihood / multiple_choice task logs (log-likelihood, is_greedy) per choice
+        raise ValueError("the responses are log-likelihood scores, not generated text (a "
+                         "multiple-choice or loglikelihood task logs [log-likelihood, is_greedy] "
+                         "per choice): there is no answer to judge; judge a generate_until task")
     if references is not None:
         row = references.get(str(record.get("doc_id")))
         if row is None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .answers import answer_of
+
 
 def text_of(x: Any) -> str:
     """Plain text of a prompt/completion: a string, or a conversation (list of
@@ -20,6 +22,26 @@ def text_of(x: Any) -> str:
         # a tool-call turn has content None: that is an empty answer, not the text "None"
         return "" if content is None else str(content)
     return "" if x is None else str(x)
+
+
+def content_of(x: Any) -> str | None:
+    """A completion's text as the policy wrote it: a string, or a conversation's last message
+    content (text parts joined); ``None`` for a tool-call turn (content ``None``)."""
+    if isinstance(x, (list, tuple)) and x and isinstance(x[-1], dict):
+        content = x[-1].get("content")
+        if content is None:
+            return None
+        if isinstance(content, list):
+            return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return str(content)
+    return None if x is None else text_of(x)
+
+
+def completion_answer(x: Any, reasoning: str = "strip") -> str:
+    """The answer of a completion (a string or a conversation), reasoning removed unless
+    ``reasoning="keep"``; :class:`~fastjudge.rl.answers.AnswerError` when it has none (an
+    empty or whitespace-only answer, a tool-call turn, an unterminated reasoning block)."""
+    return answer_of(content_of(x), reasoning)
 
 
 def references_of(refs: Any) -> list:

@@ -7,6 +7,11 @@ completions table (one value per completion) and ``log_metric(name, value)`` rec
 averaged over the logging step. A ``None`` reward becomes NaN, which TRL leaves out of the
 advantage.
 
+Each completion is judged on its answer (:mod:`fastjudge.rl.answers`): a completed reasoning
+block is removed (``reasoning="keep"`` judges the text as is); an empty, whitespace-only or
+tool-call answer, or one that ends inside its reasoning block, is never sent to the judge and
+gets ``error_value``, with the reason in the ``<name>_error`` column.
+
 When the logging callables are passed, each function here logs the same columns and metrics on
 every call, whatever its batch holds: TRL gathers them across processes name by name, so every
 process must log the same names.
@@ -23,7 +28,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from .inputs import image_of, references_of, text_of
+from .answers import AnswerError, check_reasoning_mode
+from .inputs import completion_answer, image_of, references_of, text_of
 
 __all__ = ["lave_reward_fn", "visexmem_reward_fn", "holistic_reward_fn", "lave_reward_fn_async",
            "visexmem_reward_fn_async", "holistic_reward_fn_async"]
@@ -57,15 +63,17 @@ def _log(kwargs: dict, name: str, results: list, columns: Columns, metrics: Metr
 
 def lave_reward_fn(judge, references_key: str = "references", question_key: str = "question",
                    caption_key: str = "caption", error_value: float | None = None,
-                   asynchronous: bool = False) -> Callable[..., list[float | None]]:
+                   asynchronous: bool = False,
+                   reasoning: str = "strip") -> Callable[..., list[float | None]]:
     """A TRL reward function scoring completions with a :class:`~fastjudge.LaveJudge`.
 
     ``kwargs[references_key]`` holds each row's reference answers (a list of strings, or a JSON
     list string); the question is ``kwargs[question_key]`` when that column exists, otherwise
     the prompt text (the last message of a conversational prompt). Completions may be strings
     or conversations. The reward is the LAVE score (0, 0.5, 1); a rejected item gets
-    ``error_value``. Logged: columns ``lave_rating``, ``lave_error``; metric
-    ``lave/error_rate``. ``asynchronous``: an ``async def`` reward (see
+    ``error_value``, and so does a completion without an answer (see the module docstring;
+    ``reasoning``: ``strip`` or ``keep``). Logged: columns ``lave_rating``, ``lave_error``;
+    metric ``lave/error_rate``. ``asynchronous``: an ``async def`` reward (see
     :func:`lave_reward_fn_async`).
 
     Example (runs as is with any LAVE judge checkpoint)::
@@ -82,6 +90,8 @@ def lave_reward_fn(judge, references_key: str = "references", question_key: str 
     """
     from ..judges.lave import VQAExample
 
+    check_reasoning_mode(reasoning)
+
     def prepare(prompts: Sequence, completions: Sequence, kwargs: dict):
         n = len(completions)
         if references_key not in kwargs:
@@ -93,16 +103,32 @@ def lave_reward_fn(judge, references_key: str = "references", question_key: str 
         if not (len(refs) == len(questions) == len(captions) == n):
             raise ValueError(f"column lengths differ: {n} completions, {len(refs)} references, "
                              f"{len(questions)} questions")
-        examples = [VQAExample(text_of(q), references_of(r), text_of(c), cap)
-                    for q, r, c, cap in zip(questions, refs, completions, captions)]
+        results: list = [None] * n
+        rows, examples = [], []
+        for i, (q, r, c, cap) in enumerate(zip(questions, refs, completions, captions)):
+            try:
+                answer = completion_answer(c, reasoning)
+            except AnswerError as none:  # never judged: this row's error
+                results[i] = _unjudged(str(none))
+                continue
+            rows.append(i)
+            examples.append(VQAExample(text_of(q), references_of(r), answer, cap))
 
-        def finish(results: list) -> list[float | None]:
+        def finish(scored: list) -> list[float | None]:
+            for r in scored:
+                results[rows[r.index]] = r
             _log(kwargs, "lave", results, {"rating": lambda r: r.rating}, {})
             return [error_value if r.error else float(r.score) for r in results]
 
         return examples, finish
 
     return _reward(judge, "lave", prepare, asynchronous)
+
+
+def _unjudged(reason: str) -> SimpleNamespace:
+    """The result of a row the judge never saw: no score, every logged field empty."""
+    return SimpleNamespace(score=None, error=reason, rating=None, decision=None, claims=None,
+                           explanation=None)
 
 
 def _reward(judge, name: str, prepare: Callable, asynchronous: bool) -> Callable:
@@ -138,8 +164,10 @@ def _row_image(kwargs: dict, i: int, image_key: str, images_key: str):
 
 def _image_text_reward(judge, name: str, image_key: str, images_key: str,
                        error_value: float | None, columns: Columns, metrics: Metrics,
-                       asynchronous: bool):
+                       asynchronous: bool, reasoning: str):
     from ..judges.visexmem import ImageTextExample
+
+    check_reasoning_mode(reasoning)
 
     def prepare(prompts: Sequence, completions: Sequence, kwargs: dict):
         if image_key not in kwargs and images_key not in kwargs:
@@ -150,10 +178,15 @@ def _image_text_reward(judge, name: str, image_key: str, images_key: str,
         for i, completion in enumerate(completions):
             image = _row_image(kwargs, i, image_key, images_key)
             if isinstance(image, str):  # no usable image: this row's error, the judge never sees it
-                results[i] = SimpleNamespace(score=None, error=image)
+                results[i] = _unjudged(image)
+                continue
+            try:
+                answer = completion_answer(completion, reasoning)
+            except AnswerError as none:
+                results[i] = _unjudged(str(none))
                 continue
             rows.append(i)
-            examples.append(ImageTextExample(image=image, text=text_of(completion)))
+            examples.append(ImageTextExample(image=image, text=answer))
 
         def finish(scored: list) -> list[float | None]:
             for r in scored:
@@ -167,15 +200,16 @@ def _image_text_reward(judge, name: str, image_key: str, images_key: str,
 
 
 def visexmem_reward_fn(judge, image_key: str = "image", images_key: str = "images",
-                       error_value: float | None = None,
-                       asynchronous: bool = False) -> Callable[..., list[float | None]]:
+                       error_value: float | None = None, asynchronous: bool = False,
+                       reasoning: str = "strip") -> Callable[..., list[float | None]]:
     """A TRL reward function scoring each completion, as a caption, against its row's image
     with a :class:`~fastjudge.VisExJudge`; the reward is the VisExMEM score.
 
     The image comes from TRL's VLM columns: ``images`` (a list per row, which must hold one
     image) or else ``image`` (one per row); a PIL image, an array, encoded bytes, a path, or a
     ``datasets.Image(decode=False)`` dict. A row without a usable image, or an item the judge
-    rejects (an empty completion, an unreadable image), gets ``error_value`` (default None: NaN
+    rejects (an unreadable image), and a completion without an answer (see the module
+    docstring), gets ``error_value`` (default None: NaN
     in TRL). Logged: columns ``visexmem_explanation``, ``visexmem_claims`` (claims checked),
     ``visexmem_error``; metrics ``visexmem/error_rate``, ``visexmem/claims`` (mean over scored
     items).
@@ -191,12 +225,12 @@ def visexmem_reward_fn(judge, image_key: str = "image", images_key: str = "image
                "claims": lambda r: len(getattr(r, "claims", None) or [])}
     metrics = {"claims": _mean_over_scored(lambda r: len(r.claims))}
     return _image_text_reward(judge, "visexmem", image_key, images_key, error_value, columns,
-                              metrics, asynchronous)
+                              metrics, asynchronous, reasoning)
 
 
 def holistic_reward_fn(judge, image_key: str = "image", images_key: str = "images",
-                       error_value: float | None = None,
-                       asynchronous: bool = False) -> Callable[..., list[float | None]]:
+                       error_value: float | None = None, asynchronous: bool = False,
+                       reasoning: str = "strip") -> Callable[..., list[float | None]]:
     """As :func:`visexmem_reward_fn`, with a :class:`~fastjudge.HolisticJudge`: the reward is
     P(yes) that the image shows the completion. Logged: columns ``holistic_decision``,
     ``holistic_error``; metrics ``holistic/error_rate``, ``holistic/yes_rate`` (share of scored
@@ -204,7 +238,7 @@ def holistic_reward_fn(judge, image_key: str = "image", images_key: str = "image
     columns = {"decision": lambda r: getattr(r, "decision", None) or ""}
     metrics = {"yes_rate": _mean_over_scored(lambda r: float(r.decision == "yes"))}
     return _image_text_reward(judge, "holistic", image_key, images_key, error_value, columns,
-                              metrics, asynchronous)
+                              metrics, asynchronous, reasoning)
 
 
 def lave_reward_fn_async(judge, **options) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import __version__
 from ..judges.registry import ItemError, get_judge
+from ..rl.answers import check_reasoning_mode
 from ..runtime.async_batcher import AsyncBatcher, QueueFullError
 from ..runtime.failures import SystemFailure
 from . import openrlhf
@@ -78,7 +79,8 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
                reward_on_error: float = 0.0,
                max_completion_tokens: int = DEFAULT_MAX_COMPLETION_TOKENS, retries: int = 2,
-               retry_after_s: int = SYSTEM_FAILURE_RETRY_AFTER_S, image_url_prefixes: tuple[str, ...] = ()):
+               retry_after_s: int = SYSTEM_FAILURE_RETRY_AFTER_S, image_url_prefixes: tuple[str, ...] = (),
+               policy_markers=None, reasoning: str = "strip"):
     """The Starlette app serving ``judge`` (a fresh batcher is made for it). ``api_key``: every
     route but ``/health`` needs ``Authorization: Bearer <api_key>``. ``reward_on_error``: the
     ``/get_reward`` reward of an item the judge rejects (rewards are always numbers; never
@@ -86,7 +88,10 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
     one ``/v1/chat/completions`` answer gets. ``retries``: how often a failed batch runs again
     before its requests get 503 with ``Retry-After: retry_after_s``
     (:mod:`fastjudge.runtime.failures`). ``image_url_prefixes``: the remote image URLs the chat
-    route fetches (none: ``data:`` URLs only)."""
+    route and ``/get_reward`` labels fetch (none: ``data:`` URLs only). ``policy_markers``: the
+    trained policy's chat-template markers (:func:`fastjudge.rl.chat_markers.load_markers`),
+    which ``/get_reward`` splits its queries by (None: the tables of common templates);
+    ``reasoning``: ``strip`` (judge the answer after a reasoning block) or ``keep``."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -173,18 +178,28 @@ def create_app(judge, judge_name: str = "lave", max_body_bytes: int = DEFAULT_MA
         results = await asyncio.wait_for(batcher.score(examples), timeout_s)
         return JSONResponse({"results": [result_json(r) for r in results]}), len(examples)
 
+    check_reasoning_mode(reasoning)
+    fetch = openrlhf.fetch_label_image(max_body_bytes)
+
+    def stock_items(body) -> list:
+        """A parsed example, or the error that rejected that sample, per query."""
+        items: list = []
+        labels = body.labels if body.labels is not None else [None] * len(body.query)
+        for i, (query, prompt, label) in enumerate(zip(body.query, body.prompts, labels)):
+            where = f"query[{i}]"
+            try:
+                items.append(openrlhf.stock_example(
+                    spec, query, prompt, label, where, judge_name == "lave", image_root,
+                    policy_markers, reasoning, tuple(image_url_prefixes), fetch))
+            except ValueError as bad:  # ItemError, or an image that does not decode
+                items.append(bad)
+        return items
+
     async def reward_work(request):
         body = validated(RewardRequest, await read_json(request, max_body_bytes, body_timeout_s))
         items: list = []  # a parsed example, or the error that rejected that sample
-        if body.is_stock:
-            labels = body.labels if body.labels is not None else [None] * len(body.query)
-            for i, (query, prompt, label) in enumerate(zip(body.query, body.prompts, labels)):
-                where = f"query[{i}]"
-                try:
-                    items.append(openrlhf.stock_example(spec, query, prompt, label, where,
-                                                        judge_name == "lave", image_root))
-                except ValueError as bad:  # ItemError, or an image that does not decode
-                    items.append(bad)
+        if body.is_stock:  # labels may name image files or URLs: read off the event loop
+            items = await asyncio.to_thread(stock_items, body) if judge_name != "lave" else stock_items(body)
         else:  # each query is an item as a JSON object string
             for i, q in enumerate(body.query):
                 where = f"query[{i}]"

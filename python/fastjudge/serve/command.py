@@ -56,9 +56,17 @@ def add_serve_parser(sub) -> None:
                    help="/v1/chat/completions: the most tokens one answer gets (default "
                         f"{DEFAULT_MAX_COMPLETION_TOKENS}; a request's max_tokens is capped by it)")
     p.add_argument("--image-url-prefix", action="append", default=[], metavar="PREFIX",
-                   help="/v1/chat/completions: fetch remote image_url images whose URL starts "
-                        "with PREFIX (repeatable; e.g. https://images.example.org/); without it "
-                        "only data: URLs are taken")
+                   help="/v1/chat/completions and /get_reward labels: fetch remote images whose "
+                        "URL starts with PREFIX (repeatable; e.g. https://images.example.org/); "
+                        "without it only data: URLs are taken")
+    p.add_argument("--policy-template", default=None, metavar="PATH",
+                   help="/get_reward: the trained policy's tokenizer directory (or its chat "
+                        "template file); the response is told from the prompt by the markers "
+                        "learned from its chat template (default: tables of common templates)")
+    p.add_argument("--reasoning", default="strip", choices=("strip", "keep"),
+                   help="/get_reward: strip (default) judges the answer after a completed "
+                        "reasoning block (<think>...</think> and the like) and refuses one that "
+                        "never closes; keep judges the response as is")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long the batcher waits to fill a batch (default 5)")
     p.add_argument("--retries", type=int, default=2,
@@ -89,6 +97,15 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
                          "--insecure")
 
 
+def policy_markers_of(args):
+    """The markers of ``--policy-template`` (None without it)."""
+    if not getattr(args, "policy_template", None):
+        return None
+    from ..rl.chat_markers import load_markers
+
+    return load_markers(args.policy_template)
+
+
 def server_config(args):
     """The ``uvicorn.Config`` of a ``fastjudge serve`` command line (the judge is loaded)."""
     api_key = api_key_of(args)
@@ -107,7 +124,8 @@ def server_config(args):
                      max_wait_ms=args.max_wait_ms, body_timeout_s=args.body_timeout_s,
                      api_key=api_key, reward_on_error=args.reward_on_error,
                      max_completion_tokens=args.max_completion_tokens, retries=args.retries,
-                     image_url_prefixes=tuple(args.image_url_prefix))
+                     image_url_prefixes=tuple(args.image_url_prefix),
+                     policy_markers=policy_markers_of(args), reasoning=args.reasoning)
     return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                           http=client_deadline_protocol(args.header_timeout_s))
 
