@@ -121,15 +121,13 @@ class GraphWatch:
         """One more compiled run of ``reqs``: its replays per decode step, as a line, and whether
         it passed (no skipped graph; on CUDA at least one replay)."""
         before = self.replays
-        stats = getattr(backend, "reset_decode_stats", None)
-        if stats:
-            stats()
+        backend.reset_decode_stats()
         backend.run(reqs)
         replays = self.replays - before
-        steps = (getattr(backend, "decode_stats", None) or {}).get("decode_steps")
+        steps = backend.decode_stats["decode_steps"]
         per = f"{replays / steps:.2f}" if steps else "?"
         ok = self.skipped() == 0 and (device.type != "cuda" or replays > 0)
-        line = (f"graphs {replays} replays over {steps if steps is not None else '?'} decode steps ({per} per step), "
+        line = (f"graphs {replays} replays over {steps} decode steps ({per} per step), "
                 f"{self.skipped()} skipped" + (f": {self.skip_messages[-1][:200]}" if self.skip_messages else "")
                 + ("" if ok else "  FAIL"))
         return line, ok
