@@ -169,7 +169,7 @@ class CountingJudge(Judge):
 
     def __init__(self, inner, concurrent: int):
         self.inner, self.concurrent = inner, concurrent
-        self.max_batch_tokens = inner.max_batch_tokens
+        self.engine = inner.engine  # the inner judge's engine and its batching limits
         self.calls: list[tuple[int, str]] = []
 
     def stream(self, examples):

@@ -64,7 +64,7 @@ class FlakyJudge(Judge):
 
     def __init__(self, inner, failures: int):
         self.inner, self.failures, self.calls = inner, failures, 0
-        self.max_batch_tokens = inner.max_batch_tokens
+        self.engine = inner.engine  # the inner judge's engine and its batching limits
 
     def stream(self, examples):
         self.calls += 1
