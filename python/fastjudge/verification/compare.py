@@ -154,9 +154,9 @@ def first_divergence(a, b) -> str:
             if x != y:
                 for f, (u, v) in enumerate(zip(x, y)):
                     if u != v:
-                        name = CLAIM_FIELDS[f] if f < len(CLAIM_FIELDS) and len(x) > 1 else "evidence_ids"
-                        where = first_divergence(u, v) if isinstance(u, str) and isinstance(v, str) and \
-                            name == "text" else f"fastjudge {_short(u)!r}, reference {_short(v)!r}"
+                        name = CLAIM_FIELDS[f] if f < len(CLAIM_FIELDS) else "evidence_ids"
+                        where = first_divergence(u, v) if name == "text" and isinstance(u, str) and \
+                            isinstance(v, str) else f"fastjudge {_short(u)!r}, reference {_short(v)!r}"
                         return f"claim {n} {name}: {where}"
                 return f"claim {n}: fastjudge {_short(x)!r}, reference {_short(y)!r}"
         return f"claim count: fastjudge {len(a)}, reference {len(b)}"
