@@ -1,13 +1,18 @@
 # Bootstrap and everyday commands. `make test` and `make demo` work on a fresh machine:
-# they create .venv, install torch (CPU wheel pinned below; override TORCH for CUDA builds)
-# and fastjudge itself (a real, non-editable `pip install .`, which compiles the C++ engine).
+# they create .venv, install torch (the version pinned below, from the package index pip is
+# configured with -- on Linux the default index serves the CUDA build; TORCH_INDEX picks another
+# index, e.g. PyTorch's CPU wheels: make TORCH_INDEX=https://download.pytorch.org/whl/cpu),
+# fastjudge's build requirements (so that `pip install --no-build-isolation -e .` works in the
+# venv) and fastjudge itself (a real, non-editable `pip install .`, which compiles the C++ engine).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+BUILD_REQUIRES := "scikit-build-core>=0.10" "pybind11>=2.12"
 BIN := $(VENV)/bin
 SOURCES := pyproject.toml CMakeLists.txt $(shell find engine python -type f -not -path '*/__pycache__/*' 2>/dev/null)
 
-.PHONY: install test demo bench bench-peers check-extras clean
+.PHONY: install editable test demo bench bench-peers check-extras clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +20,16 @@ $(BIN)/python:
 
 # torch first, so that nothing later asks for (and downloads) a different build.
 $(VENV)/.installed: $(BIN)/python $(SOURCES)
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH)"
+	$(BIN)/pip install -q $(BUILD_REQUIRES)
 	$(BIN)/pip install -q ".[test,serve]"
 	touch $@
 
 install: $(VENV)/.installed
+
+# fastjudge as an editable install over the one above (rerun after changing C++ sources)
+editable: $(VENV)/.installed
+	$(BIN)/pip install -q --no-build-isolation -e ".[test,serve]"
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests
@@ -27,6 +37,7 @@ test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/fastjudge demo
 
+# the short side-by-side benchmarks (planner, LAVE on T5 and Qwen; docs/benchmarks.md)
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_planner.py
 	$(BIN)/python benchmarks/bench_lave_t5.py

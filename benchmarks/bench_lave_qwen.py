@@ -34,6 +34,7 @@ from fastjudge.reference.lave import TransformersLave
 from fastjudge.runtime.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_device import DEVICES, bench_device, device_label  # noqa: E402
 from bench_lave_t5 import sample_examples, timed  # noqa: E402  (shared sample source and timer)
 
 
@@ -44,7 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16, help="baseline batch size")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here (%(default)s)")
     args = ap.parse_args(argv)
+    device = bench_device(args.device)
     dtype = getattr(torch, args.dtype)
     examples = sample_examples(args.items)
     rows = []
@@ -52,10 +55,10 @@ def main(argv=None) -> int:
         for shape in args.shapes:
             model_dir = build_random_qwen(Path(tmp) / shape, tokenizer_corpus(), shape=shape,
                                          vocab_size=4000)
-            judge = LaveJudge(model_dir, engine=EngineOptions(device="cpu", dtype=dtype))
+            judge = LaveJudge(model_dir, engine=EngineOptions(device=str(device), dtype=dtype))
             backend = judge.backend
             prompt_tokens = sum(len(backend.codec.encode_prompt(judge.build_prompt(e))) for e in examples)
-            base = TransformersLave(model_dir, judge, dtype=dtype, batch_size=args.batch_size)
+            base = TransformersLave(model_dir, judge, dtype=dtype, batch_size=args.batch_size, device=device)
 
             def fresh_cache():
                 backend.prefix_cache = PrefixCache(backend.prefix_cache.index.capacity_bytes)
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
             del judge, base
 
     print(f"\nLAVE score-only on Qwen3.5, {args.items} prompts x 8 demos, {args.dtype}, "
-          f"median of {args.repeats}, {torch.get_num_threads()} threads")
+          f"median of {args.repeats}, {device_label(device)}")
     print(f"{'shape':6} {'base it/s':>9} {'fast it/s':>9} {'ratio':>6} {'hit rate':>8} "
           f"{'prompt tok':>10} {'computed tok':>12} {'agree':>6}")
     for r in rows:

@@ -34,6 +34,9 @@ from fastjudge.demo import tokenizer_corpus
 from fastjudge.engine_options import EngineOptions
 from fastjudge.reference.lave import TransformersLave
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_device import DEVICES, bench_device, device_label  # noqa: E402
+
 
 def sample_examples(n: int) -> list[VQAExample]:
     rows = [json.loads(line) for line in
@@ -43,16 +46,19 @@ def sample_examples(n: int) -> list[VQAExample]:
             for i, r in enumerate(rows[j % len(rows)] for j in range(n))]
 
 
-def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """Dense GEMM FLOP/s at ``dtype``, best of ``repeats``: the ceiling the encoder is compared
-    with (the best run, since a shared machine only ever slows a run down)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 10, device="cpu") -> float:
+    """Dense GEMM FLOP/s at ``dtype`` on ``device``, best of ``repeats``: the ceiling the encoder
+    is compared with (the best run, since a shared machine only ever slows a run down)."""
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(2):
         a @ b
     times = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         a @ b
+        sync()
         times.append(time.perf_counter() - t)
     return 2 * n**3 / min(times)
 
@@ -86,7 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16, help="baseline batch size")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here (%(default)s)")
     args = ap.parse_args(argv)
+    device = bench_device(args.device)
 
     examples = sample_examples(args.items)
     rows = []
@@ -96,15 +104,16 @@ def main(argv=None) -> int:
                                         model_vocab_size=32128)
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
-                judge = LaveJudge(model_dir, engine=EngineOptions(dtype=dtype, device="cpu"))
+                judge = LaveJudge(model_dir, engine=EngineOptions(dtype=dtype, device=str(device)))
                 prompts = [judge.build_prompt(e) for e in examples]
                 lengths = [len(judge.backend.codec.encode_prompt(p)) for p in prompts]
-                base = TransformersLave(model_dir, judge, dtype=dtype, batch_size=args.batch_size)
+                base = TransformersLave(model_dir, judge, dtype=dtype, batch_size=args.batch_size,
+                                        device=device)
                 t_base, base_results = timed(lambda: base.score(examples), args.repeats)
                 base_ratings = [r.rating for r in base_results]
                 t_fast, results = timed(lambda: judge.score(examples), args.repeats)
                 agree = sum(r.rating == b for r, b in zip(results, base_ratings)) / len(results)
-                peak = gemm_rate(dtype)
+                peak = gemm_rate(dtype, device=device)
                 enc_rate = encoder_flops(T5_SHAPES[shape], lengths) / t_fast
                 rows.append(dict(shape=shape, dtype=dtype_name, items=len(examples),
                                  tokens=sum(lengths), t_base=t_base, t_fast=t_fast, agree=agree,
@@ -114,7 +123,7 @@ def main(argv=None) -> int:
                 del judge, base
 
     print(f"\nLAVE score-only, {args.items} prompts x 8 demos, median of {args.repeats}, "
-          f"{torch.get_num_threads()} threads")
+          f"{device_label(device)}")
     print(f"{'shape':6} {'dtype':9} {'base it/s':>9} {'fast it/s':>9} {'fast tok/s':>10} "
           f"{'ratio':>6} {'vs fp32 base':>12} {'enc TFLOP/s':>11} {'GEMM peak':>9} {'util':>5}")
     fp32_base = {r["shape"]: r["t_base"] for r in rows if r["dtype"] == "float32"}

@@ -67,6 +67,7 @@ from fastjudge.runtime.prefix_cache import PrefixCache
 from fastjudge.runtime.requests import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_device import DEVICES, bench_device  # noqa: E402
 from bench_lave_t5 import timed  # noqa: E402  (shared timer: median after one warm-up run)
 
 TARGET = 5.0
@@ -377,11 +378,13 @@ def main(argv=None) -> int:
                     help="claims re-run through transformers on fastjudge's own pixel values")
     ap.add_argument("--pipeline-items", type=int, default=2, help="items for the whole-pipeline run (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu", choices=DEVICES, help="both paths run here (%(default)s)")
     ap.add_argument("--layouts", nargs="+", default=["per-claim", "shared"], choices=["per-claim", "shared"],
                     help="VisExJudge evidence layouts to measure (default: both)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = bench_device(args.device)
     dtype = getattr(torch, args.dtype)
     width, height = (int(v) for v in args.size.lower().split("x"))
     examples, claims = make_inputs(args.images, args.claims, width, height)
@@ -390,11 +393,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             model_dir = build_checkpoint(Path(tmp) / shape, shape)
-            backend = VisExJudge(model_dir, engine=EngineOptions(device="cpu", dtype=dtype)).backend
+            backend = VisExJudge(model_dir, engine=EngineOptions(device=str(device), dtype=dtype)).backend
             base = None
             for layout in args.layouts:
                 judge = VisExJudge(backend, evidence_layout=layout)
-                base = base or Baseline(model_dir, dtype, judge.yes_no_ids)
+                base = base or Baseline(model_dir, dtype, judge.yes_no_ids, device)
                 rows.append(bench_one(judge, base, examples, claims, args))
                 rows[-1]["shape"] = f"{shape}/{layout}"
                 print(f"[{shape} {layout}] baseline {rows[-1]['t_base']:.2f}s fastjudge {rows[-1]['t_fast']:.2f}s "

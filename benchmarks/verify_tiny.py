@@ -7,7 +7,9 @@ text and Qwen3.5-VL (its LM-head rows of narrow UTF-8 lead bytes zeroed for the 
 reference: ``fastjudge.reference.visexmem.zero_unmasked_utf8_rows``). The official LAVE mode
 runs when ``--lave-repo`` names a checkout of the authors' repository.
 
-Prints each report and a summary table; writes OUT_DIR/verify_tiny.json. Exit 1 when any
+Prints each report and a summary table (with, per run, what was compared for the generated
+stages: identical generated claims, evidence and rationales, and the decisions compared on the
+reference's claims given to both paths); writes OUT_DIR/verify_tiny.json. Exit 1 when any
 check fails.
 
     python benchmarks/verify_tiny.py OUT_DIR --device cuda
@@ -61,6 +63,26 @@ def runs(models: dict, vqa: str, pairs: Path, lave_repo: str | None) -> list[tup
     return out
 
 
+def generated_summary(report) -> str:
+    """What was compared for the generated stages: identical counts of the generated outputs
+    (VisExMEM's claims and evidence, LAVE's rationales) and, where the claims were given again,
+    the decisions compared on them."""
+    parts = []
+    for comp in report.comparisons:
+        outs = {o["name"]: o for o in comp["outputs"]}
+        if comp.get("claims_given"):
+            d = outs.get("decision")
+            if d and d["units"]:
+                parts.append(f"decisions on given claims {d['identical']}/{d['units']}")
+            continue
+        for o in comp["outputs"]:
+            if o["kind"] == "generated" or (o["kind"] == "text" and o["name"] == "rationale"):
+                if o["units"]:
+                    checked = "" if o.get("checked", True) else " (reported)"
+                    parts.append(f"{o['name']} {o['identical']}/{o['units']} identical{checked}")
+    return "; ".join(parts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -100,19 +122,20 @@ def main(argv=None) -> int:
                 print(f"[{judge} {options} {dtype}] ERROR {bad!r}", flush=True)
                 continue
             print(format_report(report) + "\n", flush=True)
-            outs = {o["name"]: o for o in report.comparisons[0]["outputs"]}
-            values = [o["max_abs"] for o in outs.values() if o["max_abs"] is not None]
-            matches = [o for o in outs.values() if o["kind"] == "match" and o["units"]]
+            outs = [o for c in report.comparisons for o in c["outputs"]]
+            values = [o["max_abs"] for o in outs if o["max_abs"] is not None]
+            matches = [o for o in outs if o["kind"] == "match" and o["units"]]
             rows.append(dict(judge=judge, mode=report.mode, dtype=dtype, items=report.items, passed=report.passed,
                              max_abs=max(values, default=None),
                              agreement=min((o["identical"] / o["units"] for o in matches), default=None),
-                             seconds=round(time.perf_counter() - start, 1)))
-    print(f"{'judge':9} {'mode':38} {'dtype':9} {'items':>5} {'max |diff|':>10} {'agree':>6} {'s':>6}  result")
+                             generated=generated_summary(report), seconds=round(time.perf_counter() - start, 1)))
+    print(f"{'judge':9} {'mode':38} {'dtype':9} {'items':>5} {'max |diff|':>10} {'agree':>6} {'s':>6}  result"
+          "  generated stages")
     for r in rows:
         diff = "-" if r.get("max_abs") is None else f"{r['max_abs']:.2e}"
         agree = "-" if r.get("agreement") is None else f"{r['agreement']:.0%}"
         print(f"{r['judge']:9} {r['mode'][:38]:38} {r['dtype']:9} {r.get('items', 0):5d} {diff:>10} {agree:>6} "
-              f"{r.get('seconds', 0):6.1f}  {'PASS' if r['passed'] else 'FAIL'}")
+              f"{r.get('seconds', 0):6.1f}  {'PASS' if r['passed'] else 'FAIL'}  {r.get('generated') or '-'}")
     (args.out / "verify_tiny.json").write_text(json.dumps(rows, indent=2))
     return 0 if all(r["passed"] for r in rows) else 1
 

@@ -222,3 +222,21 @@ def test_demo(t5_dir, tmp_path, monkeypatch, capsys):
     assert "score-only" in summary[0] and "float32" in summary[0]
     assert "RANDOM weights" not in out  # a user model was given
     assert not (cache / "random-flan-t5-small-v1").exists()  # no demo model was built
+
+
+def test_error_rows_have_null_result_fields():
+    """docs/jobs.md: an item error's row has its result fields null -- not the empty lists a
+    judge's result object carries (VisExMEM's ``claims``, holistic ``probs``); what the judge
+    did record (warnings) stays."""
+    from fastjudge.io.jobs import result_fields
+    from fastjudge.judges.holistic import HolisticResult
+    from fastjudge.judges.registry import get_judge
+    from fastjudge.judges.visexmem import VisExResult
+
+    row = result_fields(get_judge("visexmem"), VisExResult(index=0, error="bad image", warnings=["box 1 dropped"]))
+    assert row == {"score": None, "claims": None, "explanation": None, "warnings": ["box 1 dropped"],
+                   "prompt_tokens": None, "error": "bad image"}
+    row = result_fields(get_judge("holistic"), HolisticResult(index=0, error="bad image"))
+    assert row["probs"] is None and row["error"] == "bad image"
+    scored = result_fields(get_judge("visexmem"), VisExResult(index=0, score=0.5))
+    assert scored["claims"] == [] and scored["warnings"] == []  # a scored row keeps its fields as they are

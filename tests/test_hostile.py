@@ -108,7 +108,7 @@ def test_bomb_is_one_error_row_in_visexmem_job(vl_dir, pairs, tmp_path, capsys):
     rows = {r["id"]: r for r in read_rows(out)}
     assert rows["bomb"]["error"].startswith(
         f"line 1: invalid example: {tmp_path / 'bomb.png'} refused as a decompression bomb: ")
-    assert rows["bomb"]["score"] is None and rows["bomb"]["claims"] == []
+    assert rows["bomb"]["score"] is None and rows["bomb"]["claims"] is None  # result fields null (docs/jobs.md)
     assert rows["good"]["error"] is None and rows["good"]["claims"] and 0 <= rows["good"]["score"] <= 1
     assert "2 items (0 already done), 1 errors" in capsys.readouterr().err
 

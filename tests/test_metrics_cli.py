@@ -305,3 +305,32 @@ def test_vqa_acc_output_feeds_meta_eval(tmp_path, capsys):
                 "vqa_accuracy,exact_match", "--bootstrap", "50") == 0
     text = capsys.readouterr().out
     assert "| acc |" in text and "| em |" in text and "all (n=60)" in text
+
+
+def test_meta_eval_reads_each_file_its_own_field(tmp_path, capsys):
+    """Without --field, a judge's output is read at ``score`` and vqa-acc's at ``vqa_accuracy``
+    (the README's pipeline: ``meta-eval --scores lave.jsonl acc.jsonl``); a file with neither
+    field is refused, naming the field it looked for."""
+    rng = np.random.default_rng(1)
+    items, human, judged = [], [], []
+    for i in range(40):
+        refs = list(rng.choice(["red", "blue"], 10))
+        pred = str(rng.choice(["red", "blue", "green"]))
+        items.append(json.dumps({"id": i, "question": "Color?", "references": refs, "prediction": pred}))
+        human.append(json.dumps({"id": i, "human_score": float(pred in refs)}))
+        judged.append(json.dumps({"id": i, "score": float(rng.random()), "error": None}))
+    inp = write_lines(tmp_path / "in.jsonl", items)
+    hum = write_lines(tmp_path / "h.jsonl", human)
+    lave = write_lines(tmp_path / "lave.jsonl", judged)
+    acc = tmp_path / "acc.jsonl"
+    assert vqa_acc(inp, acc) == 0
+    capsys.readouterr()
+    assert meta("--human", hum, "--scores", lave, acc, "--bootstrap", "0", "--json", tmp_path / "m.json") == 0
+    result = json.loads((tmp_path / "m.json").read_text())
+    rho = result["groups"][0]["metrics"]
+    expected = scipy.stats.spearmanr([float(json.loads(h)["human_score"]) for h in human],
+                                     [r["vqa_accuracy"] for r in read_rows(acc)]).statistic
+    assert rho["acc"]["spearman"] == pytest.approx(expected)
+    other = write_lines(tmp_path / "other.jsonl", [json.dumps({"id": i, "value": 0.5}) for i in range(40)])
+    assert meta("--human", hum, "--scores", other, "--bootstrap", "0") == 2
+    assert "no usable 'score' values" in capsys.readouterr().err

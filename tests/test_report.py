@@ -185,3 +185,25 @@ def test_sort_by_disagreement_with_other_scores(tmp_path):
     order = re.findall(r'<h3>#\d+ (q\d)', page)
     assert order == ["q1", "q3", "q2", "q0"]
     assert 'data-gap="1.000"' in page
+
+
+def test_lave_output_probabilities_and_vqa_acc_scores(tmp_path, capsys):
+    """LAVE rows as ``fastjudge lave`` writes them (``probs``: a list over ratings 1-3) get their
+    probability bars; ``--scores`` takes ``vqa-acc`` output at its own field (``vqa_accuracy``)
+    and refuses a file with no score field instead of drawing empty gaps."""
+    src = _write(tmp_path / "lave.jsonl", [
+        {"id": f"q{i}", "question": "Q?", "references": ["a"], "prediction": "a", "rating": 3,
+         "score": 1.0, "probs": [0.1, 0.2, 0.7]} for i in range(3)])
+    acc = _write(tmp_path / "acc.jsonl", [{"id": f"q{i}", "vqa_accuracy": v, "exact_match": 1.0, "error": None}
+                                          for i, v in enumerate([1.0, 0.0, 0.3])])
+    page = build_report(src, sort="disagreement", scores_path=acc)
+    assert page.count('class="probs"') == 3 and "3: " in page and "width:70%" in page
+    assert re.findall(r'<h3>#\d+ (q\d)', page) == ["q1", "q2", "q0"]
+    assert 'data-gap="1.000"' in page and 'data-gap="0.700"' in page
+    bad = _write(tmp_path / "bad.jsonl", [{"id": "q0", "accuracy": 1.0}])
+    out = tmp_path / "r.html"
+    assert main(["report", "--input", str(src), "--scores", str(bad), "--output", str(out)]) == 2
+    assert "none of the fields score, vqa_accuracy" in capsys.readouterr().err and not out.exists()
+    assert main(["report", "--input", str(src), "--scores", str(bad), "--scores-field", "accuracy",
+                 "--output", str(out)]) == 0
+    assert main(["report", "--input", str(src), "--sort", "disagreement", "--output", str(out)]) == 2

@@ -226,6 +226,9 @@ def test_bad_inputs_give_item_errors(tmp_path, judge):
 def test_caption_without_claims_is_an_item_error(judge):
     [r] = judge.score([ImageTextExample(image(4), " ... !? ", id="x")])
     assert "yielded no claims" in r.error and r.claims == [] and r.score is None
+    # claims given replace the decomposition: the caption then needs no words of its own
+    [r] = judge.score([ImageTextExample(image(4), "...", id="y", claims=["The bus is red."])])
+    assert r.error is None and [c.text for c in r.claims] == ["The bus is red."] and r.score is not None
 
 
 def test_holistic_matches_transformers(judge, hf):

@@ -78,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help='JSONL: {"id", "human_score"} or {"id", "ratings": [5 binary]}, '
                            "optional group fields")
     meta.add_argument("--scores", required=True, nargs="+", metavar="[NAME=]PATH",
-                      help='JSONL score files ({"id", "score"}; LAVE output works directly)')
-    meta.add_argument("--field", default="score",
-                      help="score field, or one per score file comma-separated (default score)")
+                      help='JSONL score files ({"id", "score"}; the outputs of lave, visexmem and '
+                           "vqa-acc work directly)")
+    meta.add_argument("--field", default=None,
+                      help="score field, or one per score file comma-separated (default: per file, "
+                           "score, else vqa_accuracy: the field fastjudge's commands write)")
     meta.add_argument("--by", default=None, help="group fields of the human file, e.g. model,dataset")
     meta.add_argument("--bootstrap", type=int, default=5000, help="resamples (0: no CIs/tests)")
     meta.add_argument("--stats", default="spearman,kendall",

@@ -166,7 +166,17 @@ def score_examples(judge, spec, examples: Sequence,
         if isinstance(r, FailedItem):
             yield r.index, _failed(spec, r.error)
         else:
-            yield r.index, spec.fields_of(r)
+            yield r.index, result_fields(spec, r)
+
+
+def result_fields(spec, result) -> dict:
+    """The row fields of one result. An item error's row has its result fields null: a judge's
+    empty containers (VisExMEM's ``claims: []``, holistic ``probs: []``) become null, what it
+    did record (warnings, prompt tokens) stays."""
+    fields = spec.fields_of(result)
+    if fields.get("error") is None:
+        return fields
+    return {k: None if isinstance(v, (list, dict)) and not v else v for k, v in fields.items()}
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:

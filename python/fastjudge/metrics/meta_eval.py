@@ -6,8 +6,10 @@ File layouts (JSONL, one object per line):
   (5 binary ratings -> :func:`fastjudge.metrics.human_ratings.human_score`: 1.0 if >= 4
   correct, 0.5 if 2-3, else 0.0; when both are given ``human_score`` is used and ``ratings`` only
   feed Krippendorff's alpha), plus any group fields (``model``, ``dataset``, ...) for ``--by``.
-* score files: ``{"id": ..., "score": 0.5}``; the field is ``--field`` (``score`` by default, so
-  ``fastjudge lave`` output works directly; ``vqa_accuracy`` for ``fastjudge vqa-acc`` output).
+* score files: ``{"id": ..., "score": 0.5}``; the field is ``--field``, by default the first of
+  :data:`SCORE_FIELDS` the file's rows carry: ``score`` (``fastjudge lave`` / ``visexmem``
+  output), else ``vqa_accuracy`` (``fastjudge vqa-acc`` output), so the outputs of fastjudge's
+  own commands work as written.
   Rows with a non-null ``error`` or a null score are skipped (counted). A metric is named after
   its file stem, or ``NAME=PATH``.
 
@@ -39,8 +41,8 @@ from .meta_eval_report import PlotUnavailable, format_markdown, plot_meta_eval, 
 from .significance import TESTS, compare_replicates
 from .stats import STAT_FUNCTIONS, STATS, bootstrap_replicates, percentile_ci
 
-__all__ = ["HumanData", "read_human", "read_scores", "parse_score_spec", "meta_evaluate",
-           "run_meta_eval"]
+__all__ = ["HumanData", "read_human", "read_scores", "parse_score_spec", "meta_evaluate", "SCORE_FIELDS",
+           "score_field_of", "run_meta_eval"]
 
 _MAX_EXAMPLES = 5  # ids or problems quoted per message
 
@@ -120,7 +122,25 @@ class ScoreData:
     rows: int = 0
 
 
-def parse_score_spec(spec: str, field: str = "score") -> tuple[str, str, str]:
+# The score fields of fastjudge's own outputs, in the order a score file is searched for them:
+# the judges' ``score``, then ``vqa-acc``'s ``vqa_accuracy``.
+SCORE_FIELDS = ("score", "vqa_accuracy")
+
+
+def score_field_of(path) -> str | None:
+    """The first of :data:`SCORE_FIELDS` that a row of the JSONL file ``path`` has (the first
+    row with any of them decides), None when no row has one."""
+    from ..io.jsonl import read_jsonl
+
+    for line in read_jsonl(path):
+        if not line.error and isinstance(line.item, dict):
+            found = [f for f in SCORE_FIELDS if f in line.item]
+            if found:
+                return found[0]
+    return None
+
+
+def parse_score_spec(spec: str, field: str | None = "score") -> tuple[str, str, str | None]:
     """``PATH`` or ``NAME=PATH`` -> (name, path, field); the name defaults to the file stem."""
     name, sep, path = spec.partition("=")
     if not sep or not name or os.path.exists(spec):
@@ -128,8 +148,12 @@ def parse_score_spec(spec: str, field: str = "score") -> tuple[str, str, str]:
     return name, path, field
 
 
-def read_scores(path, field: str = "score", name: str | None = None) -> ScoreData:
-    """One metric's scores by id (rows with an ``error`` or a null score are skipped)."""
+def read_scores(path, field: str | None = "score", name: str | None = None) -> ScoreData:
+    """One metric's scores by id (rows with an ``error`` or a null score are skipped);
+    ``field=None``: the file's own score field (:func:`score_field_of`, ``score`` when it has
+    none of them)."""
+    if field is None:
+        field = score_field_of(path) or SCORE_FIELDS[0]
     data = ScoreData(name or Path(path).stem, str(path), field)
     first_line: dict[str, int] = {}
     for line, key, where in _rows_with_ids(path, data):
@@ -290,7 +314,7 @@ def run_meta_eval(args) -> int:
                    if f.strip())
     if not wanted or any(w not in STATS for w in wanted):
         raise ValueError(f"--stats takes a comma-separated subset of {', '.join(STATS)}")
-    fields = [f.strip() for f in args.field.split(",")]
+    fields = [None] if args.field is None else [f.strip() for f in args.field.split(",")]
     if len(fields) not in (1, len(args.scores)):
         raise ValueError(f"--field takes one field or one per score file ({len(args.scores)}), "
                          f"got {len(fields)}")
@@ -306,6 +330,7 @@ def run_meta_eval(args) -> int:
     metrics = {}
     for name, path, f in specs:
         data = read_scores(path, f, name)
+        f = data.field
         _report_problems(data.problems, path)
         if data.error_rows:
             print(f"fastjudge meta-eval: {path}: {data.error_rows} row(s) with an error or no "

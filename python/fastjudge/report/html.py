@@ -141,8 +141,11 @@ def lave_row(row: dict, n: int, other) -> str:
            f'<p>Q: <span class="caption">{escape(str(row.get("question", "")))}</span></p>',
            "<p>references: " + ", ".join(f"{escape(r)} ×{k}" for r, k in refs.most_common()) + "</p>",
            f'<p>candidate: <b>{escape(str(row.get("prediction", "")))}</b></p>']
-    if isinstance(probs, dict):
-        out.append("<p>" + " ".join(f"{escape(str(k))}: {_support_bar(v)}" for k, v in probs.items()) + "</p>")
+    if isinstance(probs, list):  # `fastjudge lave` writes P(rating 1), P(2), P(3)
+        probs = {str(k): v for k, v in enumerate(probs, start=1)}
+    if isinstance(probs, dict) and probs:
+        out.append('<p class="probs">P(rating) ' + " ".join(f"{escape(str(k))}: {_support_bar(v)}"
+                                                           for k, v in probs.items()) + "</p>")
     if row.get("rationale"):
         out.append(f'<p class="rationale">{escape(str(row["rationale"]))}</p>')
     if row.get("error"):

@@ -36,11 +36,22 @@ tr.addEventListener('click',function(){set(true)});});
 MAX_SCATTER_POINTS = 2000  # the correlations use every pair; the plot draws at most these
 
 
-def _read_scores(path) -> dict:
+def _read_scores(path, field: str | None = None) -> dict:
+    """``--scores``: id -> score, read at ``field`` or, by default, at the file's own score
+    field (``score``, else ``vqa-acc``'s ``vqa_accuracy``: ``meta_eval.score_field_of``).
+    A file without a usable value there is refused, never silently ignored."""
+    from ..metrics.meta_eval import SCORE_FIELDS, score_field_of
+
+    field = field or score_field_of(path)
+    if field is None:
+        raise ValueError(f"{path}: --scores rows have none of the fields {', '.join(SCORE_FIELDS)} "
+                         "(name the field with --scores-field)")
     found = {}
     for row, _ in iter_rows(path):
-        if row is not None and _num(row.get("score")) is not None and row.get("id") is not None:
-            found[str(row["id"])] = float(row["score"])
+        if row is not None and _num(row.get(field)) is not None and row.get("id") is not None:
+            found[str(row["id"])] = float(row[field])
+    if not found:
+        raise ValueError(f"{path}: no usable {field!r} values with an id (is --scores-field right?)")
     return found
 
 
@@ -79,10 +90,12 @@ def _score_histogram(scores: list[float]) -> str:
 
 
 def build_report(input_path, human=None, image_root=None, limit=2000, sort="score",
-                 scores_path=None) -> str:
+                 scores_path=None, scores_field=None) -> str:
     if limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
-    other = _read_scores(scores_path) if scores_path else {}
+    if sort == "disagreement" and not scores_path:
+        raise ValueError("--sort disagreement needs --scores (the other score file)")
+    other = _read_scores(scores_path, scores_field) if scores_path else {}
     kept, problems, scores, ratings, all_scores = [], [], [], Counter(), {}
     total = errors = 0
     for row, problem in iter_rows(input_path):
@@ -139,7 +152,7 @@ def run_report(args) -> int:
     if not args.input:
         raise ValueError("report needs --input (or --sample)")
     page = build_report(args.input, human=args.human, image_root=args.image_root, limit=args.limit,
-                        sort=args.sort, scores_path=args.scores)
+                        sort=args.sort, scores_path=args.scores, scores_field=args.scores_field)
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(page)
     print(f"wrote {args.output}", file=sys.stderr)
@@ -156,4 +169,8 @@ def add_report_parser(sub) -> None:
     p.add_argument("--image-root", default=None, help="folder the rows' image paths are relative to")
     p.add_argument("--limit", type=int, default=2000, help="rows drawn (summary covers all)")
     p.add_argument("--sort", choices=("score", "disagreement"), default="score")
-    p.add_argument("--scores", default=None, help="other score JSONL ({id, score}) to compare")
+    p.add_argument("--scores", default=None,
+                   help="other score JSONL to compare: the output of lave/visexmem (score) or vqa-acc "
+                        "(vqa_accuracy)")
+    p.add_argument("--scores-field", default=None,
+                   help="the --scores field (default: score, else vqa_accuracy; a file with neither is refused)")

@@ -163,9 +163,11 @@ def run_verify(name: str, args, *, progress: bool = True) -> VerifyReport:
     tol = default_tolerance(dtype, build=bool(build))
     tol = Tolerance(args.tolerance if args.tolerance is not None else tol.max_abs,
                     args.min_agreement if args.min_agreement is not None else tol.min_agreement,
-                    tol.basis if args.tolerance is None and args.min_agreement is None else "given")
+                    tol.basis if args.tolerance is None and args.min_agreement is None else "given",
+                    tol.generated)
     report = VerifyReport(name, mode_of(name, fast), str(args.model), device, dtype, len(examples), args.seed,
-                          dict(max_abs=tol.max_abs, min_agreement=tol.min_agreement, basis=tol.basis))
+                          dict(max_abs=tol.max_abs, min_agreement=tol.min_agreement, generated=tol.generated,
+                               basis=tol.basis))
     results = {}
     for label, path in paths.items():
         bar = Progress(label, len(examples), progress, batched=label == "reference")
@@ -176,11 +178,47 @@ def run_verify(name: str, args, *, progress: bool = True) -> VerifyReport:
         report.seconds[label] = round(bar.close(), 3)
     candidate = next(iter(paths))
     for other in list(paths)[1:]:
-        outputs = compare(name, ids, results[candidate], results[other], tol)
-        passed = all(o.passed for o in outputs)
-        report.comparisons.append(dict(fastjudge=candidate, reference=other, passed=passed, outputs=as_dict(outputs)))
-        report.passed &= passed
+        _add_comparison(report, name, ids, results[candidate], results[other], tol, candidate, other)
+    given = given_claims_examples(examples, results["reference"]) if report.mode == "pipeline" else []
+    if given:
+        # the generated decomposition may diverge (bfloat16); the verification stage is then
+        # compared on the same claims: the reference's own, given to both paths
+        label = "claims given (the reference's decomposition)"
+        sub = [ids[i] for i, _ in given]
+        again = {}
+        for path_label, path in paths.items():
+            bar = Progress(f"{path_label}, {label}", len(given), progress, batched=path_label == "reference")
+            chosen = [e for _, e in given]
+            again[path_label] = path.score(chosen, progress=bar) if path_label == "reference" else \
+                score_fastjudge(name, path, chosen, bar)
+            report.seconds[f"{path_label}, claims given"] = round(bar.close(), 3)
+        for other in list(paths)[1:]:
+            _add_comparison(report, name, sub, again[candidate], again[other], tol, candidate, other, label)
     return report
+
+
+def _add_comparison(report: VerifyReport, name, ids, ours, theirs, tol, candidate, other, given=None) -> None:
+    outputs = compare(name, ids, ours, theirs, tol, report.mode)
+    passed = all(o.passed for o in outputs)
+    report.comparisons.append(dict(fastjudge=candidate, reference=other, passed=passed, outputs=as_dict(outputs),
+                                   **({"claims_given": given} if given else {})))
+    report.passed &= passed
+
+
+def given_claims_examples(examples, reference_results) -> list[tuple[int, object]]:
+    """(position, example) of the VisExMEM examples whose claims the reference decomposed,
+    each with those claims given (text, type and links as the reference wrote them)."""
+    from dataclasses import replace
+
+    from ..judges.visexmem.claims import LINK_FIELDS
+
+    out = []
+    for i, (example, r) in enumerate(zip(examples, reference_results)):
+        if getattr(example, "claims", None) is None and r.error is None and r.claims:
+            claims = [{"part_id": c.part_id, "text": c.text, **({"type": c.type} if c.type else {}),
+                       **{f: getattr(c, f) for f in LINK_FIELDS if getattr(c, f)}} for c in r.claims]
+            out.append((i, replace(example, claims=claims)))
+    return out
 
 
 # -- printing ------------------------------------------------------------------------------------
@@ -198,26 +236,41 @@ def format_report(report: VerifyReport) -> str:
              "tolerance: " + ("probabilities and scores reported, not checked" if tol["max_abs"] is None else
                               f"|diff| <= {_fmt(tol['max_abs'])} on probabilities and scores")
              + f", >= {tol['min_agreement']:.0%} identical ratings/decisions ({tol['basis']})"]
+    generated = [o for c in report.comparisons for o in c["outputs"] if o["kind"] == "generated" and o["units"]]
+    if generated:
+        lines.append("generated stages (" + ", ".join(dict.fromkeys(o["name"] for o in generated)) + "): "
+                     + ("reported with their first divergence, not checked; what follows them is compared "
+                        "where they agree" if tol.get("generated") is None else
+                        f">= {tol['generated']:.0%} identical"))
     for comp in report.comparisons:
-        lines.append(f"\n{comp['fastjudge']} vs {comp['reference']}: {'PASS' if comp['passed'] else 'FAIL'}")
+        given = f", {comp['claims_given']}" if comp.get("claims_given") else ""
+        lines.append(f"\n{comp['fastjudge']} vs {comp['reference']}{given}: {'PASS' if comp['passed'] else 'FAIL'}")
         for o in comp["outputs"]:
+            skipped = f", {o['skipped']} left out: their claim's text or evidence differ" if o.get("skipped") else ""
             if not o["units"]:
+                if skipped:
+                    lines.append(f"  {o['name']:12} none compared{skipped}")
                 continue
             flag = "" if o["passed"] else "   <- outside tolerance"
-            if o["kind"] in ("match", "text"):
+            note = "" if o.get("checked", True) or o["kind"] == "text" else "  (reported, not checked)"
+            if o["kind"] in ("match", "generated", "text"):
                 ties = f" (+{o['near_ties']} near-ties)" if o["near_ties"] else ""
                 lines.append(f"  {o['name']:12} identical {o['identical']}/{o['units']} "
-                             f"({o['identical'] / o['units']:.1%}){ties}{flag}")
+                             f"({o['identical'] / o['units']:.1%}){ties}{skipped}{note}{flag}")
             else:
                 rho = f"  Spearman {_fmt(o['spearman'])}" if o["kind"] == "score" else ""
                 lines.append(f"  {o['name']:12} max |diff| {_fmt(o['max_abs'])}  median |diff| "
-                             f"{_fmt(o['median_abs'])}{rho}  ({o['units']} compared){flag}")
+                             f"{_fmt(o['median_abs'])}{rho}  ({o['units']} compared{skipped}){flag}")
             for w in o["worst"]:
+                if "first_divergence" in w:
+                    lines.append(f"      {w['id']}: first divergence at {w['first_divergence']}")
+                    continue
                 diff = f"  |diff| {w['diff']:.3g}" if "diff" in w else ""
                 tie = "  (near-tie)" if w.get("near_tie") else ""
                 lines.append(f"      {w['id']}: fastjudge {w['fastjudge']!r}  reference {w['reference']!r}{diff}{tie}")
     lines.append(f"\n{'PASS' if report.passed else 'FAIL'}: fastjudge "
-                 + ("agrees with" if report.passed else "differs from") + " the reference within tolerance")
+                 + ("agrees with the reference within" if report.passed else "differs from the reference outside")
+                 + " tolerance")
     return "\n".join(lines)
 
 

@@ -162,13 +162,13 @@ class VisExJudge(ControlModes, Judge):
             if not isinstance(text, str) or not text.strip():
                 raise ValueError("text (the caption) must be a non-empty string")
             self.codec.check_text_length(text, self.backend.max_input_tokens)
-            if not any(ch.isalnum() for ch in text):
+            claims = getattr(example, "claims", None)
+            if claims is None and not any(ch.isalnum() for ch in text):  # given claims need no words here
                 raise ValueError("the caption yielded no claims (it has no words)")
             loaded = load_image(example.image, self.image_root, self.max_image_pixels)
             boxes, warnings = check_boxes(example.boxes, loaded.width, loaded.height)
             result.warnings += warnings
             full = encode_region(loaded, (0, 0, loaded.width, loaded.height), self.image_config)
-            claims = getattr(example, "claims", None)
             parts = None if claims is None else given_parts(claims, self.max_claims, self.max_claim_chars)
         except (ImageError, ValueError, TypeError) as bad:
             result.error = f"invalid example: {bad}"
