@@ -28,7 +28,12 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR --full                              # the longer run
 #   bash benchmarks/gpu_check.sh OUT_DIR --dry-run                           # here, on the CPU
 set -uo pipefail
-OUT="${1:?usage: benchmarks/gpu_check.sh OUT_DIR [--dry-run] [--full] [--wheels DIR] [--lave-repo DIR]}"
+USAGE="usage: benchmarks/gpu_check.sh OUT_DIR [--dry-run] [--full] [--wheels DIR] [--lave-repo DIR]"
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  ""|-*) echo "$USAGE" >&2; exit 2 ;;  # OUT_DIR first: never an option taken for a directory
+esac
+OUT="$1"
 shift
 DRY=0 FULL=0 LAVE_REPO="${FASTJUDGE_LAVE_REPO:-}" WHEELS="${FASTJUDGE_WHEELS:-}"
 while [ $# -gt 0 ]; do
