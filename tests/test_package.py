@@ -105,7 +105,9 @@ def test_extension_links_no_torch():
     if shutil.which("ldd") is None:
         return
     deps = subprocess.run(["ldd", _engine.__file__], capture_output=True, text=True).stdout
-    assert "torch" not in deps and "c10" not in deps
+    # the libraries' names only: a load address such as 0x00007f99100c1000 may spell "c10"
+    names = [line.split()[0] for line in deps.splitlines() if line.strip()]
+    assert names and not any("torch" in n or n.startswith("libc10") for n in names), names
 
 
 def test_cli_help_lists_commands(capsys):

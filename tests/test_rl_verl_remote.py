@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -29,6 +26,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from test_rl_verl import naive_run_single, one_by_one, rows, verl_custom_reward_fn  # noqa: E402
+from test_serve import serving  # noqa: E402
 
 from fastjudge.judges.base import Judge  # noqa: E402
 from fastjudge.judges.lave import VQAExample  # noqa: E402
@@ -37,25 +35,12 @@ from fastjudge.serve import create_app  # noqa: E402
 
 
 @contextlib.contextmanager
-def serving(app):
-    """``uvicorn.Server`` of ``app`` on a free loopback port, in a thread; yields its URL."""
+def served(app):
+    """``app`` on a free loopback port (``test_serve.serving``); yields its URL."""
     import uvicorn
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.started
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serving(uvicorn.Config(app, log_level="warning", lifespan="on")) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 class FlakyJudge(Judge):
@@ -83,7 +68,7 @@ def test_reward_loop_workers_share_one_server(lave_judge):
     items = rows(12)
     expected = [e.score for e in one_by_one(lave_judge, items)]
     app = create_app(lave_judge, max_wait_ms=50)
-    with serving(app) as url:
+    with served(app) as url:
         options = {verl_remote.URL_OPTION: url}
         for name in ("compute_score_async", "compute_score"):
             fn = verl_custom_reward_fn(name, options, path="pkg://fastjudge.rl.verl_remote")
@@ -114,7 +99,7 @@ def test_503_is_retried_and_a_judge_that_stays_down_stops_the_run(lave_judge):
     app = create_app(flaky, retries=0, retry_after_s=0)
     item = rows(1)[0]
     expected = lave_judge.score([VQAExample(item["question"], item["references"], item["prediction"])])[0]
-    with serving(app) as url:
+    with served(app) as url:
         got = asyncio.run(verl_remote.compute_score_async(
             "vqav2", item["prediction"], item["references"], {"question": item["question"]},
             fastjudge_url=url))
@@ -125,7 +110,7 @@ def test_503_is_retried_and_a_judge_that_stays_down_stops_the_run(lave_judge):
                                       {"question": item["question"]}, fastjudge_url=url,
                                       fastjudge_max_attempts=3)
     keyed = create_app(lave_judge, api_key="secret")
-    with serving(keyed) as url:
+    with served(keyed) as url:
         with pytest.raises(RuntimeError, match="HTTP 401"):
             verl_remote.compute_score("vqav2", "a", ["a"], {"question": "Q?"}, fastjudge_url=url)
         ok = verl_remote.compute_score("vqav2", "a", ["a"], {"question": "Q?"}, fastjudge_url=url,
@@ -145,7 +130,7 @@ def test_holistic_and_visexmem_entries(vl_dir, tmp_path):
     Image.new("RGB", (48, 40), (200, 30, 30)).save(picture)
     judge = HolisticJudge(vl_dir, engine=EngineOptions(device="cpu", dtype="float32"))
     expected = judge.score([ImageTextExample(image=str(picture), text="a red square")])[0]
-    with serving(create_app(judge, "holistic")) as url:
+    with served(create_app(judge, "holistic")) as url:
         got = verl_remote.compute_score_holistic("coco", "<think>hm</think>a red square", None,
                                                  {"images": [str(picture)]}, fastjudge_url=url)
         missing = asyncio.run(verl_remote.compute_score_holistic_async(

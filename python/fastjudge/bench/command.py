@@ -287,7 +287,7 @@ def run_bench(args) -> int:
     report["runs"] = []
     for picture_round, budget in enumerate(args.batch_tokens or [judge.max_batch_tokens]):
         examples = make(n, picture_round=picture_round)
-        judge.max_batch_tokens = budget
+        judge.engine.max_batch_tokens = budget
         progress = _Progress(n, f"bench {args.judge} @{budget}", not args.no_progress)
         try:
             report["runs"].append(measure(judge, metered, examples, chunk, progress))

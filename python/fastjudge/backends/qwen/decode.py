@@ -41,6 +41,7 @@ from torch.profiler import record_function
 
 from ...runtime.requests import Output, Request
 from ..profiling import DECODE_LABEL, STEP_LABEL, to_host
+from ..slots import compact, move_rows
 from .model import QwenModel
 from .pool import StatePool
 
@@ -207,25 +208,15 @@ def _awaits_step(row: _Row) -> bool:
 
 
 def _leave(pool: StatePool, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> None:
-    """Rows for which ``gone(row)`` holds free their slots: the last live row takes each freed
-    slot (highest slot first, so the row moved in is live), planned on the host and then made
-    as one batched move of every row that changes slot."""
-    origin = list(range(len(live)))  # the slot each live row's state is in now
-    for j in reversed(range(len(live))):
-        if not gone(rows[live[j]]):
-            continue
-        last = len(live) - 1
-        if j != last:
-            origin[j], live[j], feeds[j] = origin[last], live[last], feeds[last]
-        origin.pop()
-        live.pop()
-        feeds.pop()
+    """Rows for which ``gone(row)`` holds free their slots; the last live rows take them
+    (``slots.compact``), their states and last hidden states moved in one batch."""
+    origin = compact(len(live), [j for j, i in enumerate(live) if gone(rows[i])])
+    live[:], feeds[:] = [live[i] for i in origin], [feeds[i] for i in origin]
     moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
     if moves:
         src, dst = (list(x) for x in zip(*moves))
         pool.move(src, dst)
-        index = torch.tensor(src).to(hidden.device, non_blocking=True)
-        hidden[torch.tensor(dst).to(hidden.device, non_blocking=True)] = hidden[index]
+        move_rows([hidden], [], src, dst)
 
 
 def _track_forced(model: QwenModel, rows: Sequence[_Row], out: torch.Tensor, track: torch.Tensor,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..slots import move_rows
 from .shape import QwenShape
 
 
@@ -141,11 +142,5 @@ class StatePool(torch.nn.Module):
         return PrefixState(layers, n, next_position)
 
     def move(self, src: list[int], dst: list[int]) -> None:
-        """The rows of slots ``src`` into slots ``dst``, one gather per buffer (every source read
-        before any slot is written), whatever the number of rows."""
-        device = self.lengths.device
-        s = torch.tensor(src).to(device, non_blocking=True)
-        d = torch.tensor(dst).to(device, non_blocking=True)
-        for t in self.buffers():
-            t[d] = t[s]
-        self.held[dst] = self.held[src]
+        """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer)."""
+        move_rows(self.buffers(), [self.held], src, dst)

@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 from ..compiled import row_bucket, width_bucket
 from ..profiling import DECODE_LABEL, PREFILL_LABEL, STEP_LABEL, to_host
+from ..slots import compact
 from .model import T5Model
 from .pool import T5Pool
 
@@ -124,16 +125,10 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
 
 
 def _leave(pool: T5Pool, live: list[int], feed: list[int], gone: list[int]) -> None:
-    """The rows in slots ``gone`` leave: the last live rows take the freed slots (highest slot
-    first, so each row moved in is live), planned on the host, then one batched move."""
-    origin = list(range(len(live)))
-    for j in reversed(gone):
-        last = len(live) - 1
-        if j != last:
-            origin[j], live[j], feed[j] = origin[last], live[last], feed[last]
-        origin.pop()
-        live.pop()
-        feed.pop()
+    """The rows in slots ``gone`` leave; the last live rows take their slots (``slots.compact``),
+    moved in one batch."""
+    origin = compact(len(live), gone)
+    live[:], feed[:] = [live[i] for i in origin], [feed[i] for i in origin]
     moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
     if moves:
         pool.move(*(list(x) for x in zip(*moves)))

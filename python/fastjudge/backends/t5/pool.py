@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..slots import move_rows
 from .shape import T5Shape
 
 
@@ -68,12 +69,5 @@ class T5Pool(torch.nn.Module):
         self.dec_held[rows] = 0
 
     def move(self, src: list[int], dst: list[int]) -> None:
-        """The rows of slots ``src`` into slots ``dst``, one gather per buffer (every source read
-        before any slot is written), whatever the number of rows."""
-        device = self.mem.device
-        s = torch.tensor(src).to(device, non_blocking=True)
-        d = torch.tensor(dst).to(device, non_blocking=True)
-        for t in self.buffers():
-            t[d] = t[s]
-        self.enc_held[dst] = self.enc_held[src]
-        self.dec_held[dst] = self.dec_held[src]
+        """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer)."""
+        move_rows(self.buffers(), [self.enc_held, self.dec_held], src, dst)
