@@ -102,6 +102,11 @@ class Dense(torch.nn.Module):
             self._packed_for = (w.data_ptr(), w.dtype)
         return self.path
 
+    def unprepare(self) -> str:
+        """Drop the packed copy (``F.linear`` from now on); returns :attr:`path`."""
+        self._packed = self._packed_for = None
+        return self.path
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, torch.nn.Module):
@@ -130,16 +135,22 @@ def _repack_after_load(module: Dense, _incompatible) -> None:
         module.prepare()
 
 
-def prepare_dense(root: torch.nn.Module) -> dict[str, int]:
+def prepare_dense(root: torch.nn.Module, enabled: bool = True) -> dict[str, int]:
     """Choose the GEMM of every :class:`Dense` under ``root`` (call once after loading, and
     again after changing weights in place); returns how many took each path. Also prepares the
     bare 2-D parameters that :func:`fastjudge.backends.fp8.linear` is given, see
-    :func:`prepare_linear_parameters`."""
+    :func:`prepare_linear_parameters`. ``enabled=False`` drops every packed copy instead (all
+    plain weights on ``F.linear``: the path before preparation, for comparisons)."""
     counts: dict[str, int] = {}
     for module in root.modules():
         if isinstance(module, Dense):
-            path = module.prepare()
+            path = module.prepare() if enabled else module.unprepare()
             counts[path] = counts.get(path, 0) + 1
+    if not enabled:
+        for param in root.parameters():
+            if hasattr(param, _PACKED_ATTR):
+                delattr(param, _PACKED_ATTR)
+        return counts
     packed = prepare_linear_parameters(root)
     if packed:
         counts["onednn-packed parameters"] = packed
