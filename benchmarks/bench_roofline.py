@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     small = args.size == "tiny"
     args.dense_modes = [d == "prepared" for d in args.dense]
     args.t5_encoder = (4, 64) if small else (8, 490)
-    args.t5_decode_prompt = 32 if small else 256
+    args.t5_decode_prompt = 32 if small else 128
     args.decode_rows = [1, 16, 64]
     args.decode_tokens = (2, 6) if small else (2, 10)
     args.qwen_prefill = (2, 64) if small else (4, 512)

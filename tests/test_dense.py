@@ -74,6 +74,8 @@ def test_leading_dimensions_and_strides():
         assert d(x3).shape == (3, 5, 1152)
         assert rel_err(d(x3), F.linear(x3, w)) <= 1e-5
         assert rel_err(d(xt), F.linear(xt, w)) <= 1e-5
+    with torch.inference_mode():  # as the backends run
+        assert rel_err(d(x3), F.linear(x3, w)) <= 1e-5
 
 
 def test_fp8_weight_runs_as_before():
