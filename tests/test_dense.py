@@ -164,3 +164,15 @@ def test_compiled_matches():
     with torch.no_grad():
         y = torch.compile(d)(x)
     assert rel_err(y, F.linear(x, w)) <= 1e-5
+
+
+def test_fp8_linear_compiles_in_one_graph():
+    """``fp8.linear`` on a prepared parameter traces without a graph break (the model code's
+    compiled steps call it for every projection) and computes F.linear's product."""
+    root = torch.nn.Module()
+    root.q = torch.nn.Parameter(torch.randn(1152, 512) / 512 ** 0.5, requires_grad=False)
+    prepare_dense(root)
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        y = torch.compile(lambda t: linear(t, root.q), fullgraph=True)(x)
+    assert rel_err(y, F.linear(x, root.q)) <= 1e-5

@@ -179,7 +179,9 @@ def prepare_linear_parameters(root: torch.nn.Module) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a plain weight, through its packed copy when
     :func:`prepare_linear_parameters` made one that still matches."""
+    if torch.compiler.is_compiling():  # first: compiled code never looks the copy up
+        return F.linear(x, weight)
     found = getattr(weight, _PACKED_ATTR, None)
-    if found is not None and not torch.compiler.is_compiling() and _usable(x, weight, found[1]):
+    if found is not None and _usable(x, weight, found[1]):
         return packed_linear(x, found[0])
     return F.linear(x, weight)
