@@ -9,6 +9,8 @@ Hugging Face layouts of T5ForConditionalGeneration and Qwen3_5ForConditionalGene
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from fastjudge.bench import roofline as rl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_roofline  # noqa: E402
 
 
 def shapes(model_dir) -> dict[str, list[int]]:
@@ -90,3 +95,20 @@ def test_gemm_paths_compute_the_product(dtype):
         assert ((y.float() - ref).abs().max() / ref.abs().max()).item() <= tol, name
         assert rl.gemm_rate(8, 64, 48, dtype, device, make, repeats=1) > 0
     assert all(v > 0 for v in rl.bandwidth(device, 1 << 20, repeats=1).values())
+
+
+def test_quick_run_reports_every_stage(tmp_path, capsys):
+    """``bench_roofline.py --quick`` on the CPU (about 10 s on a quiet 2-core machine): every
+    stage is timed through the backends and gets its FLOPs, bytes and bound; both dtypes get a
+    peak. No figure is checked against a threshold."""
+    out = tmp_path / "roofline.json"
+    assert bench_roofline.main(["--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    stages = {s["stage"] for s in report["stages"]}
+    assert stages == {"T5 encoder", "Qwen prefill", "Qwen score-only suffix step", "vision tower", "crop encode",
+                      *(f"{m} decode step, {n} rows" for m in ("T5", "Qwen") for n in (1, 16, 64))}
+    assert set(report["peak"]) == {"float32", "bfloat16"} and all(v > 0 for v in report["peak"].values())
+    for s in report["stages"]:
+        assert s["bytes"] > 0 and s["bound"] in ("compute", "memory") and s["bound_seconds"] > 0
+        assert s["flops"] > 0 or s["stage"] == "crop encode"
+    assert "of bound" in capsys.readouterr().out
