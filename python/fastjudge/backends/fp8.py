@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from . import dense
+
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale")
@@ -176,8 +178,10 @@ def projection_weight(state: dict[str, torch.Tensor], key: str, device, dtype):
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """``x @ weight.T`` for a plain weight tensor or an :class:`Fp8Weight`."""
-    return weight(x) if isinstance(weight, Fp8Weight) else torch.nn.functional.linear(x, weight)
+    """``x @ weight.T`` for a plain weight tensor or an :class:`Fp8Weight`; a plain weight runs
+    through its prepacked oneDNN copy when :func:`fastjudge.backends.dense.prepare_dense` made
+    one (else ``F.linear``)."""
+    return weight(x) if isinstance(weight, Fp8Weight) else dense.linear(x, weight)
 
 
 def fuse(weights: list, dtype: torch.dtype):

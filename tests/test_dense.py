@@ -1,0 +1,178 @@
+"""``backends.dense``: every GEMM path it chooses computes ``F.linear``'s product, exactly in
+float32 (1e-5 of the output's largest value) and to bfloat16 rounding in bfloat16; the FP8 path
+is the one ``Fp8Weight`` runs; ``state_dict``, ``load_state_dict`` and ``.to()`` keep working.
+
+The reference is ``torch.nn.functional.linear`` itself (``y = x @ W.T``, torch 2.13.0): the
+packed path is oneDNN's ``mkldnn._linear_pointwise`` on a ``mkldnn._reorder_linear_weight``
+weight, the pair that inductor's CPU weight prepacking emits
+(torch/_inductor/fx_passes/mkldnn_fusion.py, v2.13.0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastjudge.backends import dense
+from fastjudge.backends.dense import Dense, prepare_dense
+from fastjudge.backends.fp8 import Fp8Weight, e4m3_scale, fp8_linear, linear, quantize_e4m3
+
+ROWS = (1, 7, 64, 513)
+SHAPES = ((1152, 512), (48, 64), (512, 1152))  # [out, in]
+PACKS = dense.packing_available()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def prepared(weight: torch.Tensor) -> Dense:
+    d = Dense(weight)
+    d.prepare()
+    return d
+
+
+@pytest.mark.parametrize("out_in", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_float32_matches_linear(out_in, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_in, generator=g) / out_in[1] ** 0.5
+    x = torch.randn(rows, out_in[1], generator=g)
+    d = prepared(w)
+    big = w.numel() >= dense.PACK_MIN_ELEMENTS
+    assert d.path == ("onednn-packed" if big and PACKS else "linear")
+    with torch.no_grad():
+        y = d(x)
+    assert y.shape == (rows, out_in[0]) and y.dtype == torch.float32
+    assert rel_err(y, F.linear(x, w)) <= 1e-5
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_within_rounding(rows):
+    g = torch.Generator().manual_seed(100 + rows)
+    w = (torch.randn(1152, 512, generator=g) / 512 ** 0.5).bfloat16()
+    x = torch.randn(rows, 512, generator=g).bfloat16()
+    d = prepared(w)
+    with torch.no_grad():
+        y = d(x)
+    assert y.dtype == torch.bfloat16
+    # two bfloat16 GEMMs may round the float32 sum differently: within one bfloat16 step
+    # (2**-8 relative) of the output's largest value
+    assert rel_err(y, F.linear(x, w)) <= 2 ** -8
+    assert rel_err(y, F.linear(x.float(), w.float())) <= 2 ** -7
+
+
+def test_leading_dimensions_and_strides():
+    """``x`` of shape [B, S, in], and a transposed (non-contiguous) ``x``."""
+    w = torch.randn(1152, 512) / 512 ** 0.5
+    d = prepared(w)
+    x3 = torch.randn(3, 5, 512)
+    xt = torch.randn(512, 9).t()
+    with torch.no_grad():
+        assert d(x3).shape == (3, 5, 1152)
+        assert rel_err(d(x3), F.linear(x3, w)) <= 1e-5
+        assert rel_err(d(xt), F.linear(xt, w)) <= 1e-5
+    with torch.inference_mode():  # as the backends run
+        assert rel_err(d(x3), F.linear(x3, w)) <= 1e-5
+
+
+def test_fp8_weight_runs_as_before():
+    """A Dense over an Fp8Weight is that module: the same FP8 GEMM, its buffers under
+    ``weight.``; prepare leaves it alone."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32, generator=g)
+    x = torch.randn(5, 32, generator=g)
+    s, sx = e4m3_scale(w.abs().max()), e4m3_scale(x.abs().max())
+    fp8 = Fp8Weight(quantize_e4m3(w, s), s, sx)
+    d = Dense(fp8)
+    assert prepare_dense(torch.nn.Sequential(d)) == {"fp8": 1}
+    assert d.weight is fp8 and d.path == "fp8"
+    assert sorted(d.state_dict()) == ["weight.input_scale", "weight.weight", "weight.weight_scale"]
+    try:
+        expected = fp8_linear(x, fp8.weight, s, sx, out_dtype=x.dtype)
+    except (RuntimeError, NotImplementedError) as e:  # no FP8 GEMM on this build
+        pytest.skip(f"torch._scaled_mm unavailable here: {e}")
+    assert torch.equal(d(x), expected)
+    assert torch.equal(d(x), fp8(x))
+
+
+def test_state_dict_and_load():
+    """``state_dict`` holds the weight alone; loading new values into it (in place, same
+    storage) is what the packed path computes with next."""
+    model = torch.nn.Sequential(Dense(torch.randn(1152, 512)))
+    prepare_dense(model)
+    assert list(model.state_dict()) == ["0.weight"]
+    new = torch.randn(1152, 512) / 512 ** 0.5
+    model.load_state_dict({"0.weight": new})
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        assert rel_err(model(x), F.linear(x, new)) <= 1e-5
+    # values swapped under the packed copy without load_state_dict: new storage, so F.linear
+    model[0].weight.data = torch.randn(1152, 512)
+    with torch.no_grad():
+        assert rel_err(model(x), F.linear(x, model[0].weight)) <= 1e-5
+
+
+def test_to_dtype_prepares_again():
+    """``.to(dtype)`` chooses again for the new dtype; a dtype without a packed path (float16)
+    falls back to F.linear."""
+    d = prepared(torch.randn(1152, 512) / 512 ** 0.5)
+    x = torch.randn(7, 512)
+    d.to(torch.bfloat16)
+    assert d.weight.dtype == torch.bfloat16 and not d.weight.requires_grad
+    assert d.path == ("onednn-packed" if PACKS else "linear")
+    with torch.no_grad():
+        assert rel_err(d(x.bfloat16()), F.linear(x.bfloat16(), d.weight)) <= 2 ** -8
+    d.to(torch.float16)
+    assert d.path == "linear"
+    d.float()
+    with torch.no_grad():
+        assert rel_err(d(x), F.linear(x, d.weight)) <= 1e-5
+
+
+def test_gradient_falls_back():
+    """The packed op has no autograd formula: an input that needs a gradient gets F.linear."""
+    w = torch.randn(1152, 512) / 512 ** 0.5
+    d = prepared(w)
+    x = torch.randn(3, 512, requires_grad=True)
+    d(x).sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_used_by_fp8_linear():
+    """Projections still held as bare parameters: ``prepare_dense`` attaches a packed copy,
+    ``fp8.linear`` uses it while it matches, embedding tables are left alone."""
+    root = torch.nn.Module()
+    root.q = torch.nn.Parameter(torch.randn(1152, 512) / 512 ** 0.5, requires_grad=False)
+    root.embed_tokens = torch.nn.Parameter(torch.randn(1152, 512), requires_grad=False)
+    counts = prepare_dense(root)
+    assert counts == ({"onednn-packed parameters": 1} if PACKS else {})
+    x = torch.randn(513, 512)
+    assert rel_err(linear(x, root.q), F.linear(x, root.q)) <= 1e-5
+    root.q.data = root.q.data.bfloat16()  # stale copy: dtype and storage differ
+    assert torch.equal(linear(x.bfloat16(), root.q), F.linear(x.bfloat16(), root.q))
+
+
+def test_compiled_matches():
+    """Inside torch.compile the packed op is bypassed (inductor cannot lower it on an opaque
+    oneDNN tensor): the compiled module computes F.linear's product."""
+    w = torch.randn(1152, 512) / 512 ** 0.5
+    d = prepared(w)
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        y = torch.compile(d)(x)
+    assert rel_err(y, F.linear(x, w)) <= 1e-5
+
+
+def test_fp8_linear_compiles_in_one_graph():
+    """``fp8.linear`` on a prepared parameter traces without a graph break (the model code's
+    compiled steps call it for every projection) and computes F.linear's product."""
+    root = torch.nn.Module()
+    root.q = torch.nn.Parameter(torch.randn(1152, 512) / 512 ** 0.5, requires_grad=False)
+    prepare_dense(root)
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        y = torch.compile(lambda t: linear(t, root.q), fullgraph=True)(x)
+    assert rel_err(y, F.linear(x, root.q)) <= 1e-5
