@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from fastjudge.bench import roofline as rl
-from fastjudge.bench.step_profile import profile_qwen_decoding, profile_t5_decoding
+from fastjudge.bench.step_profile import profile_decoding
 from fastjudge.checkpoints import build_random_qwen_vl, build_random_t5
 from fastjudge.demo import tokenizer_corpus
 
@@ -143,7 +143,7 @@ def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         for rows in args.decode_rows:
             prompts = [ids(enc_len) for _ in range(rows)]
             reqs = requests(prompts, Text(args.decode_tokens))
-            s, steps = per_step(profile_t5_decoding, lambda: backend.run(reqs), args.repeats)
+            s, steps = per_step(profile_decoding, lambda: backend.run(reqs), args.repeats)
             mid = args.decode_tokens // 2
             out.append(dict(stage=f"T5 decode step, {rows} rows", work=f"enc {enc_len}, {steps} steps",
                             prepared=prepared, seconds=s, cost=rl.t5_decode_step_cost(dims, rows, enc_len, mid, tdt),
@@ -178,8 +178,7 @@ def qwen_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         for rows in args.decode_rows:
             prompts = [np.concatenate([prefix, ids(8)]) for _ in range(rows)]
             reqs = requests(prompts, Text(args.decode_tokens), len(prefix))
-            s, steps = per_step(lambda run: profile_qwen_decoding(run, backend), lambda: backend.run(reqs),
-                                args.repeats)
+            s, steps = per_step(profile_decoding, lambda: backend.run(reqs), args.repeats)
             ctx = len(prefix) + 8 + args.decode_tokens // 2
             out.append(dict(stage=f"Qwen decode step, {rows} rows", work=f"ctx {ctx}, {steps} steps",
                             prepared=prepared, seconds=s, cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt),

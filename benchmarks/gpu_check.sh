@@ -14,7 +14,8 @@
 #               cudagraphs" with TORCH_LOGS=perf_hints,cudagraphs, and inductor's
 #               cudagraph_skips counter) (benchmarks/bench_compiled.py --cuda-graph-report)
 #   4 speed     the speed ratios (benchmarks/gpu_speed.py via gpu_check.py --only speed), then
-#     roofline  benchmarks/bench_roofline.py where that file exists
+#     roofline  benchmarks/bench_roofline.py: each stage's FLOP/s or bytes/s against the measured
+#               peaks (--quick unless --full)
 #   5 trtllm    the TensorRT-LLM backend against the torch backend (benchmarks/gpu_check_trtllm.py),
 #               only where TensorRT-LLM is installed
 #
@@ -189,13 +190,9 @@ SPEED+=(--budget-s "$((speed_cap - 10))" --speed-s "$((speed_cap - 10))")
 [ "$DRY" = 1 ] && SPEED+=(--dry-run)
 [ -n "$LAVE_REPO" ] && SPEED+=(--lave-repo "$LAVE_REPO")
 stage speed "$PY" benchmarks/gpu_check.py "$OUT/speed" "${SPEED[@]}"
-if [ -f benchmarks/bench_roofline.py ]; then
-  ROOF=()
-  "$PY" benchmarks/bench_roofline.py --help 2>/dev/null | grep -q -- "--device" && ROOF+=(--device "$DEV")
-  stage roofline "$PY" benchmarks/bench_roofline.py "${ROOF[@]}"
-else
-  skip roofline "benchmarks/bench_roofline.py is not in this checkout"
-fi
+ROOF=(--device "$DEV" --json "$OUT/roofline.json")
+[ "$MODE" != full ] && ROOF+=(--quick)
+stage roofline "$PY" benchmarks/bench_roofline.py "${ROOF[@]}"
 
 # ---- full run only: faithfulness tests on CUDA, CTranslate2 ---------------------------------
 if [ "$MODE" = full ]; then

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fastjudge.backends import dense
 from fastjudge.backends.dense import Dense, prepare_dense
-from fastjudge.backends.fp8 import Fp8Weight, e4m3_scale, fp8_linear, linear, quantize_e4m3
+from fastjudge.backends.fp8 import Fp8Weight, e4m3_scale, fp8_linear, quantize_e4m3
 
 ROWS = (1, 7, 64, 513)
 SHAPES = ((1152, 512), (48, 64), (512, 1152))  # [out, in]
@@ -141,20 +141,6 @@ def test_gradient_falls_back():
     assert torch.allclose(x.grad, w.sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
 
 
-def test_parameters_used_by_fp8_linear():
-    """Projections still held as bare parameters: ``prepare_dense`` attaches a packed copy,
-    ``fp8.linear`` uses it while it matches, embedding tables are left alone."""
-    root = torch.nn.Module()
-    root.q = torch.nn.Parameter(torch.randn(1152, 512) / 512 ** 0.5, requires_grad=False)
-    root.embed_tokens = torch.nn.Parameter(torch.randn(1152, 512), requires_grad=False)
-    counts = prepare_dense(root)
-    assert counts == ({"onednn-packed parameters": 1} if PACKS else {})
-    x = torch.randn(513, 512)
-    assert rel_err(linear(x, root.q), F.linear(x, root.q)) <= 1e-5
-    root.q.data = root.q.data.bfloat16()  # stale copy: dtype and storage differ
-    assert torch.equal(linear(x.bfloat16(), root.q), F.linear(x.bfloat16(), root.q))
-
-
 def test_compiled_matches():
     """Inside torch.compile the packed op is bypassed (inductor cannot lower it on an opaque
     oneDNN tensor): the compiled module computes F.linear's product."""
@@ -166,13 +152,25 @@ def test_compiled_matches():
     assert rel_err(y, F.linear(x, w)) <= 1e-5
 
 
-def test_fp8_linear_compiles_in_one_graph():
-    """``fp8.linear`` on a prepared parameter traces without a graph break (the model code's
-    compiled steps call it for every projection) and computes F.linear's product."""
-    root = torch.nn.Module()
-    root.q = torch.nn.Parameter(torch.randn(1152, 512) / 512 ** 0.5, requires_grad=False)
-    prepare_dense(root)
+def test_dense_compiles_in_one_graph():
+    """A prepared ``Dense`` traces without a graph break (the models' compiled forwards call one
+    for every projection) and computes F.linear's product."""
+    w = torch.randn(1152, 512) / 512 ** 0.5
+    d = prepared(w)
     x = torch.randn(4, 512)
     with torch.no_grad():
-        y = torch.compile(lambda t: linear(t, root.q), fullgraph=True)(x)
-    assert rel_err(y, F.linear(x, root.q)) <= 1e-5
+        y = torch.compile(d, fullgraph=True)(x)
+    assert rel_err(y, F.linear(x, w)) <= 1e-5
+
+
+def test_backends_prepare_their_projections(t5_dir, vl_dir):
+    """Both torch backends hold every projection as a ``Dense`` and choose its GEMM at load
+    (the test models' weights are below the packing size, so ``F.linear`` here)."""
+    from fastjudge.backends.qwen.backend import TorchQwenBackend
+    from fastjudge.backends.t5.backend import TorchT5Backend
+
+    for backend in (TorchT5Backend(t5_dir, device="cpu", dtype="float32"),
+                    TorchQwenBackend(vl_dir, device="cpu", dtype="float32")):
+        dense = [m for m in backend.model.modules() if isinstance(m, Dense)]
+        assert dense and all(m.path in ("linear", "onednn-packed") for m in dense)
+        assert prepare_dense(backend.model) == {"linear": len(dense)}

@@ -222,8 +222,8 @@ def test_model_is_a_module_with_registered_weights(t5_backend, t5_tied_dir):
     assert isinstance(model, torch.nn.Module) and isinstance(model.decoder[0], torch.nn.Module)
     names = dict(model.named_parameters())
     s = model.s
-    assert names["encoder.0.qkv"].shape == (3 * s.num_heads * s.d_kv, s.d_model)
-    assert names["decoder.0.wi"].shape[0] == 2 * names["decoder.0.wo"].shape[1]  # gated FF: one GEMM
+    assert names["encoder.0.qkv.weight"].shape == (3 * s.num_heads * s.d_kv, s.d_model)
+    assert names["decoder.0.wi.weight"].shape[0] == 2 * names["decoder.0.wo.weight"].shape[1]  # gated FF: one GEMM
     assert not any(p.requires_grad for p in model.parameters())
     assert not any(k.startswith("_") for k in model.state_dict())  # bias caches are not state
     tied = TorchT5Backend(t5_tied_dir, device="cpu", dtype="float32").model

@@ -15,6 +15,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from .paths import cache_dir
+
 DEMO_MODEL_NAME = "random-flan-t5-small-v1"
 
 
@@ -42,12 +44,6 @@ def tokenizer_corpus() -> list[str]:
         refs = [r["answer"] if isinstance(r, dict) else r for r in row["references"]]
         lines += [row["question"], row["prediction"], row.get("caption", ""), " ".join(refs)]
     return [line for line in lines if line]
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FASTJUDGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastjudge")
-    return Path(root)
 
 
 def demo_model(rebuild: bool = False) -> Path:

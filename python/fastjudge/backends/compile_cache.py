@@ -4,7 +4,7 @@ Inductor caches what it compiles (FX graphs, AOTAutograd graphs, generated C++/T
 their binaries) under ``TORCHINDUCTOR_CACHE_DIR``, by default a directory in the system's temp
 directory, which is often cleared at reboot or is private to a container's lifetime. Pointing it
 at ``<fastjudge cache>/torch-compile/torch-<version>`` (the cache directory of
-:func:`fastjudge.demo.cache_dir`: ``$FASTJUDGE_CACHE``, else ``$XDG_CACHE_HOME/fastjudge``, else
+:func:`fastjudge.paths.cache_dir`: ``$FASTJUDGE_CACHE``, else ``$XDG_CACHE_HOME/fastjudge``, else
 ``~/.cache/fastjudge``) lets a later process load its compiled steps instead of compiling them
 again. One directory per torch version, so an upgrade leaves the old one whole to delete.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..demo import cache_dir
+from ..paths import cache_dir
 
 log = logging.getLogger("fastjudge")
 

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..engine_options import COMPILE_MODES
+from .compile_cache import use_persistent_compile_cache
 
 log = logging.getLogger("fastjudge")
 
@@ -60,6 +61,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, device: torch.device, name: str, dynamic: bool | None = False):
         mode = "reduce-overhead" if device.type == "cuda" else None
+        use_persistent_compile_cache()  # a later process reuses what this one compiles
         self.fn = torch.compile(fn, mode=mode, dynamic=dynamic)
         self.name = name
         self.seconds = 0.0

@@ -66,7 +66,7 @@ class Dense(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor | torch.nn.Module):
         super().__init__()
-        # a module weight is an fp8.Fp8Weight (not imported here: fp8.linear imports this module)
+        # a module weight is an fp8.Fp8Weight, applied as it is
         if isinstance(weight, torch.nn.Module):
             self.weight = weight
         else:
@@ -136,52 +136,13 @@ def _repack_after_load(module: Dense, _incompatible) -> None:
 
 
 def prepare_dense(root: torch.nn.Module, enabled: bool = True) -> dict[str, int]:
-    """Choose the GEMM of every :class:`Dense` under ``root`` (call once after loading, and
-    again after changing weights in place); returns how many took each path. Also prepares the
-    bare 2-D parameters that :func:`fastjudge.backends.fp8.linear` is given, see
-    :func:`prepare_linear_parameters`. ``enabled=False`` drops every packed copy instead (all
-    plain weights on ``F.linear``: the path before preparation, for comparisons)."""
+    """Choose the GEMM of every :class:`Dense` under ``root`` (a backend calls it once after
+    loading; call it again after changing weights in place); returns how many took each path.
+    ``enabled=False`` drops every packed copy instead (all plain weights on ``F.linear``: the
+    path before preparation, for comparisons)."""
     counts: dict[str, int] = {}
     for module in root.modules():
         if isinstance(module, Dense):
             path = module.prepare() if enabled else module.unprepare()
             counts[path] = counts.get(path, 0) + 1
-    if not enabled:
-        for param in root.parameters():
-            if hasattr(param, _PACKED_ATTR):
-                delattr(param, _PACKED_ATTR)
-        return counts
-    packed = prepare_linear_parameters(root)
-    if packed:
-        counts["onednn-packed parameters"] = packed
     return counts
-
-
-# Projections still held as bare parameters (and applied by fp8.linear) carry their packed copy
-# as an attribute of the parameter, checked against its storage and dtype at every call.
-_PACKED_ATTR = "_fastjudge_packed"
-
-
-def prepare_linear_parameters(root: torch.nn.Module) -> int:
-    """Attach a packed copy to each 2-D parameter under ``root`` (outside :class:`Dense`) that
-    :func:`should_pack` accepts; :func:`linear` then uses it. Embedding tables are skipped
-    (their name contains ``embed``): they are gathered from, not multiplied. Returns how many."""
-    count = 0
-    dense_params = {id(m.weight) for m in root.modules() if isinstance(m, Dense)}
-    for name, param in root.named_parameters():
-        if id(param) in dense_params or "embed" in name or not should_pack(param):
-            continue
-        setattr(param, _PACKED_ATTR, (pack(param), (param.data_ptr(), param.dtype)))
-        count += 1
-    return count
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a plain weight, through its packed copy when
-    :func:`prepare_linear_parameters` made one that still matches."""
-    if torch.compiler.is_compiling():  # first: compiled code never looks the copy up
-        return F.linear(x, weight)
-    found = getattr(weight, _PACKED_ATTR, None)
-    if found is not None and _usable(x, weight, found[1]):
-        return packed_linear(x, found[0])
-    return F.linear(x, weight)

@@ -28,8 +28,6 @@ from pathlib import Path
 
 import torch
 
-from . import dense
-
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale")
@@ -175,13 +173,6 @@ def projection_weight(state: dict[str, torch.Tensor], key: str, device, dtype):
     input_scale = state.get(base + "input_scale")
     return Fp8Weight(w.to(device), state[base + "weight_scale"].to(device),
                      None if input_scale is None else input_scale.to(device))
-
-
-def linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """``x @ weight.T`` for a plain weight tensor or an :class:`Fp8Weight`; a plain weight runs
-    through its prepacked oneDNN copy when :func:`fastjudge.backends.dense.prepare_dense` made
-    one (else ``F.linear``)."""
-    return weight(x) if isinstance(weight, Fp8Weight) else dense.linear(x, weight)
 
 
 def fuse(weights: list, dtype: torch.dtype):

@@ -33,6 +33,7 @@ from ...engine_options import EngineOptions
 from ...kernels.choice_head import choice_head
 from ...runtime.requests import Choice, Image, Output, Request, Text, choice_probs
 from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_capacity
+from ..dense import prepare_dense
 from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL, PREFIX_LABEL, VISION_LABEL
 from .caches import ImageEmbeddingCache, prefix_cache_key
@@ -64,6 +65,7 @@ class TorchQwenBackend:
         self.shape = QwenShape.from_config(cfg)
         state = load_state_dict(model_dir, allow_pickle=engine.allow_pickle, keep_fp8=keep_fp8)
         self.model = QwenModel(state, self.shape, self.device, self.dtype)
+        prepare_dense(self.model)  # each projection's GEMM chosen once for its device and dtype
         self.vision = None
         if cfg.get("vision_config"):
             from .vision import QwenVision

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..fp8 import Fp8Weight, fuse, linear, projection_weight
+from ..dense import Dense
+from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
 from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .shape import QwenShape
@@ -58,27 +59,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return torch.cat([rot * cos + torch.cat([-b, a], dim=-1) * sin, rest], dim=-1)
 
 
-def _weight(value) -> torch.nn.Module | torch.nn.Parameter:
-    """A projection weight as a module member: a plain tensor as a frozen parameter, an FP8
-    weight (itself a module holding its scales) as it is."""
-    return value if isinstance(value, Fp8Weight) else torch.nn.Parameter(value, requires_grad=False)
-
-
 class QwenLayer(torch.nn.Module):
     """What every decoder layer has: its two RMSNorm scales (float32, as transformers computes
-    norms) and the gated MLP (gate and up projections fused). Subclasses mix the tokens."""
+    norms) and the gated MLP (gate and up projections fused). Subclasses mix the tokens. Every
+    projection is a :class:`dense.Dense` (its GEMM chosen at load)."""
 
     def __init__(self, shape: QwenShape, in_norm, post_norm, gate_up, down):
         super().__init__()
         self.s = shape
         self.register_buffer("in_norm", in_norm)
         self.register_buffer("post_norm", post_norm)
-        self.gate_up, self.down = _weight(gate_up), _weight(down)
+        self.gate_up, self.down = Dense(gate_up), Dense(down)
 
     def forward(self, x: torch.Tensor, step: Step, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.mix(rms(x, self.in_norm, self.s.eps), step, state)
-        gate, up = linear(rms(x, self.post_norm, self.s.eps), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(rms(x, self.post_norm, self.s.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         raise NotImplementedError
@@ -90,7 +86,7 @@ class AttentionLayer(QwenLayer):
 
     def __init__(self, shape: QwenShape, q, kv, o, q_norm, k_norm, **common):
         super().__init__(shape, **common)
-        self.q, self.kv, self.o = _weight(q), _weight(kv), _weight(o)
+        self.q, self.kv, self.o = Dense(q), Dense(kv), Dense(o)
         self.register_buffer("q_norm", q_norm)
         self.register_buffer("k_norm", k_norm)
 
@@ -98,14 +94,14 @@ class AttentionLayer(QwenLayer):
         s = self.s
         B, S, _ = h.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
-        q = linear(h, self.q)
+        q = self.q(h)
         gate = None
         if s.hybrid:
             q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(B, S, H * hd)
         else:
             q = q.view(B, S, H, hd)
-        k, v = linear(h, self.kv).view(B, S, 2, Hkv, hd).unbind(2)
+        k, v = self.kv(h).view(B, S, 2, Hkv, hd).unbind(2)
         cos, sin = step.rope
         q = _rotate(rms(q, self.q_norm, s.eps).transpose(1, 2), cos, sin, s.rotary_dim)
         k = _rotate(rms(k, self.k_norm, s.eps).transpose(1, 2), cos, sin, s.rotary_dim)
@@ -120,7 +116,7 @@ class AttentionLayer(QwenLayer):
             o = F.scaled_dot_product_attention(q, keys[:, :, :step.width], values[:, :, :step.width],
                                                attn_mask=step.mask, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B, S, H * hd)
-        return linear(o if gate is None else o * torch.sigmoid(gate), self.o)
+        return self.o(o if gate is None else o * torch.sigmoid(gate))
 
 
 class DeltaNetLayer(QwenLayer):
@@ -130,7 +126,7 @@ class DeltaNetLayer(QwenLayer):
 
     def __init__(self, shape: QwenShape, in_proj, conv, dt_bias, neg_A, gated_norm, out, **common):
         super().__init__(shape, **common)
-        self.in_proj, self.out = _weight(in_proj), _weight(out)
+        self.in_proj, self.out = Dense(in_proj), Dense(out)
         self.conv = torch.nn.Parameter(conv, requires_grad=False)
         self.register_buffer("dt_bias", dt_bias)
         self.register_buffer("neg_A", neg_A)
@@ -141,7 +137,7 @@ class DeltaNetLayer(QwenLayer):
         B, S, _ = h.shape
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
         conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
-        mixed, z, b, a = linear(h, self.in_proj).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
+        mixed, z, b, a = self.in_proj(h).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
         conv_state, memory = state
         history = mixed.new_zeros(B, conv_dim, K - 1) if step.fresh else conv_state
         window = torch.cat([history, mixed.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + S]
@@ -172,7 +168,7 @@ class DeltaNetLayer(QwenLayer):
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
         normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * self.gated_norm
         gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(h.dtype)
-        return linear(gated.reshape(B, S, val_dim), self.out)
+        return self.out(gated.reshape(B, S, val_dim))
 
 
 def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):

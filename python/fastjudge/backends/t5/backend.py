@@ -22,6 +22,7 @@ from ...codec import open_codec
 from ...engine_options import EngineOptions
 from ...runtime.requests import Choice, Output, Request, choice_probs
 from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_capacity
+from ..dense import prepare_dense
 from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL
 from .decode import decode_greedy, run_step
@@ -51,6 +52,7 @@ class TorchT5Backend:
         self.shape = T5Shape.from_config(cfg)
         state = load_state_dict(model_dir, allow_pickle=engine.allow_pickle, keep_fp8=keep_fp8)
         self.model = T5Model(state, self.shape, self.device, self.dtype)
+        prepare_dense(self.model)  # each projection's GEMM chosen once for its device and dtype
         del state
         self.codec = open_codec(model_dir, cfg, self.kind, eos_token_id=self.shape.eos_token_id)
         # T5 uses relative positions, so no architectural length limit exists; the default cap

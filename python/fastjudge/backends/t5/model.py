@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
-from ..fp8 import Fp8Weight, fuse, linear, projection_weight
+from ..dense import Dense
+from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
 from .shape import T5Shape
 
@@ -65,6 +66,9 @@ def activation(name: str):
     return acts[name]
 
 
+PROJECTIONS = ("qkv", "o", "x_q", "x_o", "wi", "wo")  # applied as GEMMs: Dense modules
+
+
 def _registered(w):
     """A weight as a module attribute that registers: FP8 weights are modules (their data and
     scales buffers), every other tensor a frozen parameter."""
@@ -86,27 +90,28 @@ class DecoderStep:
 class T5Block(torch.nn.Module):
     """One encoder or decoder block: ``norm``/``qkv``/``o`` (self-attention), in the decoder
     ``x_norm``/``x_q``/``x_k``/``x_v``/``x_o`` (cross-attention), ``ff_norm``/``wi``/``wo``
-    (feed-forward; ``wi`` holds both gated inputs)."""
+    (feed-forward; ``wi`` holds both gated inputs). The projections applied as GEMMs are
+    :class:`dense.Dense` modules; ``x_k``/``x_v`` are read as tensors (reassociated)."""
 
     def __init__(self, shape: T5Shape, weights: dict):
         super().__init__()
         self.s, self.act = shape, activation(shape.act)
         for name, w in weights.items():
-            setattr(self, name, _registered(w))
+            setattr(self, name, Dense(w) if name in PROJECTIONS else _registered(w))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = linear(rms_norm(x, self.ff_norm, self.s.eps), self.wi)
+        h = self.wi(rms_norm(x, self.ff_norm, self.s.eps))
         if self.s.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate).mul_(up)  # in place: one pass and no extra [T, d_ff] buffer
         else:
             h = self.act(h)
-        return x + linear(h, self.wo)
+        return x + self.wo(h)
 
     def encode(self, x: torch.Tensor, lengths: Sequence[int], starts: np.ndarray, bias: torch.Tensor) -> torch.Tensor:
         """The encoder block over packed sequences ``x`` [T, d]: attention within each sequence."""
         h, dk = self.s.num_heads, self.s.d_kv
-        qkv = linear(rms_norm(x, self.norm, self.s.eps), self.qkv)  # [T, 3 * inner]
+        qkv = self.qkv(rms_norm(x, self.norm, self.s.eps))  # [T, 3 * inner]
         out = torch.empty(x.shape[0], h * dk, dtype=x.dtype, device=x.device)
         for i, n in enumerate(lengths):
             a, b = int(starts[i]), int(starts[i + 1])
@@ -114,7 +119,7 @@ class T5Block(torch.nn.Module):
             # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0), scale=1.0)
             out[a:b].view(n, h, dk).copy_(o[0].transpose(0, 1))
-        return self.feed_forward(x + linear(out, self.o))
+        return self.feed_forward(x + self.o(out))
 
     def forward(self, x: torch.Tensor, step: DecoderStep, kv: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
         """The decoder block over ``x`` [B, P, d]: self-attention K/V written into ``kv``
@@ -122,15 +127,15 @@ class T5Block(torch.nn.Module):
         s = self.s
         B, P, _ = x.shape
         h, dk = s.num_heads, s.d_kv
-        q, k, v = linear(rms_norm(x, self.norm, s.eps), self.qkv).view(B, P, 3, h, dk).unbind(2)
+        q, k, v = self.qkv(rms_norm(x, self.norm, s.eps)).view(B, P, 3, h, dk).unbind(2)
         kv[step.rows, 0, :, step.where] = k
         kv[step.rows, 1, :, step.where] = v
         width = step.self_mask.shape[-1]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0, :, :width], kv[:, 1, :, :width],
                                            attn_mask=step.self_mask, scale=1.0)
-        x = x + linear(o.transpose(1, 2).reshape(B, P, h * dk), self.o)
-        xq = linear(rms_norm(x, self.x_norm, s.eps), self.x_q).view(B, P, h, dk)
-        return self.feed_forward(x + linear(self.cross_attention(xq, mem, step.key_mask), self.x_o))
+        x = x + self.o(o.transpose(1, 2).reshape(B, P, h * dk))
+        xq = self.x_q(rms_norm(x, self.x_norm, s.eps)).view(B, P, h, dk)
+        return self.feed_forward(x + self.x_o(self.cross_attention(xq, mem, step.key_mask)))
 
     def cross_attention(self, xq: torch.Tensor, mem: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Cross-attention output [B, P, heads * d_kv] (before ``x_o``) of the projected queries
