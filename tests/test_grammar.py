@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from grammar_probe import allowed, masked  # noqa: E402
+
 from fastjudge.checkpoints import train_bpe_tokenizer  # noqa: E402
 from fastjudge.demo import tokenizer_corpus  # noqa: E402
 from fastjudge.judges.visexmem.schemas import (  # noqa: E402
@@ -148,7 +150,7 @@ def decode_json(step_fn: Callable[[int | None], torch.Tensor], matcher: JsonMatc
     tokens: list[int] = []
     last = None
     while len(tokens) < max_new_tokens:
-        token = int(matcher.mask(step_fn(last)).argmax())
+        token = int(masked(matcher, step_fn(last)).argmax())
         matcher.accept(token)
         if matcher.finished:
             return tokens, True
@@ -228,7 +230,7 @@ def test_padding_and_special_tokens_never_chosen(tok, cache, vocab):
             random_decode(tok, cache, schema, seed, bias=bias)
     matcher = cache.matcher(Json.from_schema(explanation_schema()))
     for piece in ['{"explanation": "', "a"]:
-        assert not matcher.allowed()[banned].any()
+        assert not allowed(matcher)[banned].any()
         for t in tok.encode(piece, add_special_tokens=False):
             matcher.accept(t)
 
@@ -317,24 +319,23 @@ def test_rejected_tokens_raise(tok, cache, vocab):
     with pytest.raises(GrammarError):
         matcher.accept(vocab)  # outside the vocabulary
     for t in tok.encode('{"explanation": "abc"}', add_special_tokens=False):
-        assert not matcher.completed
+        assert tok.eos_token_id not in allowed(matcher).nonzero().flatten().tolist()
         matcher.accept(t)
-    assert matcher.completed and not matcher.finished
-    allowed = matcher.allowed()
-    assert allowed.nonzero().flatten().tolist() == [tok.eos_token_id]
+    assert not matcher.finished
+    assert allowed(matcher).nonzero().flatten().tolist() == [tok.eos_token_id]  # the JSON is whole
     matcher.accept(tok.eos_token_id)
     assert matcher.finished
     with pytest.raises(GrammarError):
         matcher.accept(tok.convert_tokens_to_ids("x"))
     with pytest.raises(GrammarError):
-        matcher.mask(torch.zeros(vocab))
+        matcher.fill_row(torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32), 0)
 
 
 def test_text_longer_than_the_bound_is_rejected(tok, cache):
     matcher = cache.matcher(Json.from_schema(explanation_schema(5)))
     for t in tok.encode('{"explanation": "abcde', add_special_tokens=False):
         matcher.accept(t)
-    assert matcher.allowed()[tok.convert_tokens_to_ids('"')]
+    assert allowed(matcher)[tok.convert_tokens_to_ids('"')]
     with pytest.raises(GrammarError):
         matcher.accept(tok.convert_tokens_to_ids("f"))
 
@@ -346,33 +347,29 @@ def test_several_stop_tokens(tok, vocab):
     matcher = cache.matcher(spec)
     for t in tok.encode('{"selected_evidence_ids": []}', add_special_tokens=False):
         matcher.accept(t)
-    assert matcher.allowed().nonzero().flatten().tolist() == sorted(stops)
+    assert allowed(matcher).nonzero().flatten().tolist() == sorted(stops)
     bias = torch.zeros(vocab)
     bias[tok.pad_token_id] = 1e4
-    z = matcher.mask(torch.randn(vocab) + bias)
+    z = masked(matcher, torch.randn(vocab) + bias)
     assert int(z.argmax()) == tok.pad_token_id
     matcher.accept(tok.pad_token_id)
     assert matcher.finished
     # Without it as a stop token, <|endoftext|> is a special token and never allowed.
     matcher = GrammarCache(tok, vocab, [tok.eos_token_id]).matcher(spec)
-    assert not matcher.allowed()[tok.pad_token_id]
+    assert not allowed(matcher)[tok.pad_token_id]
 
 
 def test_mask_shapes_and_input_untouched(tok, cache, vocab):
     matcher = cache.matcher(Json.from_schema(boxes_schema()))
     logits = torch.randn(vocab, dtype=torch.bfloat16)
     before = logits.clone()
-    flat, row = matcher.mask(logits), matcher.mask(logits[None])
+    flat, row = masked(matcher, logits), masked(matcher, logits[None])
     assert torch.equal(logits, before)
     assert flat.shape == (vocab,) and row.shape == (1, vocab) and flat.dtype == torch.float32
     assert torch.equal(flat, row[0])
-    allowed = matcher.allowed()
-    assert torch.isinf(flat[~allowed]).all() and torch.isfinite(flat[allowed]).all()
-    assert allowed.nonzero().flatten().tolist() == [tok.convert_tokens_to_ids("{")]
-    with pytest.raises(ValueError):
-        matcher.mask(torch.zeros(vocab - PAD))
-    with pytest.raises(ValueError):
-        matcher.mask(torch.zeros(2, vocab))
+    ok = allowed(matcher)
+    assert torch.isinf(flat[~ok]).all() and torch.isfinite(flat[ok]).all()
+    assert ok.nonzero().flatten().tolist() == [tok.convert_tokens_to_ids("{")]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -382,7 +379,7 @@ def test_mask_on_cuda_matches_cpu(tok, cache, vocab):
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         z = torch.randn(vocab, generator=gen)
-        a, b = on_cpu.mask(z), on_gpu.mask(z.cuda())
+        a, b = masked(on_cpu, z), masked(on_gpu, z.cuda())
         assert b.device.type == "cuda" and torch.equal(a, b.cpu())
         token = int(a.argmax())
         on_cpu.accept(token), on_gpu.accept(token)
@@ -446,7 +443,7 @@ def test_budget_exhaustion_reports_unfinished(tok, cache):
     matcher = cache.matcher(spec)
     gen = torch.Generator().manual_seed(0)
     tokens, finished = decode_json(lambda _: torch.randn(cache.vocab_size, generator=gen), matcher, 3)
-    assert len(tokens) == 3 and not finished and not matcher.finished and not matcher.completed
+    assert len(tokens) == 3 and not finished and not matcher.finished
 
 
 def test_matcher_type(cache):

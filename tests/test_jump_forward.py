@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+import grammar_probe as probe  # noqa: E402
 from conftest import TEST_DEVICE  # noqa: E402
 
 from fastjudge import LaveJudge  # noqa: E402
@@ -139,8 +140,9 @@ def emitted(outputs) -> int:
 
 
 def test_forced_token_is_the_only_allowed_token(backend):
-    """Along random constrained decodes of every schema: ``forced_token`` is the allowed set's
-    one member exactly when it has one member, else None; None once terminated."""
+    """Along random constrained decodes of every schema: the forced token read from a bitmask
+    row (``token_mask.forced_in``, what ``TokenMask.forced`` gives jump-forward) is the allowed
+    set's one member exactly when it has one member, else None; None once terminated."""
     from fastjudge.runtime.grammar import GrammarCache
 
     grammars = GrammarCache(backend.codec.tokenizer, backend.shape.vocab_size, backend.codec.eos_token_ids,
@@ -150,12 +152,12 @@ def test_forced_token_is_the_only_allowed_token(backend):
     for name in sorted(visexmem_schemas()):
         matcher = grammars.matcher(json_spec(name))
         while not matcher.finished:
-            allowed = matcher.allowed().nonzero().flatten().tolist()
-            forced = matcher.forced_token()
+            allowed = probe.allowed(matcher).nonzero().flatten().tolist()
+            forced = probe.forced(matcher)
             assert forced == (allowed[0] if len(allowed) == 1 else None)
             forced_seen += forced is not None
-            matcher.accept(int(matcher.mask(torch.randn(backend.shape.vocab_size, generator=gen)).argmax()))
-        assert matcher.forced_token() is None
+            matcher.accept(int(probe.masked(matcher, torch.randn(backend.shape.vocab_size, generator=gen)).argmax()))
+        assert probe.forced(matcher) is None
     assert forced_seen > 0
 
 
@@ -334,7 +336,7 @@ class GrammarLogits:
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] > self.prompt_len:
             self.matcher.accept(int(input_ids[0, -1]))
-        return self.matcher.mask(scores[0] + self.bias)[None]
+        return probe.masked(self.matcher, scores[0] + self.bias)[None]
 
 
 @pytest.mark.parametrize("name", ["parts", "boxes"])
