@@ -127,8 +127,7 @@ class TorchQwenBackend:
             return self.pool
         capacity = round_capacity(max(capacity, 2 * self.pool.capacity if self.pool is not None else 0))
         per_slot = pool_bytes(self.shape, 1, capacity, torch.empty((), dtype=self.dtype).element_size())
-        slots = max(1, min(self.options.max_batch_size,
-                           self.state_bytes // per_slot))
+        slots = max(1, min(self.options.max_batch_size, self.state_bytes // per_slot))
         if self._compiled is not None:
             slots = max(b for b in ROW_BUCKETS if b <= max(slots, 1))
         self.pool = None  # the old pool's memory goes before the new one is allocated

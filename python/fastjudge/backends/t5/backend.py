@@ -93,8 +93,7 @@ class TorchT5Backend:
             capacity = max(capacity, pool.capacity * (2 if capacity > pool.capacity else 1))
         enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
         per_row = row_bytes(self.shape, enc_capacity, capacity, torch.empty((), dtype=self.dtype).element_size())
-        slots = max(1, min(self.options.max_batch_size,
-                           self.decode_cache_bytes // per_row))
+        slots = max(1, min(self.options.max_batch_size, self.decode_cache_bytes // per_row))
         if self._compiled is not None:
             slots = max(b for b in ROW_BUCKETS if b <= slots)
         self.model.decoder_bias(capacity)  # the bias table the forward reads, grown here
