@@ -133,7 +133,7 @@ def fp8_gemm_supported(device: torch.device) -> bool:
 
 class Fp8Weight(torch.nn.Module):
     """A linear layer's FP8 weight ``[out, in]`` with its per-tensor scales, applied by
-    :func:`fp8_linear` (the model code calls :func:`linear` for every projection). The weight and
+    :func:`fp8_linear` (a ``dense.Dense`` holding it calls it for its projection). The weight and
     scales are buffers, so a model holding this module moves them with ``.to(device)`` and lists
     them in its ``state_dict``; a dtype conversion of the model leaves them alone (FP8 data and
     float32 scales are what the FP8 GEMM reads)."""

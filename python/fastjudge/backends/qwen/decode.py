@@ -3,7 +3,7 @@ rows decode together, each attending to its own length only, until every row has
 token or its token limit.
 
 Every step is one batched operation whatever the row count: the model runs once over all live
-rows (``QwenModel.step`` on the static ``qwen_slots.SlotCache``); the grammar's next-token masks
+rows (``model.run_step`` on the leading slots of the state pool); the grammar's next-token masks
 of all rows are filled on the host into one ``[rows, ceil(V/32)]`` bitmask
 (``runtime.grammar.TokenMask``) and applied to the batch's logits in one call; one argmax picks
 every row's token; and **one** device-to-host copy brings the chosen ids (with the tracked
@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from ...runtime.requests import Output, Request
 from ..profiling import DECODE_LABEL, STEP_LABEL, to_host
-from ..slots import compact, move_rows
+from ..slots import compact
 from .model import QwenModel
 from .pool import StatePool
 
@@ -214,9 +214,7 @@ def _leave(pool: StatePool, hidden: torch.Tensor, live: list[int], feeds: list, 
     live[:], feeds[:] = [live[i] for i in origin], [feeds[i] for i in origin]
     moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
     if moves:
-        src, dst = (list(x) for x in zip(*moves))
-        pool.move(src, dst)
-        move_rows([hidden], [], src, dst)
+        pool.move(*(list(x) for x in zip(*moves)), hidden)
 
 
 def _track_forced(model: QwenModel, rows: Sequence[_Row], out: torch.Tensor, track: torch.Tensor,

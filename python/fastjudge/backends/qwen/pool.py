@@ -141,6 +141,7 @@ class StatePool(torch.nn.Module):
                   for kind, (a, b) in zip(self.kinds, self.layers)]
         return PrefixState(layers, n, next_position)
 
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer)."""
-        move_rows(self.buffers(), [self.held], src, dst)
+    def move(self, src: list[int], dst: list[int], *riders: torch.Tensor) -> None:
+        """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer),
+        with the same rows of ``riders`` (per-slot tensors kept beside the pool)."""
+        move_rows([*self.buffers(), *riders], [self.held], src, dst)
