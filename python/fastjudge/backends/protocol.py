@@ -33,6 +33,10 @@ class Backend(Protocol):
     def run(self, batch: Sequence[Request]) -> list[Output]:
         """Execute one planned batch; one output per request, in any order, by ``index``."""
 
+    # Optional: ``route(requests) -> list[Request]``, the requests as the backend will run them,
+    # called once per call before planning (the Qwen backend drops a shared prefix where running
+    # the whole prompt is cheaper; ``backends.qwen.routing``).
+
 
 def check_backend(backend) -> None:
     """Raise TypeError naming what ``backend`` lacks of :class:`Backend`."""

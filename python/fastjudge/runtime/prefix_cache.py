@@ -20,6 +20,13 @@ class PrefixCache:
     def __init__(self, capacity_bytes: int):
         self.index = PrefixIndex(int(capacity_bytes))
         self.states: dict[int, object] = {}
+        self._slots: dict[bytes, int] = {}  # cached keys' bytes -> slot: membership without a lookup
+        self._keys: dict[int, bytes] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether the state of the prefix whose ids' bytes are ``key`` is cached (no hit or
+        miss counted, nothing acquired)."""
+        return key in self._slots
 
     def lookup(self, ids: np.ndarray):
         """``(slot, state)`` for exactly these prefix tokens, acquired; ``(None, None)`` if absent."""
@@ -39,7 +46,10 @@ class PrefixCache:
             return None
         for evicted in self.index.take_evicted():
             self.states.pop(int(evicted), None)
+            self._slots.pop(self._keys.pop(int(evicted), b""), None)
         self.states[slot] = state
+        self._keys[slot] = key = np.asarray(ids, dtype=np.int64).tobytes()
+        self._slots[key] = slot
         self.index.acquire(slot)
         return slot
 

@@ -30,6 +30,8 @@ def run_requests(backend, requests: Sequence[Request], max_batch_tokens: int,
     """Yield the outputs of each batch as soon as it finishes (longest requests first)."""
     if not requests:
         return
+    if hasattr(backend, "route"):  # a backend that reuses prefixes decides which run whole
+        requests = backend.route(requests)
     costs = np.fromiter((backend.cost(r) for r in requests), dtype=np.int64, count=len(requests))
     # A request longer than the batch budget still runs, alone in its batch.
     budget = max(int(max_batch_tokens), int(costs.max()))

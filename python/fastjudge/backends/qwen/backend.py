@@ -41,6 +41,7 @@ from .decode import decode_greedy
 from .model import QwenModel, run_step
 from .pool import PrefixState, StatePool, pool_bytes
 from .positions import mrope_positions
+from .routing import PASS_TOKENS, RecentPrefixes, route
 from .shape import QwenShape
 
 log = logging.getLogger("fastjudge")
@@ -80,6 +81,8 @@ class TorchQwenBackend:
         self.default_batch_tokens = 65536 if cuda else 8192
         self.state_bytes = engine.decode_cache_bytes or (2**34 if cuda else 2**30)
         self.prefix_cache = PrefixCache(engine.prefix_cache_bytes or DEFAULT_PREFIX_CACHE_BYTES)
+        self.pass_tokens = PASS_TOKENS.get(self.device.type, PASS_TOKENS["cuda"])  # ``routing``
+        self._whole_prefixes = RecentPrefixes()
         self.pool: StatePool | None = None
         self.pool_allocations = 0
         self._grammars = None  # runtime.grammar.GrammarCache, built on the first Json request
@@ -106,6 +109,15 @@ class TorchQwenBackend:
         self.decode_stats = {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0}
 
     # -- planning hooks ---------------------------------------------------------------------------
+    def route(self, requests: Sequence[Request]) -> list[Request]:
+        """The requests as they will run: those whose shared prefix is cheaper to run as part
+        of the whole prompt (nobody else in the call shares it, it is not cached) with their
+        prefix dropped (``routing``)."""
+        def key(r: Request) -> bytes:
+            return np.asarray(prefix_cache_key(*self._prefix_of(r)), dtype=np.int64).tobytes()
+
+        return route(requests, key, self.prefix_cache.__contains__, self._whole_prefixes, self.pass_tokens)
+
     def cost(self, request: Request) -> int:
         return request.num_tokens - request.prefix_len
 

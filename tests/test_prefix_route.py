@@ -1,0 +1,147 @@
+"""Prefix route against whole prompts (``backends.qwen.routing``): which requests run their shared
+prefix once, and that either way a request's result is transformers' on its whole prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import TEST_DEVICE
+
+from fastjudge.backends.qwen.backend import TorchQwenBackend
+from fastjudge.backends.qwen.routing import RecentPrefixes, route
+from fastjudge.checkpoints import build_random_qwen
+from fastjudge.demo import tokenizer_corpus
+from fastjudge.runtime.requests import Choice, Request, Text
+from fastjudge.runtime.scheduler import run_requests
+
+CANDS = (10, 11, 12)
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    return build_random_qwen(tmp_path_factory.mktemp("qwen3_5_route"), tokenizer_corpus(), seed=5)
+
+
+@pytest.fixture()
+def backend(qwen35_dir):
+    return TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
+
+
+def prompts(rng, prefixes: list[int], suffix_len: int = 9) -> list[Request]:
+    """``prefixes[i]``: the prefix length of request ``i``'s own prefix (one prefix per request)."""
+    out = []
+    for i, p in enumerate(prefixes):
+        ids = rng.integers(5, 900, size=p + suffix_len)
+        out.append(Request(i, ids, Choice(CANDS), prefix_len=p))
+    return out
+
+
+def by_index(backend, requests):
+    batches = list(run_requests(backend, requests, 1 << 16))
+    return {o.index: o for b in batches for o in b}, len(batches)
+
+
+@torch.inference_mode()
+def hf_probs(model_dir, requests):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for r in requests:
+        logits = hf(input_ids=torch.tensor([r.prompt_ids.tolist()])).logits[0, -1, list(CANDS)].double()
+        out.append(torch.softmax(logits, -1).numpy())
+    return out
+
+
+def test_unshared_prefixes_run_whole_in_one_batch(backend, qwen35_dir):
+    """Prefixes nobody else shares: one batched pass of whole prompts (no prefix cached), each
+    row equal to transformers' forward on its prompt (``Qwen3_5ForCausalLM.forward``) and to the
+    same request through the prefix route."""
+    reqs = prompts(np.random.default_rng(0), [40, 57, 33, 71])
+    outs, batches = by_index(backend, reqs)
+    assert batches == 1 and len(backend.prefix_cache) == 0
+    via_prefix = {o.index: o for o in backend.run(reqs[:1])}  # run() takes requests as given
+    assert len(backend.prefix_cache) == 1
+    np.testing.assert_allclose(outs[0].probs, via_prefix[0].probs, rtol=1e-5)
+    for r, ref in zip(reqs, hf_probs(qwen35_dir, reqs)):
+        np.testing.assert_allclose(outs[r.index].probs, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_shared_prefix_runs_once(backend):
+    """Three requests of one 60-token prefix: the prefix route (one cached state), one batch."""
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(5, 900, size=60)
+    reqs = [Request(i, np.concatenate([prefix, rng.integers(5, 900, size=5 + i)]), Choice(CANDS), prefix_len=60)
+            for i in range(3)]
+    outs, batches = by_index(backend, reqs)
+    assert batches == 1 and len(backend.prefix_cache) == 1
+    alone = backend.run([Request(0, reqs[2].prompt_ids, Choice(CANDS))])[0]
+    np.testing.assert_allclose(outs[2].probs, alone.probs, rtol=1e-5)
+
+
+def test_prefix_that_comes_back_is_cached(backend):
+    """A stream of one-request calls with the same prefix: the first runs whole, the second
+    takes the prefix route and caches it, the third is served from the cache."""
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(5, 900, size=48)
+    calls = [[Request(0, np.concatenate([prefix, rng.integers(5, 900, size=7)]), Choice(CANDS), prefix_len=48)]
+             for _ in range(3)]
+    first, _ = by_index(backend, calls[0])
+    assert len(backend.prefix_cache) == 0
+    by_index(backend, calls[1])
+    assert len(backend.prefix_cache) == 1
+    hits = backend.prefix_cache.index.hits
+    by_index(backend, calls[2])
+    assert backend.prefix_cache.index.hits == hits + 1
+
+
+def test_greedy_text_with_unshared_prefixes(backend, qwen35_dir):
+    """Generation rows whose prefixes nobody shares run whole: the tokens of transformers'
+    greedy ``generate`` (``GenerationMixin.generate``, ``do_sample=False``)."""
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(3)
+    reqs = [Request(i, rng.integers(5, 900, size=30 + 11 * i), Text(6), prefix_len=20 + i) for i in range(3)]
+    outs, _ = by_index(backend, reqs)
+    assert len(backend.prefix_cache) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen35_dir), dtype=torch.float32).eval()
+    eos = sorted(backend.codec.eos_token_ids)
+    for r in reqs:
+        gen = hf.generate(torch.tensor([r.prompt_ids.tolist()]), max_new_tokens=6, do_sample=False, num_beams=1,
+                          eos_token_id=eos)[0, len(r.prompt_ids):].tolist()
+        stop = next((i for i, t in enumerate(gen) if t in eos), len(gen))
+        assert outs[r.index].token_ids == gen[:stop]
+
+
+def key_of(r: Request) -> bytes:
+    return r.prompt_ids[: r.prefix_len].tobytes()
+
+
+@pytest.mark.parametrize("sharing, prefix_len, pass_tokens, whole", [
+    (1, 500, 64, True),    # nobody shares it: nothing to save
+    (2, 63, 64, True),     # (n - 1) * P = 63 < 64: a second pass costs more than it saves
+    (2, 64, 64, False),    # 64 saved tokens pay for the pass
+    (5, 20, 64, False),
+    (3, 40, 2048, True),   # a device whose pass costs thousands of tokens of work
+])
+def test_cost_rule(sharing, prefix_len, pass_tokens, whole):
+    """``(n - 1) * P < pass_tokens`` for a prefix neither cached nor seen: whole."""
+    prefix = np.arange(prefix_len)
+    reqs = [Request(i, np.concatenate([prefix, [1000 + i]]), Choice(CANDS), prefix_len=prefix_len)
+            for i in range(sharing)]
+    routed = route(reqs, key_of, lambda key: False, RecentPrefixes(), pass_tokens)
+    assert [r.prefix_len for r in routed] == [0 if whole else prefix_len] * sharing
+    assert [r.index for r in routed] == [r.index for r in reqs]
+
+
+def test_cached_or_recent_prefixes_keep_their_route():
+    prefix = np.arange(30)
+    reqs = [Request(0, np.concatenate([prefix, [7]]), Choice(CANDS), prefix_len=30),
+            Request(1, np.arange(12), Choice(CANDS))]  # no prefix at all: untouched
+    assert [r.prefix_len for r in route(reqs, key_of, lambda key: True, RecentPrefixes(), 64)] == [30, 0]
+    recent = RecentPrefixes(capacity=1)
+    assert route(reqs, key_of, lambda key: False, recent, 64)[0].prefix_len == 0  # first seen: whole
+    assert route(reqs, key_of, lambda key: False, recent, 64)[0].prefix_len == 30  # back again
+    route([Request(2, np.arange(40, 80), Choice(CANDS), prefix_len=20)], key_of, lambda key: False, recent, 64)
+    assert route(reqs, key_of, lambda key: False, recent, 64)[0].prefix_len == 0  # forgotten beyond capacity
