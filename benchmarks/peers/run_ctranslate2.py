@@ -4,7 +4,7 @@ Runs in CTranslate2's own environment (``install_ctranslate2.sh``) and imports n
 fastjudge. The checkpoint is converted once with CTranslate2's transformers converter (float32
 weights; ``int8`` is applied at load, as ``compute_type``), then for each compute type, each
 workload and each ``max_batch_size`` of ``--batch-sizes`` (the setting CTranslate2's users tune:
-one batch of every item was slower than batches of 16 here), one untimed warm-up and the timed
+one batch of every item is not necessarily its fastest), one untimed warm-up and the timed
 runs; per compute type and workload the batch size with the lowest median is kept
 (``common.keep_best``), the others' medians listed with it:
 
