@@ -142,11 +142,12 @@ def keep_best(runs: Sequence[dict], setting: str) -> list[dict]:
 
 
 def settings_to_try(values: Sequence[int], items: int) -> list[int]:
-    """The distinct values of a per-batch limit worth running on ``items`` requests: a limit at
-    or above the item count runs them as one batch, so only the smallest such one is kept."""
+    """The values of a per-batch limit worth running on ``items`` requests: those below the item
+    count, and the smallest at or above it (every such limit runs them as one batch)."""
     if not values or min(values) < 1:
         raise ValueError(f"batch limits must be >= 1, got {list(values)}")
-    return sorted({min(int(v), items) for v in values})
+    values = sorted({int(v) for v in values})
+    return [v for v in values if v < items] + [v for v in values if v >= items][:1]
 
 
 # ------------------------------------------------------------------------------------------------

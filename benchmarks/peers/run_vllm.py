@@ -122,11 +122,14 @@ def main(argv=None) -> int:
     for mode in args.modes:
         for model_dir, workloads in by_model.items():
             most = max(len(w["requests"]) for _, w in workloads)
-            for max_num_seqs in settings_to_try(args.max_num_seqs, most):
+            values = settings_to_try(args.max_num_seqs, most)
+            for max_num_seqs in values:
                 llm = LLM(model=model_dir, dtype=settings.get("dtype", "bfloat16"),
                           enforce_eager=mode == "eager", enable_prefix_caching=True,
                           max_model_len=max(2048, longest), max_num_seqs=max_num_seqs, seed=0)
                 for index, workload in workloads:
+                    if max_num_seqs not in settings_to_try(values, len(workload["requests"])):
+                        continue  # a smaller value already ran this workload as one batch
                     params, inputs = sampling_params(workload), prompts(workload)
                     times, results = [], None
                     for i in range(repeats + 1):  # the first run warms up, untimed
