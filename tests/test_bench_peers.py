@@ -95,15 +95,37 @@ def test_fastjudge_runs_in_workload_order(qwen_cases):
         run = workloads.run_fastjudge(case, repeats=1)
         assert len(run.times) == 1 and len(run.outputs) == len(case.requests)
         out = run.outputs[0]
-        if case.workload.kind == "choice":
+        if case.judge is not None and case.workload.kind == "choice":  # LAVE score-only: the results'
+            assert len(out["probs"]) == len(case.workload.choice_ids)
+        elif case.workload.kind == "choice":
             assert len(out["logits"]) == len(case.workload.choice_ids)
             assert ("logprobs" in out) == case.workload.full_vocab
         else:
             assert 0 < len(out["token_ids"]) <= case.workload.max_new_tokens
 
 
+def test_lave_cases_run_the_public_judge(t5_cases):
+    """The LAVE workloads are what ``LaveJudge.score`` runs on the cases' own items; the
+    rationale judge rates unparsable text without a further step, as the peers decode only."""
+    score, rationale = t5_cases
+    assert len(score.examples) == 5 and len(rationale.examples) == 3
+    assert rationale.judge.rationale and rationale.judge.on_unparsable == "official"
+    assert rationale.judge.backend is score.judge.backend
+    run = workloads.run_fastjudge(rationale, repeats=1)
+    results = rationale.judge.score(rationale.examples)
+    for case, judged in ((score, score.judge.score(score.examples)), (rationale, results)):
+        # the exported prompts are the ones the public call ran
+        assert [r.prompt_tokens for r in judged] == [len(r.prompt_ids) for r in case.requests]
+    decode = rationale.backend.codec.decode
+    assert [decode(o["token_ids"]) for o in run.outputs] == [r.rationale for r in results]
+    assert all(r.rating_source in ("parsed", "official-fallback") for r in results)
+
+
 def test_compare_choice():
     ours = [{"logits": [0.0, 2.0, 1.0]}, {"logits": [3.0, 0.0, 0.0]}]
+    # a judge's result carries the distribution itself
+    as_probs = [{"probs": list(common.candidate_probs(o))} for o in ours]
+    assert common.compare("choice", as_probs, ours).max_prob_diff < 1e-12
     # log-probabilities under the whole vocabulary renormalise to the same distribution
     shifted = [{"logprobs": [x - 7.5 for x in o["logits"]]} for o in ours]
     same = common.compare("choice", ours, shifted)
@@ -115,6 +137,29 @@ def test_compare_choice():
         common.compare("choice", ours, ours[:1])
     with pytest.raises(ValueError):
         common.candidate_probs({"logprobs": [float("-inf"), 0.0]})
+    with pytest.raises(ValueError):
+        common.candidate_probs({"probs": [-0.5, 1.5]})
+
+
+def test_keep_best_names_the_winning_setting():
+    runs = [dict(index=0, variant="float32", value=8, times=[3.0, 1.0, 2.0], outputs=["a"]),
+            dict(index=0, variant="float32", value=16, times=[1.5], outputs=["b"]),
+            dict(index=0, variant="int8", value=8, times=[0.5], outputs=["c"]),
+            dict(index=1, variant="float32", value=8, times=[4.0], outputs=["d"])]
+    best = common.keep_best(runs, "batch")
+    assert [(r["index"], r["variant"], r["outputs"]) for r in best] == [
+        (0, "float32 (batch 16)", ["b"]), (0, "int8 (batch 8)", ["c"]), (1, "float32 (batch 8)", ["d"])]
+    assert best[0]["tried"] == {"8": 2.0, "16": 1.5}
+
+
+def test_settings_to_try():
+    # limits at or above the item count all run one batch: only the smallest of them is run
+    assert common.settings_to_try([8, 16, 32, 64], 32) == [8, 16, 32]
+    assert common.settings_to_try([8, 16, 32, 64], 16) == [8, 16]
+    assert common.settings_to_try([64, 8, 8], 4) == [8]
+    assert common.settings_to_try([8, 64], 40) == [8, 64]
+    with pytest.raises(ValueError):
+        common.settings_to_try([0, 8], 4)
 
 
 def test_compare_text_and_json():
@@ -193,9 +238,11 @@ def test_vllm_outputs_parsing():
 
 
 def test_probabilities_match_the_backend(t5_cases):
-    """The exported choice outputs are the backend's own logits, in request order."""
+    """The score-only outputs (the judge's ratings' probabilities) are the softmax of the
+    backend's own logits for the same requests, in request order."""
     case = t5_cases[0]
     run = workloads.run_fastjudge(case, repeats=1)
     direct = {o.index: o for o in case.backend.run(case.requests)}
     for request, out in zip(case.requests, run.outputs):
-        np.testing.assert_allclose(out["logits"], direct[request.index].logits, rtol=1e-5, atol=1e-6)
+        expected = common.candidate_probs({"logits": list(direct[request.index].logits)})
+        np.testing.assert_allclose(out["probs"], expected, rtol=1e-5, atol=1e-6)

@@ -5,7 +5,10 @@ For each peer: build the random-weight checkpoints, export fastjudge's own reque
 ids (``workloads.py``), time fastjudge on them, then run the peer's runner in the peer's own
 virtual environment on the same ids (``run_ctranslate2.py``, ``run_vllm.py``), compare the
 outputs and print one table: items/s and tokens/s of both, the ratio (above 1: fastjudge
-faster) and the output agreement. Medians over ``--repeats`` runs after a warm-up.
+faster) and the output agreement. Medians over ``--repeats`` runs after a warm-up. fastjudge's
+LAVE rows are its public call, ``LaveJudge(...).score(examples)``; each peer runs at several
+values of the batch setting its users tune (``--ct2-batch-sizes``, ``--vllm-max-num-seqs``) and
+its fastest is kept, the row naming the value that won.
 
 A peer whose environment is missing is installed first (``install_*.sh``), unless
 ``--no-install``: then it is skipped with a note. ``--peers`` picks them.
@@ -59,7 +62,7 @@ def rows_for(cases, fast_runs, peer_data: dict, decode_for) -> list[Row]:
     for run in peer_data["runs"]:
         case, fast = cases[run["index"]], fast_runs[run["index"]]
         other = RunResult(peer_data["engine"], run["variant"], run["workload"], run["times"],
-                          run["outputs"], run.get("note", ""))
+                          run["outputs"], run.get("note", ""), run.get("tried", {}))
         agreement = compare(case.workload.kind, fast.outputs, other.outputs, decode=decode_for(case))
         rows.append(Row(case.workload.name, case.model, len(case.requests), case.workload.prompt_tokens,
                         f"{peer_data['engine']} {run['variant']}".strip(), fast, other, agreement,
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--items", type=int, default=32, help="score-only items per workload")
-    ap.add_argument("--gen-items", type=int, default=8,
+    ap.add_argument("--gen-items", type=int, default=16,
                     help="items of the decoding workloads (and of VisExMEM, holistic)")
     ap.add_argument("--gen-tokens", type=int, default=30, help="greedy budget of the rationale workloads")
     ap.add_argument("--json-tokens", type=int, default=48, help="budget of the JSON workload")
@@ -105,7 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--qwen-shape", default="mini", help="linear head dim 64 or 128 for vLLM's CPU kernel")
     ap.add_argument("--qwen-archs", nargs="+", default=["qwen3", "qwen3_5"], choices=["qwen3", "qwen3_5"])
     ap.add_argument("--ct2-compute-types", nargs="+", default=["float32", "int8"])
+    ap.add_argument("--ct2-batch-sizes", nargs="+", type=int, default=[8, 16, 32, 64],
+                    help="CTranslate2 max_batch_size values tried per workload; the fastest is kept")
     ap.add_argument("--vllm-modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
+    ap.add_argument("--vllm-max-num-seqs", nargs="+", type=int, default=[8, 16, 32],
+                    help="vLLM max_num_seqs values tried (one engine build each); per workload the fastest is kept")
     ap.add_argument("--threads", type=int, default=None, help="default: torch's thread count")
     ap.add_argument("--envs", default=str(HERE / ".envs"), help="where the peers' environments live")
     ap.add_argument("--no-install", action="store_true", help="skip peers whose environment is missing")
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
                 dirs = build_checkpoints(work, args.t5_shape, args.qwen_shape, which=("t5",))
                 cases = lave_cases(dirs["t5"], f"flan-t5 {args.t5_shape} fp32", torch.float32,
                                    args.items, args.gen_items, args.gen_tokens, args.device)
-                extra = ["--compute-types", *args.ct2_compute_types, "--device", args.device]
+                extra = ["--compute-types", *args.ct2_compute_types, "--device", args.device,
+                         "--batch-sizes", *map(str, args.ct2_batch_sizes)]
                 peer_settings = dict(settings, dtype="float32")
             else:
                 check_vllm_shape(args.qwen_shape)
@@ -158,7 +166,7 @@ def main(argv=None) -> int:
                     backend = lave[0].backend
                     cases += lave + visexmem_cases(dirs[arch], label, backend, captions, args.json_tokens,
                                                    lave[0].max_batch_tokens, lave[0].max_batch_size)
-                extra = ["--modes", *args.vllm_modes]
+                extra = ["--modes", *args.vllm_modes, "--max-num-seqs", *map(str, args.vllm_max_num_seqs)]
                 peer_settings = dict(settings, dtype="bfloat16")
             # fastjudge first, then the peer, on the same exported ids
             fast_runs = [run_fastjudge(c, args.repeats) for c in cases]
@@ -166,7 +174,7 @@ def main(argv=None) -> int:
             save_workloads(workload_file, [c.workload for c in cases], peer_settings)
             decoders = {id(c): c.backend.codec.decode for c in cases}
             for c in cases:  # free fastjudge's models before the peer loads its own
-                c.backend = None
+                c.backend = c.judge = None
             lave = backend = None
             try:
                 data = run_peer(python, peer, workload_file, work / f"{peer}-out.json", extra)
@@ -191,6 +199,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps([dict(workload=r.workload, model=r.model, items=r.items,
                                                     peer=r.peer, fastjudge_s=r.fast.seconds,
                                                     peer_s=r.other.seconds, ratio=r.ratio,
+                                                    peer_tried_s=r.other.tried,
                                                     agreement=r.agreement.describe() if r.agreement else None)
                                                for r in rows], indent=2))
     return 1 if notes and not rows else 0

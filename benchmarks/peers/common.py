@@ -5,13 +5,15 @@ A workload is a list of requests as token ids, exported from fastjudge's own jud
 peer runs exactly the ids fastjudge runs. Each peer runner (``run_ctranslate2.py``,
 ``run_vllm.py``) runs in the peer's own virtual environment and imports nothing from
 fastjudge: it reads the workload file (plain JSON) and writes its outputs and timings (plain
-JSON). This module is imported by the driver (``bench_peers.py``) in the project's
-environment; it needs only the standard library and numpy.
+JSON), the best run of each workload over the setting its users tune (:func:`keep_best`).
+This module is imported by the driver (``bench_peers.py``) in the project's environment and by
+the runners in theirs; it needs only the standard library and numpy.
 
 Output kinds:
 
 * ``choice``: one step, the candidates' logits (or full-vocabulary log-probabilities, which give
-  the same renormalised distribution); compared by the argmax (the rating or decision) and the
+  the same renormalised distribution, or that distribution itself, as a judge's result carries
+  it); compared by the argmax (the rating or decision) and the
   largest difference of the renormalised probabilities;
 * ``text`` / ``json``: greedy token ids, EOS excluded; compared by exact equality of the whole
   sequence, and for ``json`` also by equality of the parsed values.
@@ -122,6 +124,32 @@ def load_workloads(path) -> tuple[dict, list[Workload]]:
     return data["settings"], workloads
 
 
+def keep_best(runs: Sequence[dict], setting: str) -> list[dict]:
+    """A peer's runs of each workload at several values of one setting its users tune
+    (CTranslate2's ``max_batch_size``, vLLM's ``max_num_seqs``), each run a dict with
+    ``index``, ``variant``, ``value``, ``times``, ``outputs``: per workload and variant, the
+    run with the lowest median, its variant labelled with the value that won (``"float32
+    (batch 16)"``) and ``tried`` giving every value's median."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["index"], run["variant"]), []).append(run)
+    best = []
+    for (_, variant), group in groups.items():
+        winner = min(group, key=lambda r: statistics.median(r["times"]))
+        tried = {str(r["value"]): statistics.median(r["times"]) for r in group}
+        best.append(dict(winner, variant=f"{variant} ({setting} {winner['value']})", tried=tried))
+    return sorted(best, key=lambda r: r["index"])
+
+
+def settings_to_try(values: Sequence[int], items: int) -> list[int]:
+    """The values of a per-batch limit worth running on ``items`` requests: those below the item
+    count, and the smallest at or above it (every such limit runs them as one batch)."""
+    if not values or min(values) < 1:
+        raise ValueError(f"batch limits must be >= 1, got {list(values)}")
+    values = sorted({int(v) for v in values})
+    return [v for v in values if v < items] + [v for v in values if v >= items][:1]
+
+
 # ------------------------------------------------------------------------------------------------
 # Outputs and their comparison
 
@@ -129,7 +157,9 @@ def load_workloads(path) -> tuple[dict, list[Workload]]:
 @dataclass
 class RunResult:
     """One engine's measured run of one workload. ``outputs``: per request, in workload order,
-    ``{"logits": [...]}`` or ``{"logprobs": [...]}`` (choice) or ``{"token_ids": [...]}``."""
+    ``{"probs": [...]}``, ``{"logits": [...]}`` or ``{"logprobs": [...]}`` (choice) or
+    ``{"token_ids": [...]}``. ``tried``: a peer's median seconds at each value of the setting it
+    was tuned over (:func:`keep_best`), this run being the fastest."""
 
     engine: str
     variant: str
@@ -137,6 +167,7 @@ class RunResult:
     times: list[float]
     outputs: list[dict]
     note: str = ""
+    tried: dict = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -148,8 +179,14 @@ class RunResult:
 
 
 def candidate_probs(output: dict) -> np.ndarray:
-    """The distribution over the candidates: softmax of their logits, or of their
-    full-vocabulary log-probabilities (the same distribution, renormalised)."""
+    """The distribution over the candidates: as given (``probs``, a judge's result), or the
+    softmax of their logits, or of their full-vocabulary log-probabilities (the same
+    distribution, renormalised)."""
+    if "probs" in output:
+        p = np.asarray(output["probs"], dtype=np.float64)
+        if not (np.all(np.isfinite(p)) and np.all(p >= 0) and p.sum() > 0):
+            raise ValueError(f"not a distribution: {output['probs']}")
+        return p / p.sum()
     values = output.get("logits")
     if values is None:
         values = output["logprobs"]

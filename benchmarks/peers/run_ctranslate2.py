@@ -2,8 +2,11 @@
 
 Runs in CTranslate2's own environment (``install_ctranslate2.sh``) and imports nothing from
 fastjudge. The checkpoint is converted once with CTranslate2's transformers converter (float32
-weights; ``int8`` is applied at load, as ``compute_type``), then for each compute type and each
-workload:
+weights; ``int8`` is applied at load, as ``compute_type``), then for each compute type, each
+workload and each ``max_batch_size`` of ``--batch-sizes`` (the setting CTranslate2's users tune:
+one batch of every item is not necessarily its fastest), one untimed warm-up and the timed
+runs; per compute type and workload the batch size with the lowest median is kept
+(``common.keep_best``), the others' medians listed with it:
 
 * ``choice`` (score-only): ``translate_batch`` with the response prefix as ``target_prefix``,
   one decoding step past it, ``return_logits_vocab=True``: the step's vocabulary logits, read at
@@ -15,7 +18,7 @@ runs exactly the ids fastjudge runs (``unique_vocabulary`` first gives every row
 with ``max_input_length=0`` (its default cuts inputs at 1024 tokens).
 Writes ``{"engine", "version", "runs": [...]}`` as JSON.
 
-    python run_ctranslate2.py WORKLOADS.json OUT.json --compute-types float32 int8
+    python run_ctranslate2.py WORKLOADS.json OUT.json --compute-types float32 int8 --batch-sizes 8 16 32 64
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import keep_best, settings_to_try  # the script's directory: stdlib and numpy only
 
 
 def t5_loader_for_transformers_5() -> None:
@@ -162,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("workloads")
     ap.add_argument("out")
     ap.add_argument("--compute-types", nargs="+", default=["float32", "int8"])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 16, 32, 64],
+                    help="max_batch_size values to try per workload; the fastest is kept")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--cache-dir", default=None, help="converted models (default: next to OUT)")
     args = ap.parse_args(argv)
@@ -171,7 +178,6 @@ def main(argv=None) -> int:
     data = json.loads(Path(args.workloads).read_text())
     settings = data["settings"]
     threads, repeats = int(settings["threads"]), int(settings["repeats"])
-    batch_size = int(settings.get("peer_batch_size", 32))
     cache = Path(args.cache_dir or Path(args.out).parent / "ct2-models")
     runs = []
     for compute_type in args.compute_types:
@@ -188,17 +194,18 @@ def main(argv=None) -> int:
             run = run_choice if workload["kind"] == "choice" else run_text
             if workload["kind"] == "json":
                 raise ValueError("CTranslate2 has no grammar-constrained decoding: no json workloads")
-            times, outputs = timed(lambda: run(translator, vocab, workload, batch_size), repeats)
-            runs.append({"index": index, "variant": compute_type, "workload": workload["name"],
-                         "times": times, "outputs": outputs})
-            print(f"[ctranslate2 {compute_type}] {workload['name']}: median "
-                  f"{statistics.median(times):.3f}s", file=sys.stderr)
+            for batch_size in settings_to_try(args.batch_sizes, len(workload["requests"])):
+                times, outputs = timed(lambda: run(translator, vocab, workload, batch_size), repeats)
+                runs.append({"index": index, "variant": compute_type, "value": batch_size,
+                             "workload": workload["name"], "times": times, "outputs": outputs})
+                print(f"[ctranslate2 {compute_type} batch {batch_size}] {workload['name']}: median "
+                      f"{statistics.median(times):.3f}s", file=sys.stderr)
         del translators
     import torch
     import transformers
 
     Path(args.out).write_text(json.dumps({
-        "engine": "ctranslate2", "version": ctranslate2.__version__, "runs": runs,
+        "engine": "ctranslate2", "version": ctranslate2.__version__, "runs": keep_best(runs, "batch"),
         "versions": {"converter's transformers": transformers.__version__, "torch": torch.__version__}}))
     return 0
 

@@ -1,9 +1,12 @@
 """vLLM (CPU build) side of the peer benchmark: run a workload file on Qwen3 / Qwen3.5.
 
 Runs in vLLM's own environment (``install_vllm.sh``) and imports nothing from fastjudge. Each
-checkpoint is loaded once per mode: ``compiled`` (vLLM's default, torch.compile) and ``eager``
-(``enforce_eager=True``), in bfloat16 (its CPU Gated DeltaNet kernel needs it) with prefix
-caching on. Prompts go in as token ids (``TokensPrompt``), the response prefix appended, so
+checkpoint is loaded once per mode, ``compiled`` (vLLM's default, torch.compile) and ``eager``
+(``enforce_eager=True``), and per value of ``--max-num-seqs`` (the setting vLLM's users tune; it
+is fixed when the engine is built, so each value is one more engine build, and every workload
+runs on it), in bfloat16 (its CPU Gated DeltaNet kernel needs it) with prefix caching on. Per
+mode and workload the value with the lowest median is kept (``common.keep_best``), the others'
+medians listed with it. Prompts go in as token ids (``TokensPrompt``), the response prefix appended, so
 vLLM runs exactly the ids fastjudge runs; its prefix cache is reset before every timed run, as
 fastjudge's is.
 
@@ -15,7 +18,7 @@ fastjudge's is.
 
 Writes ``{"engine", "version", "runs": [...]}`` as JSON.
 
-    python run_vllm.py WORKLOADS.json OUT.json --modes compiled eager
+    python run_vllm.py WORKLOADS.json OUT.json --modes compiled eager --max-num-seqs 8 16 32
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import keep_best, settings_to_try  # the script's directory: stdlib and numpy only
 
 
 def sampling_params(workload: dict):
@@ -90,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("workloads")
     ap.add_argument("out")
     ap.add_argument("--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", nargs="+", type=int, default=[8, 16, 32],
+                    help="values to try (one engine build each); per workload the fastest is kept")
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     args = ap.parse_args(argv)
 
@@ -115,27 +121,33 @@ def main(argv=None) -> int:
     runs = []
     for mode in args.modes:
         for model_dir, workloads in by_model.items():
-            llm = LLM(model=model_dir, dtype=settings.get("dtype", "bfloat16"), enforce_eager=mode == "eager",
-                      enable_prefix_caching=True, max_model_len=max(2048, longest),
-                      max_num_seqs=args.max_num_seqs, seed=0)
-            for index, workload in workloads:
-                params, inputs = sampling_params(workload), prompts(workload)
-                times, results = [], None
-                for i in range(repeats + 1):  # the first run warms up, untimed
-                    llm.reset_prefix_cache()
-                    start = time.perf_counter()
-                    results = llm.generate(inputs, params, use_tqdm=False)
-                    if i:
-                        times.append(time.perf_counter() - start)
-                runs.append({"index": index, "variant": mode, "workload": workload["name"], "times": times,
-                             "outputs": outputs_of(workload, results)})
-                print(f"[vllm {mode}] {Path(model_dir).name} {workload['name']}: median "
-                      f"{statistics.median(times):.3f}s", file=sys.stderr)
-            del llm
-            gc.collect()
+            most = max(len(w["requests"]) for _, w in workloads)
+            values = settings_to_try(args.max_num_seqs, most)
+            for max_num_seqs in values:
+                llm = LLM(model=model_dir, dtype=settings.get("dtype", "bfloat16"),
+                          enforce_eager=mode == "eager", enable_prefix_caching=True,
+                          max_model_len=max(2048, longest), max_num_seqs=max_num_seqs, seed=0)
+                for index, workload in workloads:
+                    if max_num_seqs not in settings_to_try(values, len(workload["requests"])):
+                        continue  # a smaller value already ran this workload as one batch
+                    params, inputs = sampling_params(workload), prompts(workload)
+                    times, results = [], None
+                    for i in range(repeats + 1):  # the first run warms up, untimed
+                        llm.reset_prefix_cache()
+                        start = time.perf_counter()
+                        results = llm.generate(inputs, params, use_tqdm=False)
+                        if i:
+                            times.append(time.perf_counter() - start)
+                    runs.append({"index": index, "variant": mode, "value": max_num_seqs,
+                                 "workload": workload["name"], "times": times,
+                                 "outputs": outputs_of(workload, results)})
+                    print(f"[vllm {mode} max_num_seqs {max_num_seqs}] {Path(model_dir).name} "
+                          f"{workload['name']}: median {statistics.median(times):.3f}s", file=sys.stderr)
+                del llm
+                gc.collect()
     versions = package_versions("torch", "transformers", "xgrammar")
     Path(args.out).write_text(json.dumps({"engine": "vllm", "version": vllm.__version__,
-                                          "versions": versions, "runs": runs}))
+                                          "versions": versions, "runs": keep_best(runs, "max_num_seqs")}))
     return 0
 
 

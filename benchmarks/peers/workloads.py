@@ -1,6 +1,14 @@
 """fastjudge's side of the peer benchmarks: the checkpoints, the workloads as fastjudge's own
 judges build them, and fastjudge's timed runs of them.
 
+The LAVE workloads are timed as users call the judge: ``LaveJudge(...).score(examples)``, prompt
+building and tokenizing included. Their outputs for the comparison are the ratings'
+probabilities of the judge's own results (score-only) and, since a result carries its
+rationale as text and not as token ids, the greedy ids of one untimed run of the same requests
+on the judge's engine (rationale), checked against the results' text. The VisExMEM and holistic
+workloads are text-only cuts of those judges' prompts (below), which no public call takes: they
+are timed at the request level (``runtime.scheduler.run_requests``), as the engine runs them.
+
 Every request comes from the library's own prompt code (``LaveJudge``'s requests; VisExMEM's
 and the holistic judge's prompt texts, schemas and answer tokens), so the peers get the ids
 fastjudge runs. VisExMEM and holistic prompts are their text parts: the image slot is left out,
@@ -23,7 +31,8 @@ from common import RunResult, Workload, workload_from_requests  # noqa: E402  (r
 
 @dataclass
 class Case:
-    """One workload and how fastjudge runs it."""
+    """One workload and how fastjudge runs it: through ``judge.score(examples)`` when the
+    workload is a judge's public call, else ``requests`` at the request level."""
 
     workload: Workload
     model: str  # for the table: "flan-t5 small", "qwen3.5 mini", ...
@@ -31,6 +40,8 @@ class Case:
     requests: list
     max_batch_tokens: int
     max_batch_size: int
+    judge: object = None
+    examples: list | None = None
 
 
 def build_checkpoints(work: Path, t5_shape: str, qwen_shape: str, which=("t5", "qwen3", "qwen3_5")) -> dict:
@@ -63,11 +74,10 @@ def check_vllm_shape(qwen_shape: str) -> None:
                              "kernel needs a multiple of 32 other than 32 (use mini, small or medium)")
 
 
-def _lave_requests(judge, n: int) -> list:
-    from fastjudge.bench.items import lave_items
-
+def _lave_requests(judge, examples) -> list:
+    """The requests ``judge.score(examples)`` runs, for the peers' workload file."""
     requests = []
-    for i, example in enumerate(lave_items(n)):
+    for i, example in enumerate(examples):
         request, result = judge._request(i, example)
         if request is None:
             raise RuntimeError(f"LAVE item {i}: {result.error}")
@@ -77,21 +87,28 @@ def _lave_requests(judge, n: int) -> list:
 
 def lave_cases(model_dir: Path, model: str, dtype, items: int, rationale_items: int,
                rationale_tokens: int, device: str = "cpu") -> list[Case]:
-    """LAVE score-only (a ``Choice`` over the rating tokens) and rationale (greedy text) requests
-    on one backend."""
+    """LAVE score-only (a ``Choice`` over the rating tokens) and rationale (greedy text) judges
+    on one backend (the bundled VQA items, 8 demonstrations: the judge's defaults), with the
+    requests they run.
+
+    The rationale judge rates an unparsable rationale by the authors' rule
+    (``on_unparsable="official"``: rating 2), not by the default one more constrained step: a
+    random-weight model's text never ends in a rating, and the peers run the greedy decode only."""
     from fastjudge import EngineOptions, LaveJudge
+    from fastjudge.bench.items import lave_items
 
     score = LaveJudge(model_dir, engine=EngineOptions(device=device, dtype=dtype))
     backend = score.backend
-    rationale = LaveJudge(backend, rationale=True, max_new_tokens=rationale_tokens)
+    rationale = LaveJudge(backend, rationale=True, max_new_tokens=rationale_tokens, on_unparsable="official")
     eos = sorted(backend.codec.eos_token_ids)
     cases = []
     for name, judge, n in (("LAVE score-only", score, items), ("LAVE rationale", rationale, rationale_items)):
         if n <= 0:
             continue
-        requests = _lave_requests(judge, n)
+        examples = lave_items(n)
+        requests = _lave_requests(judge, examples)
         cases.append(Case(workload_from_requests(name, model_dir, requests, eos), model, backend,
-                          requests, judge.max_batch_tokens, judge.max_batch_size))
+                          requests, judge.max_batch_tokens, judge.max_batch_size, judge, examples))
     return cases
 
 
@@ -172,20 +189,57 @@ def _output(kind: str, out) -> dict:
     return {"token_ids": [int(t) for t in out.token_ids]}
 
 
-def run_fastjudge(case: Case, repeats: int) -> RunResult:
-    """Median over ``repeats`` runs after one warm-up; outputs in workload order."""
+def _run_requests(case: Case) -> dict:
+    """Every request's output, by index, at the request level (the judge's engine when there
+    is a judge, so its batching limits)."""
     from fastjudge.runtime.scheduler import run_requests
 
-    kind = case.workload.kind
-    times, outputs = [], None
+    if case.judge is not None:
+        batches = case.judge.engine.run(case.requests)
+    else:
+        batches = run_requests(case.backend, case.requests, case.max_batch_tokens, case.max_batch_size)
+    return {o.index: o for batch in batches for o in batch}
+
+
+def _judge_outputs(case: Case, results: list) -> list[dict]:
+    """The comparison's outputs of a judge's run: the ratings' probabilities from the results
+    (score-only); the greedy ids of one untimed request-level run (rationale), whose text must
+    be the results' rationales."""
+    bad = [r for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"{case.workload.name}: item {bad[0].index}: {bad[0].error}")
+    if case.workload.kind == "choice":
+        return [{"probs": list(r.probs)} for r in results]
+    by_index = _run_requests(case)
+    outputs = [_output(case.workload.kind, by_index[r.index]) for r in case.requests]
+    decode = case.backend.codec.decode
+    differ = sum(decode(o["token_ids"]) != r.rationale for o, r in zip(outputs, results))
+    if differ:
+        print(f"warning: {case.workload.name}: {differ} of {len(results)} rationales differ from the "
+              "request-level run's text", file=sys.stderr)
+    return outputs
+
+
+def run_fastjudge(case: Case, repeats: int) -> RunResult:
+    """Median over ``repeats`` runs after one warm-up, the prefix cache emptied before each; a
+    judge's workload through ``judge.score`` (the public call), another at the request level.
+    Outputs in workload order."""
+    times, results, by_index = [], None, None
     for i in range(repeats + 1):
         _fresh_prefix_cache(case.backend)
         start = time.perf_counter()
-        by_index = {o.index: o for batch in run_requests(case.backend, case.requests, case.max_batch_tokens,
-                                                         case.max_batch_size) for o in batch}
+        if case.judge is not None:
+            results = case.judge.score(case.examples)
+        else:
+            by_index = _run_requests(case)
         if i:
             times.append(time.perf_counter() - start)
-        outputs = [_output(kind, by_index[r.index]) for r in case.requests]
-    print(f"[fastjudge] {case.model} {case.workload.name}: median {statistics.median(times):.3f}s",
+    if case.judge is not None:
+        outputs = _judge_outputs(case, results)
+        how = "judge.score"
+    else:
+        outputs = [_output(case.workload.kind, by_index[r.index]) for r in case.requests]
+        how = "requests"
+    print(f"[fastjudge {how}] {case.model} {case.workload.name}: median {statistics.median(times):.3f}s",
           file=sys.stderr)
     return RunResult("fastjudge", "", case.workload.name, times, outputs)
