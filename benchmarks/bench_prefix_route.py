@@ -43,8 +43,7 @@ def workload(rng, groups: int, sharing: int, prefix: int, suffix: int, vocab: in
 
 def seconds(backend, requests, pass_tokens: int, repeats: int, device) -> float:
     """Median wall time of the workload with the route forced by ``pass_tokens`` (0: prefix
-    route; above any saving: whole), every prefix cache and memory of routes emptied first."""
-    from fastjudge.backends.qwen.routing import RecentPrefixes
+    route; above any saving: whole), the prefix cache (and its memory of prefixes) emptied first."""
     from fastjudge.runtime.prefix_cache import PrefixCache
     from fastjudge.runtime.scheduler import run_requests
 
@@ -52,7 +51,6 @@ def seconds(backend, requests, pass_tokens: int, repeats: int, device) -> float:
     times = []
     for i in range(repeats + 1):
         backend.prefix_cache = PrefixCache(backend.prefix_cache.index.capacity_bytes)
-        backend._whole_prefixes = RecentPrefixes()
         start = time.perf_counter()
         for _ in run_requests(backend, requests, backend.default_batch_tokens):
             pass

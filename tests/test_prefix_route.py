@@ -9,9 +9,10 @@ import torch
 from conftest import TEST_DEVICE
 
 from fastjudge.backends.qwen.backend import TorchQwenBackend
-from fastjudge.backends.qwen.routing import RecentPrefixes, route
+from fastjudge.backends.qwen.routing import route
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import tokenizer_corpus
+from fastjudge.runtime.prefix_cache import PrefixCache
 from fastjudge.runtime.requests import Choice, Request, Text
 from fastjudge.runtime.scheduler import run_requests
 
@@ -80,6 +81,23 @@ def test_shared_prefix_runs_once(backend):
     np.testing.assert_allclose(outs[2].probs, alone.probs, rtol=1e-5)
 
 
+def test_rows_of_different_prefixes_share_a_batch(backend, qwen35_dir):
+    """Two prefixes of different lengths, three requests each, with different suffix lengths:
+    both prefixes cached, all six rows in one suffix batch (each from its own snapshot), each
+    equal to transformers' forward on its whole prompt."""
+    rng = np.random.default_rng(6)
+    reqs = []
+    for p in (50, 83):
+        prefix = rng.integers(5, 900, size=p)
+        for i in range(3):
+            ids = np.concatenate([prefix, rng.integers(5, 900, size=2 + 5 * i)])
+            reqs.append(Request(len(reqs), ids, Choice(CANDS), prefix_len=p))
+    outs, batches = by_index(backend, reqs)
+    assert batches == 1 and len(backend.prefix_cache) == 2
+    for r, ref in zip(reqs, hf_probs(qwen35_dir, reqs)):
+        np.testing.assert_allclose(outs[r.index].probs, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_prefix_that_comes_back_is_cached(backend):
     """A stream of one-request calls with the same prefix: the first runs whole, the second
     takes the prefix route and caches it, the third is served from the cache."""
@@ -115,7 +133,7 @@ def test_greedy_text_with_unshared_prefixes(backend, qwen35_dir):
 
 
 def key_of(r: Request) -> bytes:
-    return r.prompt_ids[: r.prefix_len].tobytes()
+    return r.prompt_ids[: r.prefix_len].astype(np.int64).tobytes()
 
 
 @pytest.mark.parametrize("sharing, prefix_len, pass_tokens, whole", [
@@ -130,7 +148,7 @@ def test_cost_rule(sharing, prefix_len, pass_tokens, whole):
     prefix = np.arange(prefix_len)
     reqs = [Request(i, np.concatenate([prefix, [1000 + i]]), Choice(CANDS), prefix_len=prefix_len)
             for i in range(sharing)]
-    routed = route(reqs, key_of, lambda key: False, RecentPrefixes(), pass_tokens)
+    routed = route(reqs, key_of, PrefixCache(1 << 20), pass_tokens)
     assert [r.prefix_len for r in routed] == [0 if whole else prefix_len] * sharing
     assert [r.index for r in routed] == [r.index for r in reqs]
 
@@ -139,9 +157,15 @@ def test_cached_or_recent_prefixes_keep_their_route():
     prefix = np.arange(30)
     reqs = [Request(0, np.concatenate([prefix, [7]]), Choice(CANDS), prefix_len=30),
             Request(1, np.arange(12), Choice(CANDS))]  # no prefix at all: untouched
-    assert [r.prefix_len for r in route(reqs, key_of, lambda key: True, RecentPrefixes(), 64)] == [30, 0]
-    recent = RecentPrefixes(capacity=1)
-    assert route(reqs, key_of, lambda key: False, recent, 64)[0].prefix_len == 0  # first seen: whole
-    assert route(reqs, key_of, lambda key: False, recent, 64)[0].prefix_len == 30  # back again
-    route([Request(2, np.arange(40, 80), Choice(CANDS), prefix_len=20)], key_of, lambda key: False, recent, 64)
-    assert route(reqs, key_of, lambda key: False, recent, 64)[0].prefix_len == 0  # forgotten beyond capacity
+    cached = PrefixCache(1 << 20)
+
+    class State:
+        nbytes = 100
+
+    cached.insert(prefix, State())
+    assert [r.prefix_len for r in route(reqs, key_of, cached, 64)] == [30, 0]
+    cache = PrefixCache(1 << 20, remember=1)
+    assert route(reqs, key_of, cache, 64)[0].prefix_len == 0  # first seen: whole
+    assert route(reqs, key_of, cache, 64)[0].prefix_len == 30  # back again: the prefix route
+    route([Request(2, np.arange(40, 80), Choice(CANDS), prefix_len=20)], key_of, cache, 64)
+    assert route(reqs, key_of, cache, 64)[0].prefix_len == 0  # forgotten beyond ``remember``

@@ -175,8 +175,9 @@ def test_shared_layout_pipeline(shared_judge):
     item, a = _item_with_evidence(shared_judge, 13, "A lamp.", ("E1",))
     _, b = _item_with_evidence(shared_judge, 13, "A lamp.", ("E2", "E3"))
     ra, rb = (shared_judge.verification_request(item, c) for c in (a, b))
-    backend = shared_judge.backend
-    assert backend.group_key(ra) == backend.group_key(rb)
+    n = ra.prefix_len
+    assert n == rb.prefix_len and np.array_equal(ra.prompt_ids[:n], rb.prompt_ids[:n])
+    assert [im.key for im in ra.images[:ra.prefix_images]] == [im.key for im in rb.images[:rb.prefix_images]]
     assert ra.prefix_images == 1 + len(item.boxes) == len(ra.images)
 
 

@@ -8,24 +8,34 @@ replays it with one launch. Both specialise on shapes, so rows are padded to a f
 (:data:`ROW_BUCKETS`, as vLLM's CUDA-graph batch sizes) and multi-token widths to powers of
 two: a judge meets a handful of shapes, each compiled once per process.
 
-``compile``: ``"on"``, ``"off"`` or ``"auto"`` (on for CUDA devices; off on the CPU, where the
-first call's compile costs far more than the steps it speeds up: see docs/engine.md).
+``compile``: ``"on"``, ``"off"`` or ``"auto"``: on for CUDA devices; on the CPU, where the first
+calls' compile costs far more than a short job's steps, the Qwen backend starts eager and
+compiles once the job has run long enough for compiling to pay (:class:`CompileWhenItPays`; see
+docs/engine.md).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
 from ..engine_options import COMPILE_MODES
-from .compile_cache import use_persistent_compile_cache
+from .compile_cache import compile_cache_warm, use_persistent_compile_cache
 
 log = logging.getLogger("fastjudge")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+#: The Qwen forward on the CPU (``benchmarks/bench_compiled.py --shape mini --rows 16``, 2 cores,
+#: docs/engine.md#compiled-steps): eager step time over compiled step time (the lowest measured),
+#: and the seconds compiling a judge's shapes cost with an empty and with a filled persistent
+#: compile cache.
+CPU_COMPILED_SPEEDUP = 1.4
+CPU_COMPILE_SECONDS = {"cold": 160.0, "warm": 25.0}
 CAPACITY_QUANTUM = 64  # token capacities round up to this, so caches of nearby sizes share a shape
 
 
@@ -77,3 +87,34 @@ class CompiledFunction:
         self.seconds += spent
         log.info("fastjudge: compiled %s for shape %s in %.1f s", self.name, shape_key, spent)
         return out
+
+
+class CompileWhenItPays:
+    """``compile="auto"`` where compiling is slow (the CPU). A job's length is not known when it
+    starts, so its steps run eagerly while their seconds are summed; once what compiled steps
+    would have saved so far (``eager_seconds * (1 - 1 / speedup)``) reaches what compiling is
+    expected to cost, :meth:`due` says so and the owner compiles. The ski-rental rule: whatever
+    the job's length, it pays at most about twice what the better of "never compile" and
+    "compile at once" would have cost it; a short job never compiles."""
+
+    def __init__(self, speedup: float, compile_seconds: float):
+        self.saving = 1.0 - 1.0 / speedup
+        self.compile_seconds = compile_seconds
+        self.eager_seconds = 0.0
+
+    @classmethod
+    def for_cpu(cls) -> "CompileWhenItPays":
+        warm = compile_cache_warm()
+        return cls(CPU_COMPILED_SPEEDUP, CPU_COMPILE_SECONDS["warm" if warm else "cold"])
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        """Adds the block's wall time to the eager seconds (eager CPU steps end when they return)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.eager_seconds += time.perf_counter() - start
+
+    def due(self) -> bool:
+        return self.eager_seconds * self.saving >= self.compile_seconds

@@ -6,9 +6,10 @@ caption) run the prefix once: it is prefilled into a slot of the state pool and 
 the slot is kept in a byte-budgeted cache indexed by a C++ radix tree (attention K/V, and for
 every Gated DeltaNet layer the conv and recurrent states at the prefix end). A row then copies
 its prefix snapshot into its own slot and continues from it: score-only suffixes in one batched
-forward, generation rows in the decoding loop (``decode``). Rows of a score-only batch may share
-prefix tokens over different images (several images, each with its captions): each image's
-prefix runs once and every row continues from its own image's snapshot.
+forward, generation rows in the decoding loop (``decode``). Rows of one batch may continue from
+different prefixes (other tokens, other images: several images, each with its captions): each
+prefix runs once and every row continues from its own snapshot. A prefix that too few requests
+share to pay for its own pass runs as part of the whole prompts instead (``routing``).
 
 Exactness with batching: rows are right-padded and each is read at its own last token; every
 operation is causal and padding never reaches a row's state (``layers``).
@@ -32,7 +33,7 @@ from ...codec import open_codec
 from ...engine_options import EngineOptions
 from ...kernels.choice_head import choice_head
 from ...runtime.requests import Choice, Image, Output, Request, Text, choice_probs
-from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_capacity
+from ..compiled import ROW_BUCKETS, CompiledFunction, CompileWhenItPays, compile_enabled, round_capacity
 from ..dense import prepare_dense
 from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL, PREFIX_LABEL, VISION_LABEL
@@ -41,7 +42,7 @@ from .decode import decode_greedy
 from .model import QwenModel, run_step
 from .pool import PrefixState, StatePool, pool_bytes
 from .positions import mrope_positions
-from .routing import PASS_TOKENS, RecentPrefixes, route
+from .routing import PASS_TOKENS, route
 from .shape import QwenShape
 
 log = logging.getLogger("fastjudge")
@@ -82,7 +83,6 @@ class TorchQwenBackend:
         self.state_bytes = engine.decode_cache_bytes or (2**34 if cuda else 2**30)
         self.prefix_cache = PrefixCache(engine.prefix_cache_bytes or DEFAULT_PREFIX_CACHE_BYTES)
         self.pass_tokens = PASS_TOKENS.get(self.device.type, PASS_TOKENS["cuda"])  # ``routing``
-        self._whole_prefixes = RecentPrefixes()
         self.pool: StatePool | None = None
         self.pool_allocations = 0
         self._grammars = None  # runtime.grammar.GrammarCache, built on the first Json request
@@ -91,8 +91,11 @@ class TorchQwenBackend:
         self.max_decode_rows = engine.max_decode_rows
         self.compile = engine.compile
         self._compiled = None
+        self._compile_later = None  # ``auto`` on the CPU: compile once the job has run long enough
         if compile_enabled(engine.compile, self.device):
-            self._compiled = CompiledFunction(self.model.forward, self.device, "the Qwen forward")
+            self._compile()
+        elif engine.compile == "auto" and self.device.type == "cpu":
+            self._compile_later = CompileWhenItPays.for_cpu()
         self.reset_decode_stats()
         log.info("fastjudge: loaded %s judge %s on %s (%s)", self.shape.arch, model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
@@ -101,6 +104,19 @@ class TorchQwenBackend:
     def compile_seconds(self) -> float:
         """Seconds spent compiling (and recording CUDA graphs) so far."""
         return self._compiled.seconds if self._compiled is not None else 0.0
+
+    def _compile(self) -> None:
+        self._compiled = CompiledFunction(self.model.forward, self.device, "the Qwen forward")
+        self._compile_later = None
+        self.pool = None  # resized to a row bucket, the compiled steps' shapes
+
+    def _step(self, pool: StatePool, start: int, tokens: torch.Tensor, counts, **images) -> torch.Tensor:
+        """One forward of the steps compile speeds up (suffixes, decoding): compiled, or eager
+        and timed while ``auto`` waits to see whether compiling pays."""
+        if self._compile_later is None:
+            return run_step(self.model, pool, start, tokens, counts, self._compiled, **images)
+        with self._compile_later.timing():
+            return run_step(self.model, pool, start, tokens, counts, None, **images)
 
     def reset_decode_stats(self) -> None:
         """Zero :attr:`decode_stats`: cumulative ``tokens_computed`` (tokens chosen from logits),
@@ -116,19 +132,15 @@ class TorchQwenBackend:
         def key(r: Request) -> bytes:
             return np.asarray(prefix_cache_key(*self._prefix_of(r)), dtype=np.int64).tobytes()
 
-        return route(requests, key, self.prefix_cache.__contains__, self._whole_prefixes, self.pass_tokens)
+        return route(requests, key, self.prefix_cache, self.pass_tokens)
 
     def cost(self, request: Request) -> int:
         return request.num_tokens - request.prefix_len
 
-    def group_key(self, request: Request):
-        """Requests the planner may put in one batch: Choice rows of the same prefix tokens and
-        image grids (each row continues from its own images' snapshot); generation rows of any
-        prefixes (each row has its own slot)."""
-        if not isinstance(request.spec, Choice):
-            return b""
-        ids, images = self._prefix_of(request)
-        return ids.tobytes() + np.asarray([im.grid_thw for im in images], dtype=np.int64).tobytes()
+    def group_key(self, request: Request) -> None:
+        """Any requests may share a batch: each row continues from its own prefix snapshot
+        (tokens and images) in its own slot."""
+        return None
 
     # -- the state pool -----------------------------------------------------------------------------
     def _pool(self, capacity: int) -> StatePool:
@@ -188,9 +200,10 @@ class TorchQwenBackend:
     # -- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: Sequence[Request]) -> list[Output]:
-        key = self.group_key(batch[0])
-        if any(self.group_key(r) != key for r in batch):
-            raise ValueError("a batch must share one prefix")
+        if self._compile_later is not None and self._compile_later.due():
+            log.info("fastjudge: %.0f s of eager steps so far: compiling the Qwen forward (compile=auto)",
+                     self._compile_later.eager_seconds)
+            self._compile()
         held, snapshots = self._prefix_snapshots(batch)
         try:
             if isinstance(batch[0].spec, Choice):
@@ -273,7 +286,7 @@ class TorchQwenBackend:
         tokens = tokens.to(self.device)
         starts = [st.next_position if st is not None else 0 for st in snapshots]
         images = self._image_inputs(tokens, rows, [ims for _, ims in suffixes], starts)
-        hidden = run_step(self.model, pool, start, tokens, counts, self._compiled, **images)
+        hidden = self._step(pool, start, tokens, counts, **images)
         self.tokens_computed += sum(counts)
         return hidden[torch.arange(len(rows), device=self.device), torch.tensor(counts, device=self.device) - 1]
 
@@ -325,7 +338,7 @@ class TorchQwenBackend:
         outputs, decoded = decode_greedy(
             self.model, batch, matchers, pool, rows,
             lambda reqs, start: self._prefill(reqs, [by_request[id(r)] for r in reqs], start),
-            lambda tokens, counts: run_step(self.model, pool, 0, tokens, counts, self._compiled),
+            lambda tokens, counts: self._step(pool, 0, tokens, counts),
             self.codec.eos_token_ids, jump_forward=self.jump_forward, mask=mask, stats=self.decode_stats)
         self.tokens_computed += decoded
         return outputs
