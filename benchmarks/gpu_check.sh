@@ -16,6 +16,8 @@
 #   4 speed     the speed ratios (benchmarks/gpu_speed.py via gpu_check.py --only speed), then
 #     roofline  benchmarks/bench_roofline.py: each stage's FLOP/s or bytes/s against the measured
 #               peaks (--quick unless --full)
+#     route     benchmarks/bench_prefix_route.py: the prefix route against whole prompts, to
+#               measure the device's pass_tokens (backends/qwen/routing.py; an estimate on CUDA)
 #   5 trtllm    the TensorRT-LLM backend against the torch backend (benchmarks/gpu_check_trtllm.py),
 #               only where TensorRT-LLM is installed
 #
@@ -73,11 +75,12 @@ caps() {  # MODE NAME -> "cap est"
   local MODE="$1"
   case "$MODE:$2" in
     quick:setup) echo "45 20" ;;     full:setup) echo "180 60" ;;     dry-run:setup) echo "120 20" ;;
-    quick:verify) echo "90 60" ;;    full:verify) echo "150 100" ;;   dry-run:verify) echo "240 60" ;;
-    quick:kernels) echo "40 25" ;;   full:kernels) echo "120 60" ;;   dry-run:kernels) echo "120 25" ;;
+    quick:verify) echo "80 60" ;;    full:verify) echo "150 100" ;;   dry-run:verify) echo "240 60" ;;
+    quick:kernels) echo "35 25" ;;   full:kernels) echo "120 60" ;;   dry-run:kernels) echo "120 25" ;;
     quick:compiled) echo "70 50" ;;  full:compiled) echo "240 150" ;; dry-run:compiled) echo "420 50" ;;
     quick:speed) echo "45 35" ;;     full:speed) echo "180 150" ;;    dry-run:speed) echo "300 35" ;;
     quick:roofline) echo "20 15" ;;  full:roofline) echo "90 60" ;;   dry-run:roofline) echo "120 15" ;;
+    quick:route) echo "15 8" ;;      full:route) echo "60 30" ;;      dry-run:route) echo "240 8" ;;
     full:tests) echo "300 240" ;;    full:peers) echo "90 90" ;;
     quick:trtllm) echo "90 80" ;;    full:trtllm) echo "420 300" ;;   dry-run:trtllm) echo "30 80" ;;
     *) echo "0 0" ;;
@@ -193,6 +196,9 @@ stage speed "$PY" benchmarks/gpu_check.py "$OUT/speed" "${SPEED[@]}"
 ROOF=(--device "$DEV" --json "$OUT/roofline.json")
 [ "$MODE" != full ] && ROOF+=(--quick)
 stage roofline "$PY" benchmarks/bench_roofline.py "${ROOF[@]}"
+ROUTE=(--device "$DEV" --sharing 1 2 --repeats 3)
+if [ "$MODE" = full ]; then ROUTE+=(--shape mini --prefix 64 256 1024 4096); else ROUTE+=(--shape tiny --prefix 64 512 2048); fi
+stage route "$PY" benchmarks/bench_prefix_route.py "${ROUTE[@]}"
 
 # ---- full run only: faithfulness tests on CUDA, CTranslate2 ---------------------------------
 if [ "$MODE" = full ]; then
