@@ -98,19 +98,17 @@ def test_rows_of_different_prefixes_share_a_batch(backend, qwen35_dir):
         np.testing.assert_allclose(outs[r.index].probs, ref, rtol=1e-4, atol=1e-6)
 
 
-def test_prefix_that_comes_back_is_cached(backend):
-    """A stream of one-request calls with the same prefix: the first runs whole, the second
-    takes the prefix route and caches it, the third is served from the cache."""
+def test_kept_prefix_is_cached_for_one_request(backend):
+    """A request marked ``keep_prefix`` (its prefix comes back in a later call: LAVE's
+    demonstrations) takes the prefix route alone; the next call is served from the cache."""
     rng = np.random.default_rng(2)
     prefix = rng.integers(5, 900, size=48)
-    calls = [[Request(0, np.concatenate([prefix, rng.integers(5, 900, size=7)]), Choice(CANDS), prefix_len=48)]
-             for _ in range(3)]
-    first, _ = by_index(backend, calls[0])
-    assert len(backend.prefix_cache) == 0
-    by_index(backend, calls[1])
+    calls = [[Request(0, np.concatenate([prefix, rng.integers(5, 900, size=7)]), Choice(CANDS), prefix_len=48,
+                      keep_prefix=True)] for _ in range(2)]
+    by_index(backend, calls[0])
     assert len(backend.prefix_cache) == 1
     hits = backend.prefix_cache.index.hits
-    by_index(backend, calls[2])
+    by_index(backend, calls[1])
     assert backend.prefix_cache.index.hits == hits + 1
 
 
@@ -153,19 +151,18 @@ def test_cost_rule(sharing, prefix_len, pass_tokens, whole):
     assert [r.index for r in routed] == [r.index for r in reqs]
 
 
-def test_cached_or_recent_prefixes_keep_their_route():
+def test_cached_or_kept_prefixes_take_the_prefix_route():
     prefix = np.arange(30)
     reqs = [Request(0, np.concatenate([prefix, [7]]), Choice(CANDS), prefix_len=30),
             Request(1, np.arange(12), Choice(CANDS))]  # no prefix at all: untouched
-    cached = PrefixCache(1 << 20)
+    cache = PrefixCache(1 << 20)
+    assert [r.prefix_len for r in route(reqs, key_of, cache, 64)] == [0, 0]  # nobody shares it: whole
 
     class State:
         nbytes = 100
 
-    cached.insert(prefix, State())
-    assert [r.prefix_len for r in route(reqs, key_of, cached, 64)] == [30, 0]
-    cache = PrefixCache(1 << 20, remember=1)
-    assert route(reqs, key_of, cache, 64)[0].prefix_len == 0  # first seen: whole
-    assert route(reqs, key_of, cache, 64)[0].prefix_len == 30  # back again: the prefix route
-    route([Request(2, np.arange(40, 80), Choice(CANDS), prefix_len=20)], key_of, cache, 64)
-    assert route(reqs, key_of, cache, 64)[0].prefix_len == 0  # forgotten beyond ``remember``
+    cache.insert(prefix, State())
+    assert [r.prefix_len for r in route(reqs, key_of, cache, 64)] == [30, 0]  # cached
+    kept = [Request(0, np.concatenate([prefix, [7]]), Choice(CANDS), prefix_len=30),
+            Request(2, np.concatenate([prefix, [8]]), Choice(CANDS), prefix_len=30, keep_prefix=True)]
+    assert [r.prefix_len for r in route(kept, key_of, PrefixCache(1 << 20), 64)] == [30, 30]  # one asks to keep it

@@ -117,9 +117,7 @@ def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
     roomy = LaveJudge(qwen35_dir, engine=EngineOptions(device=TEST_DEVICE, dtype="float32")).score(items)
     probe = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
     probe_judge = LaveJudge(probe)
-    probe_judge.score(items[:1])  # a prefix nobody else shares runs whole (backends.qwen.routing) ...
-    assert len(probe.prefix_cache) == 0
-    probe_judge.score(items[:1])  # ... and is cached when it comes back
+    probe_judge.score(items[:1])  # LAVE keeps its demonstrations cached even for one item
     one_state = next(iter(probe.prefix_cache.states.values())).nbytes
     for budget in (int(one_state * 1.5), 1):
         backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32", prefix_cache_bytes=budget)

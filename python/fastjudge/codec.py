@@ -82,9 +82,10 @@ class Encoded:
     prefix_len: int = 0
     prefix_images: int = 0
 
-    def request(self, index: int, spec, response_prefix: Sequence[int] = ()) -> Request:
+    def request(self, index: int, spec, response_prefix: Sequence[int] = (), keep_prefix: bool = False) -> Request:
         return Request(index=index, prompt_ids=self.ids, spec=spec, response_prefix=tuple(response_prefix),
-                       prefix_len=self.prefix_len, images=self.images, prefix_images=self.prefix_images)
+                       prefix_len=self.prefix_len, images=self.images, prefix_images=self.prefix_images,
+                       keep_prefix=keep_prefix)
 
 
 def _segments(parts: Segments) -> tuple[Segment, ...]:

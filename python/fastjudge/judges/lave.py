@@ -372,7 +372,8 @@ class LaveJudge(Judge):
                             f"{self.backend.max_input_tokens}; not truncated (use fewer shots, "
                             "shorter references, or raise max_input_tokens)")
             return None, result
-        return encoded.request(index, self.style.spec), result
+        # the demonstrations are every item's prefix, in this call and the next: keep them cached
+        return encoded.request(index, self.style.spec, keep_prefix=True), result
 
     def _set_rating(self, result: LaveResult, rating: Rating) -> None:
         result.rating = rating.rating

@@ -2,16 +2,12 @@
 
 The index (``fastjudge._engine.PrefixIndex``) owns lookup, reference counts and LRU eviction;
 this class keeps the tensors behind each slot and frees those the index evicts. A state in use
-by a running batch is acquired, so it is never evicted under it. It also remembers prefixes
-that ran without being cached (digests of the last ``remember``), so that the owner can cache a
-prefix the second time it sees one (``backends.qwen.routing``).
+by a running batch is acquired, so it is never evicted under it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections import OrderedDict
 
 import numpy as np
 
@@ -21,10 +17,8 @@ log = logging.getLogger("fastjudge")
 
 
 class PrefixCache:
-    def __init__(self, capacity_bytes: int, remember: int = 1 << 16):
+    def __init__(self, capacity_bytes: int):
         self.index = PrefixIndex(int(capacity_bytes))
-        self.remember = remember
-        self._uncached: OrderedDict[bytes, None] = OrderedDict()  # digests, least recent first
         self.states: dict[int, object] = {}
         self._slots: dict[bytes, int] = {}  # cached keys' bytes -> slot: membership without a lookup
         self._keys: dict[int, bytes] = {}
@@ -33,18 +27,6 @@ class PrefixCache:
         """Whether the state of the prefix whose ids' bytes are ``key`` is cached (no hit or
         miss counted, nothing acquired)."""
         return key in self._slots
-
-    def seen_uncached(self, key: bytes) -> bool:
-        """Whether the prefix whose ids' bytes are ``key`` ran uncached recently (:meth:`ran_uncached`)."""
-        return _digest(key) in self._uncached
-
-    def ran_uncached(self, key: bytes) -> None:
-        """Remember that this prefix ran without being cached (the last ``remember`` are kept)."""
-        name = _digest(key)
-        self._uncached[name] = None
-        self._uncached.move_to_end(name)
-        while len(self._uncached) > self.remember:
-            self._uncached.popitem(last=False)
 
     def lookup(self, ids: np.ndarray):
         """``(slot, state)`` for exactly these prefix tokens, acquired; ``(None, None)`` if absent."""
@@ -85,6 +67,3 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.states)
 
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=16).digest()

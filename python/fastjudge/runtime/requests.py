@@ -67,7 +67,10 @@ class Request:
     ``prefix_len``: the first ``prefix_len`` prompt tokens are shared with other requests
     (instructions, demonstrations); backends that reuse prefix state run them once.
     ``images``: one :class:`Image` per run of image tokens in ``prompt_ids``, in order;
-    ``prefix_images``: how many of them lie inside the shared prefix.
+    ``prefix_images``: how many of them lie inside the shared prefix. ``keep_prefix``: the prefix
+    will be asked for again after this call (a judge's later stages, every item's demonstrations):
+    a backend that reuses prefixes runs it once and caches it even when no other request of the
+    call shares it.
     """
 
     index: int
@@ -77,6 +80,7 @@ class Request:
     prefix_len: int = 0
     images: tuple[Image, ...] = ()
     prefix_images: int = 0
+    keep_prefix: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -18,10 +18,10 @@ and runs whole when that is cheaper: ``(n - 1) * P < pass_tokens`` for a prefix 
 always for a prefix only one request of the call has. ``pass_tokens`` is a pass's fixed cost in
 tokens of work, measured per device (``benchmarks/bench_prefix_route.py``).
 
-Calls are not independent: a stream of one-request calls with the same demonstrations shares a
-prefix across calls. The prefix cache remembers prefixes that ran whole
-(``PrefixCache.ran_uncached``); one that comes back takes the prefix route and is cached from
-then on, so the stream pays for its prefix twice in all.
+Calls are not independent: LAVE's demonstrations are the prefix of every item of every call,
+and VisExMEM's image and caption the prefix of each of its later stages. A judge that knows its
+prefix will be asked for again marks the request (``Request.keep_prefix``): its prefix takes the
+prefix route and is cached whatever this call's count.
 """
 
 from __future__ import annotations
@@ -43,16 +43,14 @@ def route(requests: Sequence[Request], prefix_key: Callable[[Request], bytes], c
           pass_tokens: int) -> list[Request]:
     """``requests`` with ``prefix_len`` (and ``prefix_images``) set to 0 where the whole route is
     the cheaper one (module docstring), the others unchanged. ``prefix_key``: a request's prefix
-    identity (tokens and images), as the cache keys it."""
+    identity (tokens and images), as the cache keys it; ``cache``: says whether one is cached."""
     keys = [prefix_key(r) if r.prefix_len else None for r in requests]
     sharing = Counter(k for k in keys if k is not None)
+    kept = {k for r, k in zip(requests, keys) if k is not None and r.keep_prefix}
     whole: dict[bytes, bool] = {}
     for r, key in zip(requests, keys):
         if key is None or key in whole:
             continue
-        whole[key] = (key not in cache and not cache.seen_uncached(key)
-                      and (sharing[key] - 1) * r.prefix_len < pass_tokens)
-        if whole[key]:
-            cache.ran_uncached(key)
+        whole[key] = key not in kept and key not in cache and (sharing[key] - 1) * r.prefix_len < pass_tokens
     return [replace(r, prefix_len=0, prefix_images=0) if key is not None and whole[key] else r
             for r, key in zip(requests, keys)]

@@ -211,7 +211,8 @@ class VisExJudge(ControlModes, Judge):
             raise ValueError(f"prompt is {len(encoded.ids)} tokens, above the model limit of "
                              f"{self.backend.max_input_tokens}")
         item.result.prompt_tokens = max(item.result.prompt_tokens or 0, len(encoded.ids))
-        return encoded.request(key, spec, response_prefix)
+        # the image and caption (and the candidates' crops) are the prefix of every later stage
+        return encoded.request(key, spec, response_prefix, keep_prefix=True)
 
     def _evidence_request(self, item: _Item, key: int, task: prompts.Prompt | str, spec,
                           response_prefix: tuple[int, ...] = ()) -> Request:
