@@ -11,6 +11,10 @@ Rows are independent, so which rows share a step changes no row's tokens. That a
 * **Only live extents.** Eagerly, a step attends over the longest live row's encoder states and
   the furthest live decoder position, not the buffers' full widths (masked keys have weight
   exactly 0, so leaving them out changes nothing).
+* **Cross-attention by the steps to come.** With enough steps ahead (:func:`projection_pays`),
+  each row's encoder states are projected to every layer's cross-attention K/V once, as the row
+  is encoded, and steps read those; otherwise steps run the reassociated form over the encoder
+  states (``model``). Both are exact; they differ in cost only.
 
 Argmax runs on the device and each step moves one small tensor to the host.
 """
@@ -29,6 +33,29 @@ from ..profiling import DECODE_LABEL, PREFILL_LABEL, STEP_LABEL, to_host
 from ..slots import compact
 from .model import T5Model
 from .pool import T5Pool
+from .shape import T5Shape
+
+# The cost estimate behind the choice of cross-attention form, in time per encoder token and
+# decoder layer, counted in FLOPs at the rate of the projections' GEMMs. Measured with torch 2.13
+# on a 2-core AVX-512 CPU, float32, Flan-T5-small's shape, 16 rows x ~1,100 encoder tokens (1
+# and 2 threads alike): the reassociated form's products (heads x positions rows against
+# d_model-wide encoder states) ran ~4x slower per FLOP than those GEMMs, the per-head form's
+# one-token attention (bound by reading K/V) ~14x slower per FLOP. For that shape the projection
+# pays from ~28 steps on.
+REASSOCIATED_SLOWDOWN = 4.0
+PER_HEAD_SLOWDOWN = 14.0
+
+
+def projection_pays(shape: T5Shape, steps: int) -> bool:
+    """Whether projecting each encoder token's cross-attention K/V once (``4 * inner * d_model``
+    FLOPs per token and layer, at the GEMM rate) costs less than what ``steps`` one-token steps
+    save by attending over them per head (``4 * inner`` FLOPs per token, layer and step, at
+    :data:`PER_HEAD_SLOWDOWN`) instead of reassociated (``4 * heads * d_model``, at
+    :data:`REASSOCIATED_SLOWDOWN`). Rows and prompt lengths scale both sides alike; ``steps`` is
+    the budget (rows ending early at EOS take fewer)."""
+    inner, d = shape.num_heads * shape.d_kv, shape.d_model
+    saving = 4 * shape.num_heads * d * REASSOCIATED_SLOWDOWN - 4 * inner * PER_HEAD_SLOWDOWN
+    return saving > 0 and steps * saving > 4 * inner * d
 
 
 def run_step(model: T5Model, pool: T5Pool, tokens: torch.Tensor, counts: Sequence[int], compiled=None) -> torch.Tensor:
@@ -41,7 +68,7 @@ def run_step(model: T5Model, pool: T5Pool, tokens: torch.Tensor, counts: Sequenc
     B, P = tokens.shape
     host_counts = np.asarray(counts, dtype=np.int64)
     rows = row_bucket(B)
-    if compiled is not None and rows <= pool.slots:
+    if compiled is not None and rows <= (pool.cross_slots if pool.projected else pool.slots):
         full = tokens.new_zeros(rows, width_bucket(P))
         full[:B, :P] = tokens
         n = torch.tensor(np.pad(host_counts, (0, rows - B))).to(tokens.device, non_blocking=True)
@@ -63,15 +90,23 @@ def _pick(logits: torch.Tensor, track: torch.Tensor | None) -> list[list[float]]
 
 
 def decode_greedy(model: T5Model, pool: T5Pool, prompts: Sequence[np.ndarray], max_new_tokens: int,
-                  track: torch.Tensor | None, max_rows: int, encode_tokens: int, compiled=None):
+                  track: torch.Tensor | None, max_rows: int, encode_tokens: int, compiled=None,
+                  projected: bool = False):
     """Greedy decoding of ``prompts`` (token ids per row) until EOS or ``max_new_tokens``.
 
     At most ``max_rows`` rows decode at a time (the leading slots of ``pool``); rows are encoded
-    in packs of about ``encode_tokens`` tokens as room frees up. Returns per row: generated ids
-    (EOS excluded), whether EOS ended it, and the tracked logits [steps, K] of every kept step
-    (None without ``track``)."""
-    with record_function(DECODE_LABEL):
-        return _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled)
+    in packs of about ``encode_tokens`` tokens as room frees up. ``projected``: cross-attention
+    over each row's projected K/V (``max_rows`` within ``pool.cross_slots``), else
+    reassociated. Returns per row: generated ids (EOS excluded), whether EOS ended it, and the
+    tracked logits [steps, K] of every kept step (None without ``track``)."""
+    if projected and max_rows > pool.cross_slots:
+        raise ValueError(f"{max_rows} rows with projected K/V in a pool with room for {pool.cross_slots}")
+    pool.projected = projected
+    try:
+        with record_function(DECODE_LABEL):
+            return _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled)
+    finally:
+        pool.projected = False
 
 
 def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled):
@@ -82,7 +117,7 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
     tracked: list[list[list[float]]] = [[] for _ in range(n_rows)]
     finished = [False] * n_rows
     todo = deque(range(n_rows))
-    ready: deque[tuple[int, torch.Tensor]] = deque()  # encoded rows waiting for a slot
+    ready: deque[tuple[int, torch.Tensor, torch.Tensor | None]] = deque()  # encoded rows (and K/V) waiting
     live: list[int] = []  # the request row in each live slot
     feed: list[int] = []  # each live row's next input token
 
@@ -94,16 +129,21 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
         lengths = [len(prompts[i]) for i in pack]
         with record_function(PREFILL_LABEL):
             enc = model.encode(torch.from_numpy(np.concatenate([prompts[i] for i in pack])).to(dev), lengths)
+            cross = model.project_cross(enc) if pool.projected else None
         starts = np.concatenate([[0], np.cumsum(lengths)])
-        ready.extend((i, enc[int(starts[k]):int(starts[k + 1])]) for k, i in enumerate(pack))
+        ready.extend((i, enc[int(starts[k]):int(starts[k + 1])],
+                      None if cross is None else cross[int(starts[k]):int(starts[k + 1])]) for k, i in enumerate(pack))
 
     while todo or ready or live:
         while todo and len(ready) < max_rows - len(live):
             encode_more()
         joining = [ready.popleft() for _ in range(min(len(ready), max_rows - len(live)))]
         if joining:
-            pool.load(len(live), [st for _, st in joining])
-            live += [i for i, _ in joining]
+            pool.load(len(live), [st for _, st, _ in joining])
+            if pool.projected:
+                with record_function(PREFILL_LABEL):  # a row's prompt work, as its projection
+                    pool.load_cross(len(live), [kv for _, _, kv in joining])
+            live += [i for i, _, _ in joining]
             feed += [s.decoder_start_token_id] * len(joining)
         with record_function(STEP_LABEL):
             hidden = run_step(model, pool, torch.tensor(feed, device=dev)[:, None], [1] * len(live), compiled)
