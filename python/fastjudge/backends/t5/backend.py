@@ -25,7 +25,7 @@ from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_cap
 from ..dense import prepare_dense
 from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL
-from .decode import decode_greedy, projection_pays, run_step
+from .decode import decode_greedy, projection_step, run_step
 from .model import T5Model
 from .pool import T5Pool, cross_row_bytes, row_bytes
 from .shape import T5Shape
@@ -68,9 +68,9 @@ class TorchT5Backend:
         self.decode_cache_bytes = engine.decode_cache_bytes or (2**34 if cuda else 2**30)
         self.max_decode_rows = engine.max_decode_rows
         self.compile = engine.compile
-        # greedy decoding's cross-attention: None picks by the steps to come
-        # (``decode.projection_pays``), True / False forces the projected / reassociated form
-        self.project_cross: bool | None = None
+        # the step from which greedy decoding's cross-attention reads projected K/V:
+        # "auto" (``decode.projection_step`` of the call's budget), a step, or None (never)
+        self.project_at: int | str | None = "auto"
         self.pool: T5Pool | None = None
         self.pool_allocations = 0
         self._compiled = None
@@ -113,12 +113,9 @@ class TorchT5Backend:
                  "K/V", slots, enc_capacity, capacity, self.pool.cross_slots)
         return self.pool
 
-    def _cross_rows(self, rows: int, enc_capacity: int, capacity: int, steps: int) -> int:
-        """Rows that decode over projected cross-attention K/V: ``rows`` when the steps to come
-        pay for the projection (or ``project_cross`` says so) and their K/V fit the budget with
-        the pool's own slots for them, else 0."""
-        if not (projection_pays(self.shape, steps) if self.project_cross is None else self.project_cross):
-            return 0
+    def _cross_rows(self, rows: int, enc_capacity: int, capacity: int) -> int:
+        """Rows of projected cross-attention K/V a call of ``rows`` decoding rows needs: ``rows``
+        where their K/V fit the budget with the pool's own slots for them, else 0."""
         if self._compiled is not None:
             rows = row_bucket(rows)  # a compiled step runs on the padded row count
         enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
@@ -215,12 +212,14 @@ class TorchT5Backend:
         prompts = [r.prompt_ids for r in batch]
         longest = max(len(p) for p in prompts)
         rows = min(self.options.max_batch_size, self.max_decode_rows or len(prompts), len(prompts))
-        cross = self._cross_rows(rows, longest, spec.max_new_tokens, spec.max_new_tokens)
+        at = projection_step(self.shape, spec.max_new_tokens) if self.project_at == "auto" else self.project_at
+        cross = 0 if at is None else self._cross_rows(rows, longest, spec.max_new_tokens)
         pool = self._pool(longest, spec.max_new_tokens, cross)
         rows = min(pool.slots, rows)
         tokens, finished, tracked = decode_greedy(
             self.model, pool, prompts, spec.max_new_tokens, track, max_rows=rows,
-            encode_tokens=self.encode_tokens, compiled=self._compiled, projected=cross > 0 and rows <= pool.cross_slots)
+            encode_tokens=self.encode_tokens, compiled=self._compiled,
+            project_at=at if cross and rows <= pool.cross_slots else None)
         return [Output(index=r.index, token_ids=tok, finished=fin,
                        tracked_logits=tr if track is not None else None)
                 for r, tok, fin, tr in zip(batch, tokens, finished, tracked)]

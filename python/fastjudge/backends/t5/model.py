@@ -17,9 +17,10 @@ speed:
   K/V (``d_model`` against ``2 * heads * d_kv`` per token) but ``d_model / d_kv`` times the
   FLOPs, in products with only ``heads * positions`` rows that run far below the GEMM rate.
   Projected (:meth:`T5Block.cross_attention_heads`): each encoder token's per-head K/V computed
-  once when its row joins (:meth:`T5Model.project_cross`, one GEMM per layer) and read by every
-  step, as transformers does. Score-only rows (one step) use the first; greedy decoding picks
-  by the steps to come (``decode.projection_pays``).
+  once (:meth:`T5Model.project_cross`, one GEMM per layer) and read by every later step, as
+  transformers does. Score-only rows (one step) use the first; greedy decoding switches to the
+  second once its rows have run as many steps as the projection costs
+  (``decode.projection_step``).
 """
 
 from __future__ import annotations
@@ -249,15 +250,15 @@ class T5Model(torch.nn.Module):
             x = layer.encode(x, lengths, starts, bias)
         return rms_norm(x, self.enc_final_norm, self.s.eps)
 
-    def project_cross(self, enc: torch.Tensor) -> torch.Tensor:
-        """Every decoder layer's cross-attention K/V of encoder states ``enc`` [T, d]:
-        [T, layers, 2, heads, d_kv] (one GEMM per layer, over all T tokens at once)."""
-        s = self.s
-        out = torch.empty(enc.shape[0], len(self.decoder), 2 * s.num_heads * s.d_kv, dtype=enc.dtype,
-                          device=enc.device)
+    def project_cross(self, pool, start: int, stop: int) -> None:
+        """Every decoder layer's cross-attention K/V of the encoder states of slots ``start ..
+        stop - 1`` of ``pool`` into its ``xkv`` (one GEMM per layer over those rows, up to the
+        longest of their prompts)."""
+        s, n = self.s, int(pool.enc_held[start:stop].max())
+        mem = pool.mem[start:stop, :n]
         for i, layer in enumerate(self.decoder):
-            out[:, i] = layer.x_kv(enc)
-        return out.view(enc.shape[0], len(self.decoder), 2, s.num_heads, s.d_kv)
+            pool.xkv[start:stop, i, :, :, :n] = layer.x_kv(mem).view(stop - start, n, 2, s.num_heads,
+                                                                     s.d_kv).permute(0, 2, 3, 1, 4)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, pool, width: int, enc_width: int) -> torch.Tensor:
         """Decoder hidden states [B, P, d] of ``tokens`` [B, P] (row ``b``: ``counts[b]`` real

@@ -88,11 +88,6 @@ class T5Pool(torch.nn.Module):
         self.dec_lengths[rows] = 0
         self.dec_held[rows] = 0
 
-    def load_cross(self, first: int, cross: list[torch.Tensor]) -> None:
-        """The projected cross-attention K/V (``[n, layers, 2, heads, d_kv]`` each) of the rows
-        just loaded into slots ``first ..``."""
-        for i, kv in enumerate(cross):
-            self.xkv[first + i, :, :, :, : kv.shape[0]] = kv.permute(1, 2, 3, 0, 4)
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer;
