@@ -87,9 +87,9 @@ class TorchT5Backend:
     def _pool(self, enc_capacity: int, capacity: int, cross_rows: int = 0) -> T5Pool:
         """The state pool, with room for prompts of ``enc_capacity`` tokens and ``capacity``
         decoder positions, and projected cross-attention K/V for ``cross_rows`` rows. Allocated
-        once; replaced only when a row needs more (the short side then doubles; K/V rows, once
-        had, are kept), with as many slots as the budget left by the K/V rows allows (a bucket
-        size when compiled)."""
+        once; replaced only when a call needs more (the short side then doubles; K/V rows only
+        as many as the call that replaces it wants), with as many slots as the budget left by
+        the K/V rows allows (a bucket size when compiled)."""
         pool = self.pool
         if (pool is not None and pool.enc_capacity >= enc_capacity and pool.capacity >= capacity
                 and pool.cross_slots >= cross_rows):
@@ -97,7 +97,6 @@ class TorchT5Backend:
         if pool is not None:
             enc_capacity = max(enc_capacity, pool.enc_capacity * (2 if enc_capacity > pool.enc_capacity else 1))
             capacity = max(capacity, pool.capacity * (2 if capacity > pool.capacity else 1))
-            cross_rows = max(cross_rows, pool.cross_slots)
         enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
         size = torch.empty((), dtype=self.dtype).element_size()
         per_row = row_bytes(self.shape, enc_capacity, capacity, size)
