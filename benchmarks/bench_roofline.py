@@ -20,9 +20,11 @@ from the checkpoint's shape (``fastjudge.bench.roofline``) and the share of its 
 Random-weight checkpoints built here (``fastjudge.checkpoints``): ``--size tiny`` (the test
 shapes) or ``mini`` (Flan-T5-small's shape; the ``mini`` Qwen3.5 with its vision tower).
 ``--dense plain prepared`` runs the stages twice: projections on ``F.linear``, then prepared by
-``backends.dense.prepare_dense`` (oneDNN prepacked weights on the CPU).
+``backends.dense.prepare_dense`` (oneDNN prepacked weights on the CPU). ``--stages t5`` runs the
+T5 stages alone (no Qwen checkpoint is built; the peaks leave out the Qwen shape).
 
     python benchmarks/bench_roofline.py --size mini
+    python benchmarks/bench_roofline.py --size mini --stages t5 --dense prepared
     python benchmarks/bench_roofline.py --quick --device cuda --json roofline.json
 """
 
@@ -211,14 +213,16 @@ def vision_stages(backend, model_dir, cfg, device, tdt, dtype, prepared, args) -
 
 
 # -- peaks ----------------------------------------------------------------------------------------
-def gemm_shapes(t5_cfg: dict, qwen_cfg: dict, quick: bool) -> list[tuple[str, int, int, int]]:
-    t5, qw = rl.T5Dims.from_config(t5_cfg), rl.QwenDims.from_config(qwen_cfg)
+def gemm_shapes(t5_cfg: dict, qwen_cfg: dict | None, quick: bool) -> list[tuple[str, int, int, int]]:
+    t5 = rl.T5Dims.from_config(t5_cfg)
     square = 1024 if quick else 2048
     rows = 512 if quick else 4096
     shapes = [("square", square, square, square),
               ("T5 q/k/v", rows, t5.d_model, 3 * t5.inner),
-              ("T5 wi", rows, t5.d_model, (2 if t5.gated else 1) * t5.d_ff),
-              ("Qwen gate/up", rows, qw.hidden, 2 * qw.ff)]
+              ("T5 wi", rows, t5.d_model, (2 if t5.gated else 1) * t5.d_ff)]
+    if qwen_cfg is not None:
+        qw = rl.QwenDims.from_config(qwen_cfg)
+        shapes.append(("Qwen gate/up", rows, qw.hidden, 2 * qw.ff))
     return shapes[:2] if quick else shapes
 
 
@@ -280,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the stages' dtype (float32)")
     ap.add_argument("--dense", nargs="+", default=["plain", "prepared"], choices=["plain", "prepared"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stages", nargs="+", default=["t5", "qwen"], choices=["t5", "qwen"],
+                    help="which model's stages run (Qwen's include the vision tower and crop encode)")
     ap.add_argument("--quick", action="store_true", help="tiny checkpoints, small shapes, one repeat")
     ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args(argv)
@@ -300,13 +306,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = tokenizer_corpus()
         t5_dir = build_random_t5(Path(tmp) / "t5", corpus, shape=T5_SHAPE[args.size])
-        qwen_dir = build_random_qwen_vl(Path(tmp) / "qwen", corpus, seed=3, shape=args.size)
         t5_cfg = json.loads((t5_dir / "config.json").read_text())
-        qwen_cfg = json.loads((qwen_dir / "config.json").read_text())
+        qwen_dir = qwen_cfg = None
+        if "qwen" in args.stages:
+            qwen_dir = build_random_qwen_vl(Path(tmp) / "qwen", corpus, seed=3, shape=args.size)
+            qwen_cfg = json.loads((qwen_dir / "config.json").read_text())
         shapes, nbytes = gemm_shapes(t5_cfg, qwen_cfg, args.quick), (1 << 26) if args.quick else (1 << 28)
         peaks = measure_peaks(device, shapes, max(args.repeats, 2))
         bw = rl.bandwidth(device, nbytes, max(args.repeats, 2))
-        stages = t5_stages(t5_dir, device, args.dtype, args) + qwen_stages(qwen_dir, device, args.dtype, args)
+        stages = t5_stages(t5_dir, device, args.dtype, args) if "t5" in args.stages else []
+        if qwen_dir is not None:
+            stages += qwen_stages(qwen_dir, device, args.dtype, args)
         if not args.quick:
             # peaks measured again after the stages, the better of the two kept: a machine
             # shared with other work can be slow through one measurement

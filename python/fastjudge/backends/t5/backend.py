@@ -21,13 +21,13 @@ from torch.profiler import record_function
 from ...codec import open_codec
 from ...engine_options import EngineOptions
 from ...runtime.requests import Choice, Output, Request, choice_probs
-from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_capacity
+from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_capacity, row_bucket
 from ..dense import prepare_dense
 from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL
-from .decode import decode_greedy, run_step
+from .decode import decode_greedy, projection_step, run_step
 from .model import T5Model
-from .pool import T5Pool, row_bytes
+from .pool import T5Pool, cross_row_bytes, row_bytes
 from .shape import T5Shape
 
 log = logging.getLogger("fastjudge")
@@ -68,6 +68,9 @@ class TorchT5Backend:
         self.decode_cache_bytes = engine.decode_cache_bytes or (2**34 if cuda else 2**30)
         self.max_decode_rows = engine.max_decode_rows
         self.compile = engine.compile
+        # the step from which greedy decoding's cross-attention reads projected K/V:
+        # "auto" (``decode.projection_step`` of the call's budget), a step, or None (never)
+        self.project_at: int | str | None = "auto"
         self.pool: T5Pool | None = None
         self.pool_allocations = 0
         self._compiled = None
@@ -81,28 +84,44 @@ class TorchT5Backend:
         """Seconds spent compiling (and recording CUDA graphs) so far."""
         return self._compiled.seconds if self._compiled is not None else 0.0
 
-    def _pool(self, enc_capacity: int, capacity: int) -> T5Pool:
+    def _pool(self, enc_capacity: int, capacity: int, cross_rows: int = 0) -> T5Pool:
         """The state pool, with room for prompts of ``enc_capacity`` tokens and ``capacity``
-        decoder positions. Allocated once; replaced only when a row needs more (the short side
-        then doubles), with as many slots as the budget allows (a bucket size when compiled)."""
+        decoder positions, and projected cross-attention K/V for ``cross_rows`` rows. Allocated
+        once; replaced only when a call needs more (the short side then doubles; K/V rows only
+        as many as the call that replaces it wants), with as many slots as the budget left by
+        the K/V rows allows (a bucket size when compiled)."""
         pool = self.pool
-        if pool is not None and pool.enc_capacity >= enc_capacity and pool.capacity >= capacity:
+        if (pool is not None and pool.enc_capacity >= enc_capacity and pool.capacity >= capacity
+                and pool.cross_slots >= cross_rows):
             return pool
         if pool is not None:
             enc_capacity = max(enc_capacity, pool.enc_capacity * (2 if enc_capacity > pool.enc_capacity else 1))
             capacity = max(capacity, pool.capacity * (2 if capacity > pool.capacity else 1))
         enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
-        per_row = row_bytes(self.shape, enc_capacity, capacity, torch.empty((), dtype=self.dtype).element_size())
-        slots = max(1, min(self.options.max_batch_size, self.decode_cache_bytes // per_row))
+        size = torch.empty((), dtype=self.dtype).element_size()
+        per_row = row_bytes(self.shape, enc_capacity, capacity, size)
+        budget = self.decode_cache_bytes - cross_rows * cross_row_bytes(self.shape, enc_capacity, size)
+        slots = max(1, min(self.options.max_batch_size, budget // per_row))
         if self._compiled is not None:
             slots = max(b for b in ROW_BUCKETS if b <= slots)
         self.model.decoder_bias(capacity)  # the bias table the forward reads, grown here
         self.pool = None  # the old pool's memory goes before the new one is allocated
-        self.pool = T5Pool(self.shape, slots, enc_capacity, capacity, self.device, self.dtype)
+        self.pool = T5Pool(self.shape, slots, enc_capacity, capacity, self.device, self.dtype, cross_rows)
         self.pool_allocations += 1
-        log.info("fastjudge: T5 state pool of %d slots x (%d prompt, %d decoder) tokens", slots, enc_capacity,
-                 capacity)
+        log.info("fastjudge: T5 state pool of %d slots x (%d prompt, %d decoder) tokens, %d with cross-attention "
+                 "K/V", slots, enc_capacity, capacity, self.pool.cross_slots)
         return self.pool
+
+    def _cross_rows(self, rows: int, enc_capacity: int, capacity: int) -> int:
+        """Rows of projected cross-attention K/V a call of ``rows`` decoding rows needs: ``rows``
+        where their K/V fit the budget with the pool's own slots for them, else 0."""
+        if self._compiled is not None:
+            rows = row_bucket(rows)  # a compiled step runs on the padded row count
+        enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        need = rows * (cross_row_bytes(self.shape, enc_capacity, size) + row_bytes(self.shape, enc_capacity,
+                                                                                  capacity, size))
+        return rows if need <= self.decode_cache_bytes else 0
 
     # -- execution ---------------------------------------------------------------------------
     def cost(self, request: Request) -> int:
@@ -190,11 +209,16 @@ class TorchT5Backend:
             raise ValueError("forced response prefixes are supported for Choice requests only")
         track = torch.tensor(spec.track_ids, device=self.device) if spec.track_ids else None
         prompts = [r.prompt_ids for r in batch]
-        pool = self._pool(max(len(p) for p in prompts), spec.max_new_tokens)
+        longest = max(len(p) for p in prompts)
+        rows = min(self.options.max_batch_size, self.max_decode_rows or len(prompts), len(prompts))
+        at = projection_step(self.shape, spec.max_new_tokens) if self.project_at == "auto" else self.project_at
+        cross = 0 if at is None else self._cross_rows(rows, longest, spec.max_new_tokens)
+        pool = self._pool(longest, spec.max_new_tokens, cross)
+        rows = min(pool.slots, rows)
         tokens, finished, tracked = decode_greedy(
-            self.model, pool, prompts, spec.max_new_tokens, track,
-            max_rows=min(pool.slots, self.max_decode_rows or pool.slots, len(prompts)),
-            encode_tokens=self.encode_tokens, compiled=self._compiled)
+            self.model, pool, prompts, spec.max_new_tokens, track, max_rows=rows,
+            encode_tokens=self.encode_tokens, compiled=self._compiled,
+            project_at=at if cross and rows <= pool.cross_slots else None)
         return [Output(index=r.index, token_ids=tok, finished=fin,
                        tracked_logits=tr if track is not None else None)
                 for r, tok, fin, tr in zip(batch, tokens, finished, tracked)]

@@ -11,6 +11,13 @@ Rows are independent, so which rows share a step changes no row's tokens. That a
 * **Only live extents.** Eagerly, a step attends over the longest live row's encoder states and
   the furthest live decoder position, not the buffers' full widths (masked keys have weight
   exactly 0, so leaving them out changes nothing).
+* **Cross-attention K/V once they pay.** Steps start in the reassociated form over the encoder
+  states (``model``). A call whose budget leaves room for it (:func:`projection_step`) projects
+  its live rows' encoder states to every layer's cross-attention K/V once the rows have run as
+  many steps as the projection costs, and from then on steps attend per head over those (rows
+  joining later are projected as they join): rows that stop early never pay for a projection,
+  rows that go on pay at most twice the best choice made knowing their length. Both forms are
+  exact; they differ in cost only.
 
 Argmax runs on the device and each step moves one small tensor to the host.
 """
@@ -29,6 +36,37 @@ from ..profiling import DECODE_LABEL, PREFILL_LABEL, STEP_LABEL, to_host
 from ..slots import compact
 from .model import T5Model
 from .pool import T5Pool
+from .shape import T5Shape
+
+# The cost estimate behind the choice of cross-attention form, in time per encoder token and
+# decoder layer, counted in FLOPs at the rate of the projections' GEMMs. Measured with torch 2.13
+# on a 2-core AVX-512 CPU, float32, Flan-T5-small's shape, 16 rows x ~1,100 encoder tokens (1
+# and 2 threads alike): the reassociated form's products (heads x positions rows against
+# d_model-wide encoder states) ran ~4x slower per FLOP than those GEMMs, the per-head form's
+# one-token attention (bound by reading K/V) ~14x slower per FLOP. For that shape the projection
+# pays for itself in 29 steps.
+REASSOCIATED_SLOWDOWN = 4.0
+PER_HEAD_SLOWDOWN = 14.0
+
+
+def break_even_steps(shape: T5Shape) -> int | None:
+    """The one-token steps over projected K/V that pay for projecting them: projecting costs
+    ``4 * inner * d_model`` FLOPs per encoder token and layer (at the GEMM rate), a step saves
+    ``4 * heads * d_model`` at :data:`REASSOCIATED_SLOWDOWN` less ``4 * inner`` at
+    :data:`PER_HEAD_SLOWDOWN` (rows and prompt lengths scale both sides alike). None when a step
+    saves nothing."""
+    inner, d = shape.num_heads * shape.d_kv, shape.d_model
+    saving = 4 * shape.num_heads * d * REASSOCIATED_SLOWDOWN - 4 * inner * PER_HEAD_SLOWDOWN
+    return None if saving <= 0 else -(-4 * inner * d // int(saving))
+
+
+def projection_step(shape: T5Shape, max_new_tokens: int) -> int | None:
+    """The step from which a greedy call with budget ``max_new_tokens`` decodes over projected
+    K/V: after :func:`break_even_steps` steps in the reassociated form (what a projection costs
+    is spent on steps first, so rows that stop before never pay it), when the budget leaves at
+    least as many steps again for the projection to pay back; else None (never)."""
+    steps = break_even_steps(shape)
+    return steps if steps is not None and max_new_tokens >= 2 * steps else None
 
 
 def run_step(model: T5Model, pool: T5Pool, tokens: torch.Tensor, counts: Sequence[int], compiled=None) -> torch.Tensor:
@@ -41,7 +79,7 @@ def run_step(model: T5Model, pool: T5Pool, tokens: torch.Tensor, counts: Sequenc
     B, P = tokens.shape
     host_counts = np.asarray(counts, dtype=np.int64)
     rows = row_bucket(B)
-    if compiled is not None and rows <= pool.slots:
+    if compiled is not None and rows <= (pool.cross_slots if pool.projected else pool.slots):
         full = tokens.new_zeros(rows, width_bucket(P))
         full[:B, :P] = tokens
         n = torch.tensor(np.pad(host_counts, (0, rows - B))).to(tokens.device, non_blocking=True)
@@ -63,18 +101,28 @@ def _pick(logits: torch.Tensor, track: torch.Tensor | None) -> list[list[float]]
 
 
 def decode_greedy(model: T5Model, pool: T5Pool, prompts: Sequence[np.ndarray], max_new_tokens: int,
-                  track: torch.Tensor | None, max_rows: int, encode_tokens: int, compiled=None):
+                  track: torch.Tensor | None, max_rows: int, encode_tokens: int, compiled=None,
+                  project_at: int | None = None):
     """Greedy decoding of ``prompts`` (token ids per row) until EOS or ``max_new_tokens``.
 
     At most ``max_rows`` rows decode at a time (the leading slots of ``pool``); rows are encoded
-    in packs of about ``encode_tokens`` tokens as room frees up. Returns per row: generated ids
-    (EOS excluded), whether EOS ended it, and the tracked logits [steps, K] of every kept step
-    (None without ``track``)."""
-    with record_function(DECODE_LABEL):
-        return _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled)
+    in packs of about ``encode_tokens`` tokens as room frees up. Cross-attention is reassociated
+    until step ``project_at`` (None: throughout), then per head over projected K/V
+    (``max_rows`` within ``pool.cross_slots``). Returns per row: generated ids (EOS excluded),
+    whether EOS ended it, and the tracked logits [steps, K] of every kept step (None without
+    ``track``)."""
+    if project_at is not None and max_rows > pool.cross_slots:
+        raise ValueError(f"{max_rows} rows with projected K/V in a pool with room for {pool.cross_slots}")
+    pool.projected = False
+    try:
+        with record_function(DECODE_LABEL):
+            return _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled,
+                           project_at)
+    finally:
+        pool.projected = False
 
 
-def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled):
+def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens, compiled, project_at):
     s = model.s
     dev = model.embed.device
     n_rows = len(prompts)
@@ -83,6 +131,7 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
     finished = [False] * n_rows
     todo = deque(range(n_rows))
     ready: deque[tuple[int, torch.Tensor]] = deque()  # encoded rows waiting for a slot
+    taken = 0  # steps run
     live: list[int] = []  # the request row in each live slot
     feed: list[int] = []  # each live row's next input token
 
@@ -101,12 +150,19 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
         while todo and len(ready) < max_rows - len(live):
             encode_more()
         joining = [ready.popleft() for _ in range(min(len(ready), max_rows - len(live)))]
+        first = len(live)
         if joining:
-            pool.load(len(live), [st for _, st in joining])
+            pool.load(first, [st for _, st in joining])
             live += [i for i, _ in joining]
             feed += [s.decoder_start_token_id] * len(joining)
+        if project_at is not None and not pool.projected and taken >= project_at:
+            first, pool.projected = 0, True  # from here on, every live row over its K/V
+        if pool.projected and first < len(live):
+            with record_function(PREFILL_LABEL):  # a row's own work, once, like its encoding
+                model.project_cross(pool, first, len(live))
         with record_function(STEP_LABEL):
             hidden = run_step(model, pool, torch.tensor(feed, device=dev)[:, None], [1] * len(live), compiled)
+        taken += 1
         gone = []
         for j, picked in enumerate(_pick(model.logits(hidden[:, 0]), track)):
             row, token = live[j], int(picked[0])

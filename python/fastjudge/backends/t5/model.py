@@ -9,12 +9,18 @@ speed:
   GEMM runs on real tokens only; attention runs per sequence through
   ``scaled_dot_product_attention`` with the relative-position bias as its mask.
 * **Fused projections.** q/k/v and the two gated-FF input projections are one GEMM each.
-* **Cross-attention without K/V.** ``q . (W_k m)`` is computed as ``(W_k^T q) . m`` and
-  ``sum p W_v m`` as ``W_v (sum p m)``: exact reassociation that never projects an encoder token
-  to K or V. In model space every head's query attends over the same keys and values (the
-  encoder states), so all heads and positions of a row are the queries of one SDPA head: one
-  pass over a row's encoder states per layer, fewer bytes than its K/V (``d_model`` against
-  ``2 * heads * d_kv`` per token).
+* **Cross-attention in one of two exact forms.** Reassociated (:meth:`T5Block.cross_attention`):
+  ``q . (W_k m)`` is computed as ``(W_k^T q) . m`` and ``sum p W_v m`` as ``W_v (sum p m)``, so
+  no encoder token is ever projected to K or V; in model space every head's query attends over
+  the same keys and values (the encoder states), so all heads and positions of a row are the
+  queries of one SDPA head: one pass over a row's encoder states per layer, fewer bytes than its
+  K/V (``d_model`` against ``2 * heads * d_kv`` per token) but ``d_model / d_kv`` times the
+  FLOPs, in products with only ``heads * positions`` rows that run far below the GEMM rate.
+  Projected (:meth:`T5Block.cross_attention_heads`): each encoder token's per-head K/V computed
+  once (:meth:`T5Model.project_cross`, one GEMM per layer) and read by every later step, as
+  transformers does. Score-only rows (one step) use the first; greedy decoding switches to the
+  second once its rows have run as many steps as the projection costs
+  (``decode.projection_step``).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def activation(name: str):
     return acts[name]
 
 
-PROJECTIONS = ("qkv", "o", "x_q", "x_o", "wi", "wo")  # applied as GEMMs: Dense modules
+PROJECTIONS = ("qkv", "o", "x_q", "x_kv", "x_o", "wi", "wo")  # applied as GEMMs: Dense modules
 
 
 def _registered(w):
@@ -89,15 +95,23 @@ class DecoderStep:
 
 class T5Block(torch.nn.Module):
     """One encoder or decoder block: ``norm``/``qkv``/``o`` (self-attention), in the decoder
-    ``x_norm``/``x_q``/``x_k``/``x_v``/``x_o`` (cross-attention), ``ff_norm``/``wi``/``wo``
-    (feed-forward; ``wi`` holds both gated inputs). The projections applied as GEMMs are
-    :class:`dense.Dense` modules; ``x_k``/``x_v`` are read as tensors (reassociated)."""
+    ``x_norm``/``x_q``/``x_kv``/``x_o`` (cross-attention; ``x_kv`` holds K and V, read as the
+    tensors ``x_k``/``x_v`` by the reassociated form), ``ff_norm``/``wi``/``wo`` (feed-forward;
+    ``wi`` holds both gated inputs). The projections are :class:`dense.Dense` modules."""
 
     def __init__(self, shape: T5Shape, weights: dict):
         super().__init__()
         self.s, self.act = shape, activation(shape.act)
         for name, w in weights.items():
             setattr(self, name, Dense(w) if name in PROJECTIONS else _registered(w))
+
+    @property
+    def x_k(self) -> torch.Tensor:
+        return self.x_kv.weight[: self.s.num_heads * self.s.d_kv]
+
+    @property
+    def x_v(self) -> torch.Tensor:
+        return self.x_kv.weight[self.s.num_heads * self.s.d_kv:]
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.wi(rms_norm(x, self.ff_norm, self.s.eps))
@@ -121,9 +135,10 @@ class T5Block(torch.nn.Module):
             out[a:b].view(n, h, dk).copy_(o[0].transpose(0, 1))
         return self.feed_forward(x + self.o(out))
 
-    def forward(self, x: torch.Tensor, step: DecoderStep, kv: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: DecoderStep, kv: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
         """The decoder block over ``x`` [B, P, d]: self-attention K/V written into ``kv``
-        [B, 2, heads, capacity + 1, d_kv] at ``step.where``, cross-attention over ``mem``."""
+        [B, 2, heads, capacity + 1, d_kv] at ``step.where``, cross-attention over ``cross``:
+        encoder states [B, L, d] (reassociated) or their projected K/V [B, 2, heads, L, d_kv]."""
         s = self.s
         B, P, _ = x.shape
         h, dk = s.num_heads, s.d_kv
@@ -135,7 +150,8 @@ class T5Block(torch.nn.Module):
                                            attn_mask=step.self_mask, scale=1.0)
         x = x + self.o(o.transpose(1, 2).reshape(B, P, h * dk))
         xq = self.x_q(rms_norm(x, self.x_norm, s.eps)).view(B, P, h, dk)
-        return self.feed_forward(x + self.x_o(self.cross_attention(xq, mem, step.key_mask)))
+        attend = self.cross_attention_heads if cross.dim() == 5 else self.cross_attention
+        return self.feed_forward(x + self.x_o(attend(xq, cross, step.key_mask)))
 
     def cross_attention(self, xq: torch.Tensor, mem: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Cross-attention output [B, P, heads * d_kv] (before ``x_o``) of the projected queries
@@ -146,6 +162,14 @@ class T5Block(torch.nn.Module):
         kv = mem.unsqueeze(1)  # one head whose keys and values are the encoder states
         ctx = F.scaled_dot_product_attention(q, kv, kv, attn_mask=key_mask, scale=1.0)
         return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), self.x_v.view(h, dk, d)).reshape(B, P, h * dk)
+
+    def cross_attention_heads(self, xq: torch.Tensor, xkv: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """The same output from the encoder states' projected K/V ``xkv`` [B, 2, heads, L, d_kv]
+        (:meth:`T5Model.project_cross`): per-head attention through SDPA, which reads the pool's
+        strided slices in place (``matmul`` would copy them into a batch it can fold)."""
+        B, P, h, dk = xq.shape
+        ctx = F.scaled_dot_product_attention(xq.transpose(1, 2), xkv[:, 0], xkv[:, 1], attn_mask=key_mask, scale=1.0)
+        return ctx.transpose(1, 2).reshape(B, P, h * dk)
 
 
 class T5Model(torch.nn.Module):
@@ -174,7 +198,8 @@ class T5Model(torch.nn.Module):
                  "qkv": fuse([get(f"{p}.0.SelfAttention.{n}.weight") for n in "qkv"], dtype)}
             if stack == "decoder":
                 w["x_norm"] = take(f"{p}.1.layer_norm.weight")
-                w.update({f"x_{n}": take(f"{p}.1.EncDecAttention.{n}.weight") for n in "qkvo"})
+                w.update({f"x_{n}": take(f"{p}.1.EncDecAttention.{n}.weight") for n in "qo"})
+                w["x_kv"] = fuse([take(f"{p}.1.EncDecAttention.{n}.weight") for n in "kv"], dtype)
             ff = f"{p}.{2 if stack == 'decoder' else 1}"
             wi = [f"{ff}.DenseReluDense.wi{n}.weight" for n in (("_0", "_1") if shape.gated else ("",))]
             w.update(ff_norm=take(f"{ff}.layer_norm.weight"), wi=fuse([get(n) for n in wi], dtype),
@@ -184,6 +209,10 @@ class T5Model(torch.nn.Module):
         self.embed = _registered(take("shared.weight"))
         # a tied head is the embedding parameter itself, registered under both names
         self.lm_head = _registered(take("lm_head.weight")) if "lm_head.weight" in state else self.embed
+        # decoding's full-vocabulary head as a GEMM of its own over that same parameter (a Dense:
+        # prepacked on the CPU, where F.linear ran a 16-row step's head at a third of the speed)
+        self.head = Dense(self.lm_head)
+        self.head.weight = self.lm_head
         self.enc_bias_table = _registered(take("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
         self.dec_bias_table = _registered(take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
         self.enc_final_norm = _registered(take("encoder.final_layer_norm.weight"))
@@ -221,12 +250,23 @@ class T5Model(torch.nn.Module):
             x = layer.encode(x, lengths, starts, bias)
         return rms_norm(x, self.enc_final_norm, self.s.eps)
 
+    def project_cross(self, pool, start: int, stop: int) -> None:
+        """Every decoder layer's cross-attention K/V of the encoder states of slots ``start ..
+        stop - 1`` of ``pool`` into its ``xkv`` (one GEMM per layer over those rows, up to the
+        longest of their prompts)."""
+        s, n = self.s, int(pool.enc_held[start:stop].max())
+        mem = pool.mem[start:stop, :n]
+        for i, layer in enumerate(self.decoder):
+            pool.xkv[start:stop, i, :, :, :n] = layer.x_kv(mem).view(stop - start, n, 2, s.num_heads,
+                                                                     s.d_kv).permute(0, 2, 3, 1, 4)
+
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, pool, width: int, enc_width: int) -> torch.Tensor:
         """Decoder hidden states [B, P, d] of ``tokens`` [B, P] (row ``b``: ``counts[b]`` real
         tokens, then right padding) continuing each row of the first B slots of ``pool``
         (``pool.T5Pool`` or a view of one), whose decoder lengths advance by the counts. Self-
         attention reads the first ``width`` decoder positions, cross-attention the first
-        ``enc_width`` encoder states (each row masked to its own prompt)."""
+        ``enc_width`` encoder states (each row masked to its own prompt): reassociated over
+        ``pool.mem``, or per head over ``pool.xkv`` while ``pool.projected``."""
         B, P = tokens.shape
         device = tokens.device
         steps = torch.arange(P, device=device)
@@ -243,7 +283,7 @@ class T5Model(torch.nn.Module):
         x = F.embedding(tokens, self.embed)
         mem = pool.mem[:B, :enc_width]
         for i, layer in enumerate(self.decoder):
-            x = layer(x, step, pool.kv[:B, i], mem)
+            x = layer(x, step, pool.kv[:B, i], pool.xkv[:B, i, :, :, :enc_width] if pool.projected else mem)
         start += counts
         return x
 
@@ -253,4 +293,4 @@ class T5Model(torch.nn.Module):
         scale = self.s.d_model ** -0.5 if self.s.scale_decoder_outputs else 1.0
         if rows is not None:
             return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, eps=self.s.eps, scale=scale)
-        return F.linear(rms_norm(hidden, self.dec_final_norm, self.s.eps) * scale, self.lm_head).float()
+        return self.head(rms_norm(hidden, self.dec_final_norm, self.s.eps) * scale).float()

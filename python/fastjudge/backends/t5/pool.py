@@ -7,10 +7,14 @@ so CUDA-graph trees keep its graphs).
 layers, 2, heads, capacity + 1, d_kv]`` its decoder self-attention K/V (column ``capacity`` is
 scratch: right padding writes there), ``enc_lengths`` / ``dec_lengths`` each row's prompt and
 decoder lengths (device; ``enc_held`` / ``dec_held`` mirror them on the host, so the host plans
-without reading the device). No cross-attention K/V at all: the reassociated cross-attention
-reads the encoder states. Slots are never cleared: a masked position's weight is exactly 0.
+without reading the device). The reassociated cross-attention reads the encoder states; for the
+projected one, the first ``cross_slots`` slots also have ``xkv`` ``[cross_slots, layers, 2,
+heads, enc_capacity, d_kv]``, every layer's cross-attention K/V of the row's encoder states
+(``model.T5Model.project_cross``; ``cross_slots`` is 0, and ``xkv`` empty, in a pool that never
+needed it). Slots are never cleared: a masked position's weight is exactly 0.
 Memory: ``slots * (enc_capacity * d_model + layers * 2 * heads * (capacity + 1) * d_kv) * b``
-bytes (:func:`row_bytes`), ``b`` the bytes per element of the model's dtype.
+bytes (:func:`row_bytes`), ``b`` the bytes per element of the model's dtype, plus
+``cross_slots * layers * 2 * heads * enc_capacity * d_kv * b`` (:func:`cross_row_bytes`).
 """
 
 from __future__ import annotations
@@ -28,32 +32,48 @@ def row_bytes(shape: T5Shape, enc_capacity: int, capacity: int, element_size: in
     return (shape.d_model * enc_capacity + kv) * element_size
 
 
+def cross_row_bytes(shape: T5Shape, enc_capacity: int, element_size: int) -> int:
+    """Bytes one slot's projected cross-attention K/V hold."""
+    return shape.num_decoder_layers * 2 * shape.num_heads * shape.d_kv * enc_capacity * element_size
+
+
 class T5View:
     """Slots ``start .. stop - 1`` of a pool, every tensor a view."""
 
     def __init__(self, pool: "T5Pool", start: int, stop: int):
         self.capacity = pool.capacity
-        self.mem, self.kv = pool.mem[start:stop], pool.kv[start:stop]
+        self.mem, self.kv, self.xkv = pool.mem[start:stop], pool.kv[start:stop], pool.xkv[start:stop]
+        self.projected = pool.projected
         self.enc_lengths, self.dec_lengths = pool.enc_lengths[start:stop], pool.dec_lengths[start:stop]
 
 
 class T5Pool(torch.nn.Module):
-    def __init__(self, shape: T5Shape, slots: int, enc_capacity: int, capacity: int, device, dtype):
+    def __init__(self, shape: T5Shape, slots: int, enc_capacity: int, capacity: int, device, dtype,
+                 cross_slots: int = 0):
         super().__init__()
         self.capacity, self.enc_capacity = int(capacity), int(enc_capacity)
         self.register_buffer("mem", torch.zeros(slots, enc_capacity, shape.d_model, dtype=dtype, device=device))
         self.register_buffer("kv", torch.zeros(slots, shape.num_decoder_layers, 2, shape.num_heads, capacity + 1,
                                                shape.d_kv, dtype=dtype, device=device))
+        self.register_buffer("xkv", torch.zeros(min(cross_slots, slots), shape.num_decoder_layers, 2, shape.num_heads,
+                                                enc_capacity, shape.d_kv, dtype=dtype, device=device))
         self.register_buffer("enc_lengths", torch.zeros(slots, dtype=torch.long, device=device))
         self.register_buffer("dec_lengths", torch.zeros(slots, dtype=torch.long, device=device))
         for t in self.buffers():
             torch._dynamo.mark_static_address(t)
         self.enc_held = np.zeros(slots, dtype=np.int64)
         self.dec_held = np.zeros(slots, dtype=np.int64)
+        # whether the live rows' cross-attention reads their projected K/V (set by the decode
+        # loop for its run; a compiled forward is specialised on it)
+        self.projected = False
 
     @property
     def slots(self) -> int:
         return len(self.enc_held)
+
+    @property
+    def cross_slots(self) -> int:
+        return self.xkv.shape[0]
 
     def view(self, start: int, stop: int) -> T5View:
         return T5View(self, start, stop)
@@ -68,6 +88,9 @@ class T5Pool(torch.nn.Module):
         self.dec_lengths[rows] = 0
         self.dec_held[rows] = 0
 
+
     def move(self, src: list[int], dst: list[int]) -> None:
-        """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer)."""
-        move_rows(self.buffers(), [self.enc_held, self.dec_held], src, dst)
+        """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer;
+        the projected K/V only while the rows decode with them)."""
+        buffers = [self.mem, self.kv, self.enc_lengths, self.dec_lengths] + ([self.xkv] if self.projected else [])
+        move_rows(buffers, [self.enc_held, self.dec_held], src, dst)

@@ -1,0 +1,96 @@
+"""The T5 decoder's two exact forms of cross-attention in greedy decoding: reassociated over the
+encoder states, and per head over K/V projected once per row, switched to at a step
+(``backends.t5.decode``, ``projection_step``). Each, and a switch mid-decode, against
+transformers' greedy ``generate`` on one padded batch
+(transformers v5.25.0 ``generation/utils.py``, ``GenerationMixin.generate`` with
+``do_sample=False, num_beams=1``, whose cross-attention is ``models/t5/modeling_t5.py``,
+``T5Attention.forward`` with ``key_value_states``: K/V projected from the encoder states at the
+first step and read from the cache at every later one): the same tokens, the same end and the
+same logits at the tracked ids, on rows that end at varied lengths (rows leave and others join
+the pool); and the two forms against each other within float32 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_t5_decode import MAX_NEW, SHORT, padded, prompts, rating_ids, run_text, varied  # noqa: F401
+
+from fastjudge.backends.t5.backend import TorchT5Backend
+from fastjudge.backends.t5.decode import break_even_steps, projection_step
+from fastjudge.backends.t5.model import T5Model
+
+
+def spy_projections(monkeypatch) -> list[int]:
+    """The row count of every ``T5Model.project_cross`` call from now on."""
+    calls = []
+    project = T5Model.project_cross
+
+    def logged(self, pool, start, stop):
+        calls.append(stop - start)
+        return project(self, pool, start, stop)
+
+    monkeypatch.setattr(T5Model, "project_cross", logged)
+    return calls
+
+
+@pytest.mark.parametrize("project_at", [0, 4, None])
+@pytest.mark.parametrize("rows", [2, 12])
+def test_each_form_gives_generates_tokens(varied, prompts, padded, project_at, rows, monkeypatch):  # noqa: F811
+    """Projected from the first step, from the fifth (rows live then, and rows joining later),
+    never; all rows at once, or two at a time (rows leave and join, their K/V moved along)."""
+    calls = spy_projections(monkeypatch)
+    backend = TorchT5Backend(varied, device="cpu", dtype="float32", max_decode_rows=rows)
+    backend.project_at = project_at
+    track = rating_ids(backend.codec)
+    outs = run_text(backend, prompts, track=track)
+    ends = [len(ids) + eos for ids, eos, _ in padded]  # steps each row runs
+    if project_at is None:
+        assert calls == [] and backend.pool.cross_slots == 0
+    elif project_at == 0:
+        assert sum(calls) == len(prompts)  # every row once
+    elif rows == len(prompts):  # all rows from the start: those still running at the switch
+        assert calls == [sum(n > project_at for n in ends)]
+    else:
+        assert 0 < sum(calls) < len(prompts)
+    for out, (ids, eos, logits) in zip(outs, padded):
+        assert out.token_ids == ids
+        assert out.finished == eos
+        np.testing.assert_allclose(out.tracked_logits, logits[:, track].double().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_forms_agree_within_float32_rounding(varied, prompts):  # noqa: F811
+    """The same steps in both forms: logits at a quarter of the vocabulary within 1e-5."""
+    backend = TorchT5Backend(varied, device="cpu", dtype="float32", max_decode_rows=5)
+    track = range(0, backend.shape.vocab_size, 4)
+    runs = {}
+    for project_at in (0, None):
+        backend.project_at = project_at
+        runs[project_at] = run_text(backend, prompts, track=track)
+    for a, b in zip(runs[0], runs[None]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.tracked_logits, b.tracked_logits, rtol=0, atol=1e-5)
+
+
+def test_the_budget_of_steps_picks_the_step(varied, prompts, padded, monkeypatch):  # noqa: F811
+    """By default a call projects after the break-even number of steps when its budget leaves as
+    many again (rows that stopped before are never projected), and not at all for a shorter
+    budget; a K/V pool that does not fit the state budget falls back to the reassociated form,
+    with the same tokens."""
+    backend = TorchT5Backend(varied, device="cpu", dtype="float32")
+    steps = break_even_steps(backend.shape)
+    assert projection_step(backend.shape, 2 * steps - 1) is None and projection_step(backend.shape, 2 * steps) == steps
+    calls = spy_projections(monkeypatch)
+    short = run_text(backend, prompts, max_new=MAX_NEW)
+    assert calls == [] and backend.pool.cross_slots == 0
+    long = run_text(backend, prompts, max_new=2 * steps)
+    running = sum(len(ids) + eos > steps for ids, eos, _ in padded)  # still running at the switch
+    assert 0 < running < len(prompts) and calls == [running]
+    backend.project_at = None
+    assert [o.token_ids for o in run_text(backend, prompts, max_new=2 * steps)] == [o.token_ids for o in long]
+
+    tight = TorchT5Backend(varied, device="cpu", dtype="float32", decode_cache_bytes=backend.pool.mem.nbytes // 4)
+    tight.project_at = 0
+    calls.clear()
+    assert [o.token_ids for o in run_text(tight, prompts)] == [o.token_ids for o in short]
+    assert calls == [] and tight.pool.cross_slots == 0
+    assert [o.token_ids for o in run_text(tight, prompts, max_new=SHORT)] == [o.token_ids[:SHORT] for o in short]
