@@ -38,8 +38,9 @@ class Step:
     (cos, sin, swap; see :func:`rotate`), each row's new-token count ``counts`` [B], the K/V
     column of each token ``where`` [B, k] (the scratch column for padding) with its row index
     ``rows``, the attention mask over the first ``width`` keys, ``real`` [B, k, 1] (true for a
-    row's real tokens, false for padding), ``conv_keep`` (the conv window positions each row
-    keeps as its conv state, :class:`DeltaNetLayer`; None without DeltaNet layers), and
+    row's real tokens, false for padding), ``conv_keep`` (which rows of the flattened conv
+    windows [B * (kernel - 1 + k), conv_dim] are the rows' new conv states,
+    :class:`DeltaNetLayer`; None without DeltaNet layers), and
     ``fresh``: every row starts empty and is unpadded (plain causal attention over the new
     tokens, no state read)."""
 
@@ -142,14 +143,18 @@ class AttentionLayer(QwenLayer):
 
 
 class DeltaNetLayer(QwenLayer):
-    """Gated DeltaNet: fused input projections (qkv, z, b, a), the causal depthwise conv, the decay
-    parameters and the gated output norm. ``state``: the conv state [B, conv_dim, kernel - 1]
-    (each row's last inputs) and the recurrent state [B, v_heads, k_dim, v_dim] (float32)."""
+    """Gated DeltaNet: fused input projections (qkv, z, b, a), the causal depthwise conv (its
+    taps [kernel, conv_dim]), the decay parameters and the gated output norm. ``state``: the conv
+    state [B, kernel - 1, conv_dim] (each row's last inputs, channels last) and the recurrent
+    state [B, v_heads, k_dim, v_dim] (float32)."""
 
     def __init__(self, shape: QwenShape, in_proj, conv, dt_bias, neg_A, gated_norm, out, **common):
         super().__init__(shape, **common)
         self.in_proj, self.out = Dense(in_proj), Dense(out)
-        self.conv = torch.nn.Parameter(conv, requires_grad=False)  # [conv_dim, 1, kernel]
+        # the checkpoint's conv1d weight [conv_dim, 1, kernel] as taps [kernel, conv_dim]: channels
+        # last, as the conv state and the projections' output, so a decoding step's conv is a
+        # vectorised product and sum over the kernel, never a loop over 3- or 4-wide rows
+        self.taps = torch.nn.Parameter(conv[:, 0, :].t().contiguous(), requires_grad=False)
         self.register_buffer("dt_bias", dt_bias)
         self.register_buffer("neg_A", neg_A)
         self.register_buffer("gated_norm", gated_norm)
@@ -167,19 +172,22 @@ class DeltaNetLayer(QwenLayer):
         conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
         mixed, z, b, a = self.in_proj(h).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
         conv_state, memory = state
-        history = mixed.new_zeros(B, conv_dim, K - 1) if step.fresh else conv_state
-        window = torch.cat([history, mixed.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + S]
-        if S <= SHORT_CONV_STEPS:  # decoding steps: a windowed product beats conv1d's setup cost
-            conv = F.silu((window.unfold(-1, K, 1) * self.conv).sum(-1))
-        else:
-            conv = F.silu(F.conv1d(window, self.conv, groups=conv_dim))  # causal: no future input
-        # each row's last kernel - 1 inputs (Step.conv_keep) are its new conv state
-        torch.gather(window, 2, step.conv_keep, out=conv_state)
-        conv = conv.transpose(1, 2)  # [B, S, C]
+        history = mixed.new_zeros(B, K - 1, conv_dim) if step.fresh else conv_state
+        window = torch.cat([history, mixed], dim=1)  # [B, K - 1 + S, C]
+        if S == 1:
+            conv = (window * self.taps).sum(1, keepdim=True)
+        elif S <= SHORT_CONV_STEPS:  # a windowed product beats conv1d's setup cost
+            conv = (window.unfold(1, K, 1) * self.taps.t()).sum(-1)
+        else:  # causal: no future input
+            conv = F.conv1d(window.transpose(1, 2), self.taps.t()[:, None, :], groups=conv_dim).transpose(1, 2)
+        conv = F.silu(conv)  # [B, S, C]
+        # each row's last kernel - 1 inputs (window rows Step.conv_keep) are its new conv state
+        torch.index_select(window.view(-1, conv_dim), 0, step.conv_keep, out=conv_state.view(-1, conv_dim))
         beta = b.sigmoid() * step.real  # a pad step: beta = 0 and g = 0, the identity update
         g = self.neg_A * F.softplus(as_float(a) + self.dt_bias) * step.real
         if S == 1:
-            core = self._one_token(conv, g, beta, memory, step.fresh).to(h.dtype)
+            core = self._one_token(conv, g, beta, memory, step.fresh)
+            core = core if h.dtype == torch.float32 else core.to(h.dtype)
         else:
             q, k, v = conv.split([key_dim, key_dim, val_dim], dim=-1)
             q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)

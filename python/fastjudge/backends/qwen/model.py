@@ -108,10 +108,10 @@ class QwenModel(torch.nn.Module):
             hidden = torch.arange(width, device=device) > where[:, None, :, None]
             mask = x.new_zeros(B, 1, k, width).masked_fill_(hidden, float("-inf"))
         keep = None
-        if self.has_deltanet:  # conv window position count_b + j is row b's j-th input of its last kernel - 1
-            K, s = self.s.conv_kernel, self.s
-            conv_dim = 2 * s.lin_k_heads * s.lin_k_dim + s.lin_v_heads * s.lin_v_dim
-            keep = (counts[:, None, None] + torch.arange(K - 1, device=device)).expand(B, conv_dim, K - 1)
+        if self.has_deltanet:  # row b's last kernel - 1 inputs: its conv window rows count_b + j
+            K = self.s.conv_kernel
+            keep = ((torch.arange(B, device=device) * (K - 1 + k) + counts)[:, None]
+                    + torch.arange(K - 1, device=device)).view(-1)
         step = Step(rope, counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
                     mask, width, fresh, real[..., None], keep)
         for layer, (a, b) in zip(self.layers, state.layers):
