@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
-from .gated_delta import L2_EPS, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gated_delta import L2_EPS, chunk_gated_delta_rule, recurrent_gated_delta_rule_
 from .shape import QwenShape
 
 SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
@@ -158,12 +158,12 @@ class DeltaNetLayer(QwenLayer):
         self.register_buffer("dt_bias", dt_bias)
         self.register_buffer("neg_A", neg_A)
         self.register_buffer("gated_norm", gated_norm)
-        # the one-token update's L2 norm of queries and keys is an RMSNorm (rms_norm(x, eps / d)
+        # the recurrent update's L2 norm of queries and keys is an RMSNorm (rms_norm(x, eps / d)
         # = sqrt(d) * x / sqrt(|x|^2 + eps)) times these: d^-0.5 (the L2 norm) and, for the
         # queries, the delta rule's d^-0.5 query scale
         d = shape.lin_k_dim
         self.register_buffer("qk_scale", torch.tensor([1.0 / d, d ** -0.5], device=dt_bias.device)
-                             .view(2, 1, 1, 1), persistent=False)
+                             .view(2, 1, 1), persistent=False)
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         s = self.s
@@ -185,23 +185,18 @@ class DeltaNetLayer(QwenLayer):
         torch.index_select(window.view(-1, conv_dim), 0, step.conv_keep, out=conv_state.view(-1, conv_dim))
         beta = b.sigmoid() * step.real  # a pad step: beta = 0 and g = 0, the identity update
         g = self.neg_A * F.softplus(as_float(a) + self.dt_bias) * step.real
-        if S == 1:
-            core = self._one_token(conv, g, beta, memory, step.fresh)
+        if S <= RECURRENT_STEPS:
+            core = self._recurrent(conv, g, beta, memory, step.fresh)
             core = core if h.dtype == torch.float32 else core.to(h.dtype)
         else:
             q, k, v = conv.split([key_dim, key_dim, val_dim], dim=-1)
             q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
             k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
             v = v.reshape(B, S, s.lin_v_heads, s.lin_v_dim)
-            initial = None if step.fresh else memory
-            if S <= RECURRENT_STEPS:
-                core, final = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial,
-                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
-            else:
-                core, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
-                                                     chunk_size=S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK,
-                                                     initial_state=initial, output_final_state=True,
-                                                     use_qk_l2norm_in_kernel=True)
+            core, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
+                                                 chunk_size=S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK,
+                                                 initial_state=None if step.fresh else memory,
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
             memory.copy_(final)
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
         z = z.view(B, S, s.lin_v_heads, s.lin_v_dim)
@@ -212,26 +207,21 @@ class DeltaNetLayer(QwenLayer):
             gated = (normed.float() * F.silu(z.float())).to(h.dtype)
         return self.out(gated.view(B, S, val_dim))
 
-    def _one_token(self, conv, g, beta, memory, fresh: bool) -> torch.Tensor:
-        """The delta rule's step (``gated_delta`` module notes) for one token a row, in place on
-        the pool's ``memory`` [B, Hv, dk, dv]: ``conv`` [B, 1, C] (queries, keys, values), ``g``
-        and ``beta`` [B, 1, Hv]; returns the outputs [B, 1, Hv, dv] (float32). Value heads are
-        grouped under their key head ([B, Hk, G, ...]) instead of repeating the keys."""
+    def _recurrent(self, conv, g, beta, memory, fresh: bool) -> torch.Tensor:
+        """:func:`gated_delta.recurrent_gated_delta_rule_` (in place on the pool's ``memory``) of
+        ``conv`` [B, S, C] (queries, keys, values) and ``g``, ``beta`` [B, S, Hv]: the outputs
+        [B, S, Hv, dv] (float32). Queries and keys are normalised together, as one RMSNorm
+        (``qk_scale``)."""
         s = self.s
-        B = conv.shape[0]
-        Hk, dk, G, dv = s.lin_k_heads, s.lin_k_dim, s.lin_v_heads // s.lin_k_heads, s.lin_v_dim
+        B, S = conv.shape[:2]
+        Hk, dk = s.lin_k_heads, s.lin_k_dim
         conv = as_float(conv)
-        qk = F.rms_norm(conv[..., :2 * Hk * dk].view(B, 2, Hk, 1, dk), (dk,), None, L2_EPS / dk) * self.qk_scale
-        q, k = qk.unbind(1)  # [B, Hk, 1, dk], normalised (and the queries scaled)
-        v = conv[..., 2 * Hk * dk:].view(B, Hk, G, 1, dv)
-        mem = memory.view(B, Hk, G, dk, dv)
+        qk = F.rms_norm(conv[..., :2 * Hk * dk].reshape(B, S, 2, Hk, dk), (dk,), None, L2_EPS / dk)
+        q, k = (qk * self.qk_scale).unbind(2)
         if fresh:
-            mem.zero_()
-        mem.mul_(g.exp().view(B, Hk, G, 1, 1))  # forget
-        k = k.unsqueeze(2)  # [B, Hk, 1, 1, dk]: one key for the group's value heads
-        u = (v - k @ mem).mul_(beta.view(B, Hk, G, 1, 1))  # what the memory does not predict yet
-        mem.addcmul_(k.transpose(-1, -2), u)  # write it under the key
-        return (q.unsqueeze(2) @ mem).view(B, 1, Hk * G, dv)  # read
+            memory.zero_()
+        v = conv[..., 2 * Hk * dk:].reshape(B, S, s.lin_v_heads, s.lin_v_dim)
+        return recurrent_gated_delta_rule_(memory, q, k, v, g, beta)
 
 
 def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
