@@ -102,9 +102,9 @@ def recurrent_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: 
     B, S, Hk, dk = key.shape
     Hv, dv = value.shape[2:]
     G = Hv // Hk  # value heads per key head, grouped: [B, Hk, G, ...]
-    q, k = _tokens(query.view(B, S, Hk, 1, 1, dk)), _tokens(key.view(B, S, Hk, 1, 1, dk))
-    v = _tokens(value.view(B, S, Hk, G, 1, dv))
-    decay, beta = _tokens(g.exp().view(B, S, Hk, G, 1, 1)), _tokens(beta.view(B, S, Hk, G, 1, 1))
+    q, k = _tokens(query, Hk, 1, 1, dk), _tokens(key, Hk, 1, 1, dk)
+    v = _tokens(value, Hk, G, 1, dv)
+    decay, beta = _tokens(g.exp(), Hk, G, 1, 1), _tokens(beta, Hk, G, 1, 1)
     mem = memory.view(B, Hk, G, dk, dv)
     out = []
     for t in range(S):
@@ -115,9 +115,10 @@ def recurrent_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: 
     return (out[0] if S == 1 else torch.stack(out, 1)).view(B, S, Hv, dv)
 
 
-def _tokens(x: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
-    """``x`` [B, S, ...] per token: views without the token dim (no op at all for one token)."""
-    return [x.view(x.shape[0], *x.shape[2:])] if x.shape[1] == 1 else x.unbind(1)
+def _tokens(x: torch.Tensor, *shape: int) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """``x`` [B, S, ...] per token, each viewed as [B, *shape]: one view for one token."""
+    B, S = x.shape[:2]
+    return [x.view(B, *shape)] if S == 1 else x.view(B, S, *shape).unbind(1)
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
