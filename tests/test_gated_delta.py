@@ -9,7 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastjudge.backends.qwen.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from fastjudge.backends.qwen.gated_delta import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_,
+)
 
 reference = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -127,3 +131,27 @@ def test_traces_without_graph_breaks():
     assert_same(chunked(**x, chunk_size=8, **kw), chunk_gated_delta_rule(**x, chunk_size=8, **kw), True)
     one = {k: (v[:, :1] if k != "initial_state" else v) for k, v in x.items()}
     assert_same(step(**one, **kw), recurrent_gated_delta_rule(**one, **kw), True)
+
+
+@pytest.mark.parametrize("S", [1, 2, 3])
+@pytest.mark.parametrize("B,Hk,Hv,dk,dv", [(2, 2, 4, 16, 24), (3, 1, 3, 8, 40), (1, 2, 2, 32, 16)])
+def test_in_place_recurrent_matches_reference(S, B, Hk, Hv, dk, dv):
+    """The decoding steps' in-place rule (grouped value heads, the state updated where it lies)
+    against ``torch_recurrent_gated_delta_rule`` (transformers/models/qwen3_5/modeling_qwen3_5.py,
+    transformers 5.x), which normalises the queries and keys itself; a step with beta = 0 and
+    g = 0 (the engine's padding) leaves the state as it was."""
+    x = inputs(B=B, S=S, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=10 * S + dv)
+    x["beta"][0, -1] = 0.0
+    x["g"][0, -1] = 0.0
+    out, final = reference.torch_recurrent_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    memory = x["initial_state"].clone()
+    q = x["query"] * torch.rsqrt(x["query"].square().sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+    k = x["key"] * torch.rsqrt(x["key"].square().sum(-1, keepdim=True) + 1e-6)
+    ours = recurrent_gated_delta_rule_(memory, q, k, x["value"], x["g"], x["beta"])
+    assert relative_error(ours, out) <= TOLERANCE
+    assert relative_error(memory, final) <= TOLERANCE
+    if S > 1:  # row 0's padded last step changed nothing: its state is the one after S - 1 steps
+        before = x["initial_state"].clone()
+        recurrent_gated_delta_rule_(before, q[:, :-1], k[:, :-1], x["value"][:, :-1], x["g"][:, :-1],
+                                    x["beta"][:, :-1])
+        assert torch.equal(memory[0], before[0])

@@ -29,7 +29,11 @@ chunk for the two right-hand sides gives ``U = W - P M0`` with ``W`` and ``P`` i
 Everything but the last two lines runs for all chunks at once; only the hand-over of ``M``
 from chunk to chunk is sequential (a Python loop over the static number of chunks).
 
-Both functions take the engine's layout: queries and keys [B, S, Hk, dk], values [B, S, Hv, dv]
+In-place form. :func:`recurrent_gated_delta_rule_` is the recurrent rule as a decoding step runs it:
+on the state pool's memory itself (no copy of the state in or out), with each key head read once
+for the value heads it serves (no repeated keys), in the fewest ops.
+
+The two functions above take the engine's layout: queries and keys [B, S, Hk, dk], values [B, S, Hv, dv]
 (Hv a multiple of Hk: each key head serves Hv // Hk consecutive value heads), ``g`` and ``beta``
 [B, S, Hv]; an optional initial state [B, Hv, dk, dv]. They return the outputs [B, S, Hv, dv] in
 the queries' dtype and, when asked, the final state [B, Hv, dk, dv] in float32. All math runs in
@@ -87,6 +91,34 @@ def recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: to
         outputs.append(q[:, :, t, None, :] @ memory)
     out = torch.cat(outputs, dim=2).transpose(1, 2).contiguous().to(out_dtype)
     return out, (memory if output_final_state else None)
+
+
+def recurrent_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule one token at a time, in place on ``memory`` [B, Hv, dk, dv] (float32,
+    contiguous): queries and keys [B, S, Hk, dk] already L2-normalised (queries also scaled by
+    ``dk ** -0.5``), values [B, S, Hv, dv], ``g`` and ``beta`` [B, S, Hv], all float32. Returns
+    the outputs [B, S, Hv, dv] (float32); ``memory`` holds the final state."""
+    B, S, Hk, dk = key.shape
+    Hv, dv = value.shape[2:]
+    G = Hv // Hk  # value heads per key head, grouped: [B, Hk, G, ...]
+    q, k = _tokens(query, Hk, 1, 1, dk), _tokens(key, Hk, 1, 1, dk)
+    v = _tokens(value, Hk, G, 1, dv)
+    decay, beta = _tokens(g.exp(), Hk, G, 1, 1), _tokens(beta, Hk, G, 1, 1)
+    mem = memory.view(B, Hk, G, dk, dv)
+    out = []
+    for t in range(S):
+        mem.mul_(decay[t])  # forget
+        u = (v[t] - k[t] @ mem).mul_(beta[t])  # what the memory does not predict yet
+        mem.addcmul_(k[t].transpose(-1, -2), u)  # write it under the key
+        out.append(q[t] @ mem)  # read: [B, Hk, G, 1, dv]
+    return (out[0] if S == 1 else torch.stack(out, 1)).view(B, S, Hv, dv)
+
+
+def _tokens(x: torch.Tensor, *shape: int) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """``x`` [B, S, ...] per token, each viewed as [B, *shape]: one view for one token."""
+    B, S = x.shape[:2]
+    return [x.view(B, *shape)] if S == 1 else x.view(B, S, *shape).unbind(1)
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
-from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gated_delta import L2_EPS, chunk_gated_delta_rule, recurrent_gated_delta_rule_
 from .shape import QwenShape
 
 SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a windowed product
@@ -34,29 +34,46 @@ RECURRENT_STEPS = 3  # up to this many new tokens the recurrent rule (one iterat
 
 @dataclass
 class Step:
-    """What every layer of one forward reads: the rotary (cos, sin) of each token, each row's
-    new-token count ``counts`` [B], the K/V column of each token ``where`` [B, k] (the scratch
-    column for padding) with its row index ``rows``, the attention mask over the first ``width``
-    keys, and ``fresh``: every row starts empty and is unpadded (plain causal attention over the
-    new tokens, no state read)."""
+    """What every layer of one forward reads, computed once per forward: the rotary ``rope``
+    (cos, sin, swap; see :func:`rotate`), each row's new-token count ``counts`` [B], the K/V
+    column of each token ``where`` [B, k] (the scratch column for padding) with its row index
+    ``rows``, the attention mask over the first ``width`` keys, ``real`` [B, k, 1] (true for a
+    row's real tokens, false for padding), ``conv_keep`` (which rows of the flattened conv
+    windows [B * (kernel - 1 + k), conv_dim] are the rows' new conv states,
+    :class:`DeltaNetLayer`; None without DeltaNet layers), and
+    ``fresh``: every row starts empty and is unpadded (plain causal attention over the new
+    tokens, no state read)."""
 
-    rope: tuple[torch.Tensor, torch.Tensor]
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     counts: torch.Tensor
     where: torch.Tensor
     rows: torch.Tensor
     mask: torch.Tensor | None
     width: int
     fresh: bool
+    real: torch.Tensor
+    conv_keep: torch.Tensor | None
+
+
+def as_float(x: torch.Tensor) -> torch.Tensor:
+    # a float32 tensor as it is: even a no-op ``.float()`` is one more dispatched op per call
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 (as transformers computes norms), back in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight_f32, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight_f32, eps).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    a, b = rot.chunk(2, dim=-1)
-    return torch.cat([rot * cos + torch.cat([-b, a], dim=-1) * sin, rest], dim=-1)
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of ``x`` [B, k, heads, head_dim] in three ops: ``x * cos + x[swap] *
+    sin``, where ``swap`` exchanges the two halves of the rotary dims and ``sin`` carries the
+    sign of rotate-half (``-sin`` on the first half). Past ``rotary_dim``, cos is 1 and sin 0:
+    those dims pass through unchanged (``x * 1 + y * 0``)."""
+    cos, sin, swap = rope
+    return torch.addcmul(x * cos, x.index_select(-1, swap), sin)
 
 
 class QwenLayer(torch.nn.Module):
@@ -74,19 +91,21 @@ class QwenLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, step: Step, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.mix(rms(x, self.in_norm, self.s.eps), step, state)
         gate, up = self.gate_up(rms(x, self.post_norm, self.s.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.silu(gate).mul_(up))
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         raise NotImplementedError
 
 
 class AttentionLayer(QwenLayer):
-    """Full attention (Qwen3.5: with a sigmoid output gate): q, fused k/v, o, the q/k norms.
-    ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
+    """Full attention (Qwen3.5: with a sigmoid output gate): the q, k and v projections as one
+    GEMM (``qkv``; or q alone and a fused ``kv`` where FP8 scales keep them apart), o, the q/k
+    norms. ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
 
-    def __init__(self, shape: QwenShape, q, kv, o, q_norm, k_norm, **common):
+    def __init__(self, shape: QwenShape, qkv, o, q_norm, k_norm, kv=None, **common):
         super().__init__(shape, **common)
-        self.q, self.kv, self.o = Dense(q), Dense(kv), Dense(o)
+        self.qkv, self.o = Dense(qkv), Dense(o)
+        self.kv = None if kv is None else Dense(kv)
         self.register_buffer("q_norm", q_norm)
         self.register_buffer("k_norm", k_norm)
 
@@ -94,43 +113,57 @@ class AttentionLayer(QwenLayer):
         s = self.s
         B, S, _ = h.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
-        q = self.q(h)
+        q_dim = H * hd * (2 if s.hybrid else 1)
+        if self.kv is None:
+            q, k, v = self.qkv(h).split([q_dim, Hkv * hd, Hkv * hd], dim=-1)
+        else:
+            q, (k, v) = self.qkv(h), self.kv(h).chunk(2, dim=-1)
         gate = None
-        if s.hybrid:
-            q, gate = q.view(B, S, H, 2 * hd).chunk(2, dim=-1)
-            gate = gate.reshape(B, S, H * hd)
+        if s.hybrid:  # per head: its hd query dims, then its hd gate dims
+            q, gate = q.view(B, S, H, 2, hd).unbind(3)
         else:
             q = q.view(B, S, H, hd)
-        k, v = self.kv(h).view(B, S, 2, Hkv, hd).unbind(2)
-        cos, sin = step.rope
-        q = _rotate(rms(q, self.q_norm, s.eps).transpose(1, 2), cos, sin, s.rotary_dim)
-        k = _rotate(rms(k, self.k_norm, s.eps).transpose(1, 2), cos, sin, s.rotary_dim)
-        v = v.transpose(1, 2)
+        q = rotate(rms(q, self.q_norm, s.eps), step.rope)  # [B, S, H, hd]
+        k = rotate(rms(k.view(B, S, Hkv, hd), self.k_norm, s.eps), step.rope)
+        v = v.view(B, S, Hkv, hd)
         keys, values = state
-        keys[step.rows, :, step.where] = k.transpose(1, 2)
-        values[step.rows, :, step.where] = v.transpose(1, 2)
+        # keys[rows, :, where] = k, as one dispatched op
+        torch.ops.aten.index_put_(keys, [step.rows, None, step.where], k)
+        torch.ops.aten.index_put_(values, [step.rows, None, step.where], v)
         gqa = Hkv != H
         if step.fresh:  # SDPA's own causal kernel over the new tokens, no mask tensor
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q, keys[:, :, :step.width], values[:, :, :step.width],
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :step.width], values[:, :, :step.width],
                                                attn_mask=step.mask, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(B, S, H * hd)
-        return self.o(o if gate is None else o * torch.sigmoid(gate))
+        o = o.transpose(1, 2)  # [B, S, H, hd]
+        o = o.reshape(B, S, H * hd) if gate is None else (o * torch.sigmoid(gate)).view(B, S, H * hd)
+        return self.o(o)
 
 
 class DeltaNetLayer(QwenLayer):
-    """Gated DeltaNet: fused input projections (qkv, z, b, a), the causal depthwise conv, the decay
-    parameters and the gated output norm. ``state``: the conv state [B, conv_dim, kernel - 1]
-    (each row's last inputs) and the recurrent state [B, v_heads, k_dim, v_dim] (float32)."""
+    """Gated DeltaNet: fused input projections (qkv, z, b, a), the causal depthwise conv (its
+    taps [kernel, conv_dim]), the decay parameters and the gated output norm. ``state``: the conv
+    state [B, kernel - 1, conv_dim] (each row's last inputs, channels last) and the recurrent
+    state [B, v_heads, k_dim, v_dim] (float32)."""
 
     def __init__(self, shape: QwenShape, in_proj, conv, dt_bias, neg_A, gated_norm, out, **common):
         super().__init__(shape, **common)
         self.in_proj, self.out = Dense(in_proj), Dense(out)
-        self.conv = torch.nn.Parameter(conv, requires_grad=False)
+        # the checkpoint's conv1d weight [conv_dim, 1, kernel] as taps [kernel, conv_dim]: channels
+        # last, as the conv state and the projections' output, so a decoding step's conv is a
+        # vectorised product and sum over the kernel, never a loop over 3- or 4-wide rows
+        self.taps = torch.nn.Parameter(conv[:, 0, :].t().contiguous(), requires_grad=False)
         self.register_buffer("dt_bias", dt_bias)
         self.register_buffer("neg_A", neg_A)
         self.register_buffer("gated_norm", gated_norm)
+        # the recurrent update's L2 norm of queries and keys is an RMSNorm (rms_norm(x, eps / d)
+        # = sqrt(d) * x / sqrt(|x|^2 + eps)) times these: d^-0.5 (the L2 norm) and, for the
+        # queries, the delta rule's d^-0.5 query scale
+        d = shape.lin_k_dim
+        self.register_buffer("qk_scale", torch.tensor([1.0 / d, d ** -0.5], device=dt_bias.device)
+                             .view(2, 1, 1), persistent=False)
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         s = self.s
@@ -139,36 +172,56 @@ class DeltaNetLayer(QwenLayer):
         conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
         mixed, z, b, a = self.in_proj(h).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
         conv_state, memory = state
-        history = mixed.new_zeros(B, conv_dim, K - 1) if step.fresh else conv_state
-        window = torch.cat([history, mixed.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + S]
-        if S <= SHORT_CONV_STEPS:  # decoding steps: a windowed product beats conv1d's setup cost
-            conv = F.silu((window.unfold(-1, K, 1) * self.conv[:, None, 0, :]).sum(-1))
-        else:
-            conv = F.silu(F.conv1d(window, self.conv, groups=conv_dim))  # causal: no future input
-        q, k, v = conv.transpose(1, 2).split([key_dim, key_dim, val_dim], dim=-1)
-        q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
-        k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
-        v = v.reshape(B, S, s.lin_v_heads, s.lin_v_dim)
-        real = (torch.arange(S, device=h.device)[None, :] < step.counts[:, None])[..., None]
-        beta = b.sigmoid() * real  # a pad step: beta = 0 and g = 0, the identity update
-        g = self.neg_A * F.softplus(a.float() + self.dt_bias) * real
-        initial = None if step.fresh else memory
+        history = mixed.new_zeros(B, K - 1, conv_dim) if step.fresh else conv_state
+        window = torch.cat([history, mixed], dim=1)  # [B, K - 1 + S, C]
+        if S == 1:
+            conv = (window * self.taps).sum(1, keepdim=True)
+        elif S <= SHORT_CONV_STEPS:  # a windowed product beats conv1d's setup cost
+            conv = (window.unfold(1, K, 1) * self.taps.t()).sum(-1)
+        else:  # causal: no future input
+            conv = F.conv1d(window.transpose(1, 2), self.taps.t()[:, None, :], groups=conv_dim).transpose(1, 2)
+        conv = F.silu(conv)  # [B, S, C]
+        # each row's last kernel - 1 inputs (window rows Step.conv_keep) are its new conv state
+        torch.index_select(window.view(-1, conv_dim), 0, step.conv_keep, out=conv_state.view(-1, conv_dim))
+        beta = b.sigmoid() * step.real  # a pad step: beta = 0 and g = 0, the identity update
+        g = self.neg_A * F.softplus(as_float(a) + self.dt_bias) * step.real
         if S <= RECURRENT_STEPS:
-            core, final = recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial,
-                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+            core = self._recurrent(conv, g, beta, memory, step.fresh)
+            core = core if h.dtype == torch.float32 else core.to(h.dtype)
         else:
+            q, k, v = conv.split([key_dim, key_dim, val_dim], dim=-1)
+            q = q.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
+            k = k.reshape(B, S, s.lin_k_heads, s.lin_k_dim)
+            v = v.reshape(B, S, s.lin_v_heads, s.lin_v_dim)
             core, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
                                                  chunk_size=S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK,
-                                                 initial_state=initial, output_final_state=True,
-                                                 use_qk_l2norm_in_kernel=True)
-        # window position count_b + j is row b's j-th input of its last kernel - 1
-        last = (step.counts[:, None] + torch.arange(K - 1, device=h.device))[:, None, :]
-        conv_state.copy_(window.gather(2, last.expand(B, conv_dim, K - 1)))
-        memory.copy_(final)
+                                                 initial_state=None if step.fresh else memory,
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+            memory.copy_(final)
         # gated RMSNorm: normalise in float32, scale, gate with silu(z)
-        normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * self.gated_norm
-        gated = (normed.float() * F.silu(z.reshape(B, S, s.lin_v_heads, s.lin_v_dim).float())).to(h.dtype)
-        return self.out(gated.reshape(B, S, val_dim))
+        z = z.view(B, S, s.lin_v_heads, s.lin_v_dim)
+        if core.dtype == torch.float32:
+            gated = F.rms_norm(core, (s.lin_v_dim,), self.gated_norm, s.eps).mul_(F.silu(z))
+        else:
+            normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * self.gated_norm
+            gated = (normed.float() * F.silu(z.float())).to(h.dtype)
+        return self.out(gated.view(B, S, val_dim))
+
+    def _recurrent(self, conv, g, beta, memory, fresh: bool) -> torch.Tensor:
+        """:func:`gated_delta.recurrent_gated_delta_rule_` (in place on the pool's ``memory``) of
+        ``conv`` [B, S, C] (queries, keys, values) and ``g``, ``beta`` [B, S, Hv]: the outputs
+        [B, S, Hv, dv] (float32). Queries and keys are normalised together, as one RMSNorm
+        (``qk_scale``)."""
+        s = self.s
+        B, S = conv.shape[:2]
+        Hk, dk = s.lin_k_heads, s.lin_k_dim
+        conv = as_float(conv)
+        qk = F.rms_norm(conv[..., :2 * Hk * dk].reshape(B, S, 2, Hk, dk), (dk,), None, L2_EPS / dk)
+        q, k = (qk * self.qk_scale).unbind(2)
+        if fresh:
+            memory.zero_()
+        v = conv[..., 2 * Hk * dk:].reshape(B, S, s.lin_v_heads, s.lin_v_dim)
+        return recurrent_gated_delta_rule_(memory, q, k, v, g, beta)
 
 
 def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype):
@@ -210,8 +263,12 @@ def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype
                       down=dense(p + "mlp.down_proj.weight"))
         if kind == "full_attention":
             a = p + "self_attn."
-            layers.append(AttentionLayer(shape, q=dense(a + "q_proj.weight"),
-                                         kv=fused(a + "k_proj.weight", a + "v_proj.weight"),
+            q, k, v = (dense(a + f"{n}_proj.weight") for n in "qkv")
+            # one GEMM for q, k and v, unless that would dequantize FP8 projections whose scales
+            # differ (fp8.fuse): then q alone and k/v fused, as they are calibrated
+            qkv = fuse([q, k, v], dtype)
+            split = any(isinstance(w, Fp8Weight) for w in (q, k, v)) and not isinstance(qkv, Fp8Weight)
+            layers.append(AttentionLayer(shape, qkv=q if split else qkv, kv=fuse([k, v], dtype) if split else None,
                                          o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
                                          k_norm=norm(a + "k_norm.weight"), **common))
         elif kind == "linear_attention":

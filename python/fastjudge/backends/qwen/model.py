@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..compiled import row_bucket, width_bucket
-from .layers import Step, build_layers, rms
+from .layers import Step, as_float, build_layers, rms
 from .pool import StatePool, StateView
 from .shape import QwenShape
 
@@ -38,20 +38,43 @@ class QwenModel(torch.nn.Module):
         self.register_buffer("final_norm", final_norm)
         self.layers = torch.nn.ModuleList(layers)
         self.has_attention = "full_attention" in shape.layer_types
-        rd = shape.rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (shape.rope_theta ** (
-            torch.arange(0, rd, 2, dtype=torch.float32, device=embed.device) / rd)), persistent=False)
+        self.has_deltanet = "linear_attention" in shape.layer_types
+        self._rope_tables(shape, embed.device)
 
-    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, 1, k, rotary_dim] of M-RoPE ``positions`` [3, B, k] (t/h/w frequencies
-        interleaved per ``mrope_section``; text has three equal rows, which is plain RoPE)."""
-        freqs = positions.float()[..., None] * self.inv_freq
-        mixed = freqs[0].clone()
+    def _rope_tables(self, shape: QwenShape, device) -> None:
+        """The rotary tables :meth:`_rope` reads: per head dim ``i``, a signed frequency (rotate-
+        half's ``-sin`` on the first half of the rotary dims is ``sin`` of a negated angle; 0
+        past ``rotary_dim``: cos 1, sin 0), per M-RoPE row (t/h/w: which position drives each
+        frequency, interleaved per ``mrope_section``; the other rows hold 0, so their products
+        add exact zeros), and the index that swaps the rotary halves."""
+        rd, hd, half = shape.rotary_dim, shape.head_dim, shape.rotary_dim // 2
+        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+        row = torch.zeros(half, dtype=torch.long)  # the M-RoPE row of each frequency pair
         for dim, offset in ((1, 1), (2, 2)):
-            idx = slice(offset, self.s.mrope_section[dim] * 3, 3)
-            mixed[..., idx] = freqs[dim, ..., idx]
-        emb = torch.cat([mixed, mixed], dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+            row[offset:shape.mrope_section[dim] * 3:3] = dim
+        freq = torch.zeros(hd)
+        freq[:rd] = torch.cat([-inv_freq, inv_freq])
+        by_row = torch.zeros(3, hd)
+        for r in range(3):
+            by_row[r, :rd] = torch.where(torch.cat([row, row]) == r, freq[:rd], 0.0)
+        swap = torch.arange(hd)
+        swap[:rd] = torch.cat([swap[half:rd], swap[:half]])
+        self.register_buffer("rope_freq", freq.to(device), persistent=False)
+        self.register_buffer("rope_freq_rows", by_row.view(3, 1, 1, 1, hd).to(device), persistent=False)
+        self.register_buffer("rope_swap", swap.to(device), persistent=False)
+
+    def _rope(self, positions: torch.Tensor, dtype, mrope: bool):
+        """(cos, sin, swap) for :func:`layers.rotate`: cos/sin [B, k, 1, head_dim] of the
+        positions [B, k] (text: the three M-RoPE rows are equal, which is plain RoPE) or, with
+        ``mrope``, of the M-RoPE ``positions`` [3, B, k]."""
+        if mrope:
+            angle = (positions.float()[..., None, None] * self.rope_freq_rows).sum(0)
+        else:
+            angle = positions.float()[..., None, None] * self.rope_freq
+        cos, sin = angle.cos(), angle.sin()
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin, self.rope_swap
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, state: StatePool | StateView, width: int,
                 fresh: bool = False, positions: torch.Tensor | None = None,
@@ -69,25 +92,32 @@ class QwenModel(torch.nn.Module):
         device = tokens.device
         steps = torch.arange(k, device=device)
         real = steps[None, :] < counts[:, None]
-        lengths, next_pos = state.lengths[:B], state.positions[:B]
+        lengths, next_pos = state.lengths, state.positions
+        if lengths.shape[0] != B:
+            lengths, next_pos = lengths[:B], next_pos[:B]
         where = torch.where(real, lengths[:, None] + steps, state.capacity)
         x = F.embedding(tokens, self.embed)
         if image_embeds is not None:
             x = x.masked_scatter(image_mask[..., None], image_embeds.to(x.dtype))
         given = positions is not None
-        if not given:
-            positions = (next_pos[:, None] + steps).expand(3, B, k)
+        rope = self._rope(positions if given else next_pos[:, None] + steps, x.dtype, mrope=given)
         mask = None
         if self.has_attention and not fresh:
             # additive mask (a float mask keeps SDPA on its fused CPU kernel; a boolean one falls
             # back to a much slower path there): each token sees its row's keys up to itself
-            visible = torch.arange(width, device=device)[None, None, :] <= where[:, :, None]
-            mask = torch.zeros(B, 1, k, width, dtype=x.dtype, device=device)
-            mask.masked_fill_(~visible[:, None], float("-inf"))
-        step = Step(self._rope(positions, x.dtype), counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
-                    mask, width, fresh)
+            hidden = torch.arange(width, device=device) > where[:, None, :, None]
+            mask = x.new_zeros(B, 1, k, width).masked_fill_(hidden, float("-inf"))
+        keep = None
+        if self.has_deltanet:  # row b's last kernel - 1 inputs: its conv window rows count_b + j
+            K = self.s.conv_kernel
+            keep = ((torch.arange(B, device=device) * (K - 1 + k) + counts)[:, None]
+                    + torch.arange(K - 1, device=device)).view(-1)
+        step = Step(rope, counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
+                    mask, width, fresh, real[..., None], keep)
         for layer, (a, b) in zip(self.layers, state.layers):
-            x = layer(x, step, (a[:B], b[:B]))
+            if a.shape[0] != B:  # a pool wider than the rows (compiled buckets); a view is exact
+                a, b = a[:B], b[:B]
+            x = layer(x, step, (a, b))
         if given:  # M-RoPE: the next position is past the largest one so far
             top = positions.masked_fill(~real, -1).amax(dim=(0, 2)) + 1
             next_pos.copy_(torch.where(counts > 0, top, next_pos))
@@ -101,7 +131,7 @@ class QwenModel(torch.nn.Module):
         (never ``[B, vocab]``), or the full vocabulary for decoding."""
         if rows is not None:
             return choice_logits(hidden, self.final_norm, self.lm_head, rows, eps=self.s.eps)
-        return F.linear(rms(hidden, self.final_norm, self.s.eps), self.lm_head).float()
+        return as_float(F.linear(rms(hidden, self.final_norm, self.s.eps), self.lm_head))
 
 
 def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor, counts: Sequence[int],

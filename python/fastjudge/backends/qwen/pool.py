@@ -10,11 +10,11 @@ the only thing a step mutates.
 
 Layout, with ``slots`` rows of ``capacity`` tokens: per full-attention layer K and V
 ``[slots, kv_heads, capacity + 1, head_dim]``; per Gated DeltaNet layer the conv state
-``[slots, conv_dim, kernel - 1]`` and the recurrent state ``[slots, v_heads, k_dim, v_dim]``
-(float32, as the delta rule keeps it); per slot its token count and next rotary position
-(device) with a host mirror of the counts (``held``), so the host never reads a device value to
-plan a step. Column ``capacity`` of K/V is scratch: right padding writes there, past every real
-token. Live rows sit in slots ``0 .. live - 1``, so a step runs on leading slices (views).
+``[slots, kernel - 1, conv_dim]`` (channels last) and the recurrent state
+``[slots, v_heads, k_dim, v_dim]`` (float32, as the delta rule keeps it); per slot its token
+count and next rotary position (device) with a host mirror of the counts (``held``), so the host
+never reads a device value to plan a step. Column ``capacity`` of K/V is scratch: right padding
+writes there, past every real token. Live rows sit in slots ``0 .. live - 1``, so a step runs on leading slices (views).
 
 Memory (:func:`pool_bytes`): ``slots * (A * 2 * kv_heads * (capacity + 1) * head_dim * b
 + D * (conv_dim * (kernel - 1) * b + v_heads * k_dim * v_dim * 4))`` bytes, with ``A`` / ``D``
@@ -86,7 +86,7 @@ class StatePool(torch.nn.Module):
                 size = (slots, shape.kv_heads, self.capacity + 1, shape.head_dim)
                 pair = (torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device))
             else:
-                pair = (torch.zeros(slots, _conv_dim(shape), shape.conv_kernel - 1, dtype=dtype, device=device),
+                pair = (torch.zeros(slots, shape.conv_kernel - 1, _conv_dim(shape), dtype=dtype, device=device),
                         torch.zeros(slots, shape.lin_v_heads, shape.lin_k_dim, shape.lin_v_dim,
                                     dtype=torch.float32, device=device))
             self.register_buffer(f"layer{i}_a", pair[0])
