@@ -152,3 +152,32 @@ def test_bfloat16_close_to_float32(qwen35_dir):
     bf16 = bf16_judge.score(items)
     diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in zip(f32, bf16))
     assert diff < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens", [1, 2, 4, 5])
+def test_cached_attention_folds_query_heads_exactly(dtype, new_tokens):
+    """``attend_cached`` (query heads folded into query rows for few new tokens) against
+    transformers' own attention over the same cache: ``eager_attention_forward`` of
+    ``transformers/models/qwen3/modeling_qwen3.py`` (``repeat_kv`` + softmax in float32), rows of
+    different lengths under the additive mask the model builds."""
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    from fastjudge.backends.qwen.layers import attend_cached
+
+    gen = torch.Generator().manual_seed(new_tokens)
+    B, H, kv_heads, hd, width = 3, 8, 2, 16, 40
+    q = torch.randn(B, new_tokens, H, hd, generator=gen).to(dtype)
+    keys, values = (torch.randn(B, kv_heads, width, hd, generator=gen).to(dtype) for _ in range(2))
+    ends = torch.tensor([width, 25, 9])  # each row's keys end there; its new tokens are its last ones
+    where = ends[:, None] - new_tokens + torch.arange(new_tokens)
+    hidden = torch.arange(width) > where[:, None, :, None]
+    mask = torch.zeros(B, 1, new_tokens, width, dtype=dtype).masked_fill_(hidden, float("-inf"))
+
+    got = attend_cached(q, keys, values, mask).transpose(1, 2)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = H // kv_heads, False
+    want, _ = eager_attention_forward(module, q.transpose(1, 2).float(), keys.float(), values.float(), mask.float(),
+                                      scaling=hd ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

@@ -30,6 +30,7 @@ SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a wi
 ONE_CHUNK_STEPS = 64
 DELTA_CHUNK = 32
 RECURRENT_STEPS = 3  # up to this many new tokens the recurrent rule (one iteration a token) wins
+FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend as query rows
 
 
 @dataclass
@@ -135,11 +136,35 @@ class AttentionLayer(QwenLayer):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :step.width], values[:, :, :step.width],
-                                               attn_mask=step.mask, enable_gqa=gqa)
+            o = attend_cached(q, keys[:, :, :step.width], values[:, :, :step.width], step.mask)
         o = o.transpose(1, 2)  # [B, S, H, hd]
-        o = o.reshape(B, S, H * hd) if gate is None else (o * torch.sigmoid(gate)).view(B, S, H * hd)
+        o = (o if gate is None else o * torch.sigmoid(gate)).reshape(B, S, H * hd)
         return self.o(o)
+
+
+def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """New tokens' queries ``q`` [B, S, H, hd] against the rows' keys and values
+    [B, kv_heads, W, hd] under the additive ``mask`` [B, 1, S, W]; returns [B, H, S, hd].
+
+    With grouped-query heads (H = g x kv_heads) and at most ``FOLD_QUERY_STEPS`` new tokens, each
+    K/V head's g query heads attend as g x S query rows of one problem, as they share its keys:
+    every query row's arithmetic is the same, but SDPA's CPU kernel then runs B x kv_heads
+    problems of g x S rows instead of B x H of S rows, and it is much slower on a single query
+    row (one-token decode, bfloat16: 3.1 -> 0.5 ms at 16 rows x 900 keys, 4 heads on 2)."""
+    B, S, H, hd = q.shape
+    kv_heads = keys.shape[1]
+    g = H // kv_heads
+    if g == 1 or S > FOLD_QUERY_STEPS:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=g > 1)
+    if S == 1:  # a [B, 1, 1, W] mask broadcasts over the g query rows as it is
+        o = F.scaled_dot_product_attention(q.reshape(B, kv_heads, g, hd), keys, values, attn_mask=mask)
+        return o.view(B, H, 1, hd)
+    # query rows in (head, token) order, the mask's token rows repeated for each head
+    rows = q.reshape(B, S, kv_heads, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, g * S, hd)
+    width = mask.shape[-1]
+    mask = mask.unsqueeze(2).expand(B, 1, g, S, width).reshape(B, 1, g * S, width)
+    o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask)
+    return o.view(B, H, S, hd)
 
 
 class DeltaNetLayer(QwenLayer):
