@@ -9,8 +9,10 @@ stages, each timed as a median over ``--repeats`` runs through the backends' pub
 from the checkpoint's shape (``fastjudge.bench.roofline``) and the share of its bound achieved:
 
 * T5 encoder: score-only requests (encoder and one decoder position per row);
-* T5 decode step at 1/16/64 rows: greedy text requests, the decode loop's wall time per step
-  counted by ``fastjudge.bench.step_profile`` (under ``torch.profiler``; the encoder left out);
+* T5 decode step at 1/16/64 rows: greedy text requests; a step's time is the wall time of the
+  requests at ``decode_tokens`` new tokens less that at one, over the steps between (counted by
+  ``fastjudge.bench.step_profile``), timed without the profiler (whose per-op cost is printed
+  beside it as "profiled ms");
 * Qwen prefill: whole prompts with no cached prefix (one score-only position each);
 * Qwen score-only suffix step: rows of a few tokens after a cached shared prefix;
 * Qwen decode step at 1/16/64 rows: as T5's, after a cached prefix (suffix prefill left out);
@@ -115,13 +117,20 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
     return statistics.median(seconds), out
 
 
-def per_step(profile, run, repeats: int) -> tuple[float, int]:
-    """Seconds per decode step of ``run()`` (median over ``repeats`` after a warm-up), counted
-    by ``bench.step_profile`` (the decode loop alone, the prompts' work left out), and the
-    steps of one run."""
-    run()
-    results = [profile(run) for _ in range(repeats)]
-    return statistics.median(r["ms"] for r in results) / 1e3, results[-1]["steps"]
+def per_step(run_for, device, repeats: int) -> tuple[float, float, int]:
+    """Seconds per decode step of ``run_for(n)()`` (the same prompts decoding ``n`` new tokens)
+    at ``n = tokens``: the wall time of ``run_for(tokens)`` less that of ``run_for(1)`` (medians
+    over ``repeats`` after a warm-up), over the steps between them, which
+    ``bench.step_profile`` counts in one profiled run of each. The timed runs leave the profiler
+    off: its per-op cost (~10 us an op) is a large share of a small step. Also returns the
+    profiler's own per-step time (the decode loop's wall time under the profiler) and the
+    steps of the full run."""
+    full, one = run_for(None), run_for(1)
+    profiled_full, profiled_one = profile_decoding(full), profile_decoding(one)
+    steps = profiled_full["steps"] - (profiled_one["steps"] if profiled_one["ms"] > 0 else 0)
+    full_s, _ = timed(full, device, repeats)
+    one_s, _ = timed(one, device, repeats)
+    return max(full_s - one_s, 0.0) / max(steps, 1), profiled_full["ms"] / 1e3, profiled_full["steps"]
 
 
 def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
@@ -144,12 +153,12 @@ def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         enc_len = args.t5_decode_prompt
         for rows in args.decode_rows:
             prompts = [ids(enc_len) for _ in range(rows)]
-            reqs = requests(prompts, Text(args.decode_tokens))
-            s, steps = per_step(profile_decoding, lambda: backend.run(reqs), args.repeats)
+            s, profiled, steps = per_step(
+                lambda n: lambda: backend.run(requests(prompts, Text(n or args.decode_tokens))), device, args.repeats)
             mid = args.decode_tokens // 2
             out.append(dict(stage=f"T5 decode step, {rows} rows", work=f"enc {enc_len}, {steps} steps",
-                            prepared=prepared, seconds=s, cost=rl.t5_decode_step_cost(dims, rows, enc_len, mid, tdt),
-                            dtype=dtype))
+                            prepared=prepared, seconds=s, profiled_seconds=profiled,
+                            cost=rl.t5_decode_step_cost(dims, rows, enc_len, mid, tdt), dtype=dtype))
     return out
 
 
@@ -179,12 +188,13 @@ def qwen_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
                         dtype=dtype))
         for rows in args.decode_rows:
             prompts = [np.concatenate([prefix, ids(8)]) for _ in range(rows)]
-            reqs = requests(prompts, Text(args.decode_tokens), len(prefix))
-            s, steps = per_step(profile_decoding, lambda: backend.run(reqs), args.repeats)
+            s, profiled, steps = per_step(
+                lambda n: lambda: backend.run(requests(prompts, Text(n or args.decode_tokens), len(prefix))),
+                device, args.repeats)
             ctx = len(prefix) + 8 + args.decode_tokens // 2
             out.append(dict(stage=f"Qwen decode step, {rows} rows", work=f"ctx {ctx}, {steps} steps",
-                            prepared=prepared, seconds=s, cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt),
-                            dtype=dtype))
+                            prepared=prepared, seconds=s, profiled_seconds=profiled,
+                            cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt), dtype=dtype))
         out += vision_stages(backend, model_dir, cfg, device, tdt, dtype, prepared, args)
     return out
 
@@ -268,13 +278,14 @@ def print_tables(report: dict) -> None:
     peaks = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in report["peak"].items())
     bw = report["bandwidth"]
     print(f"peak: {peaks}; bandwidth: copy {bw['copy'] / 1e9:.1f} GB/s, sum {bw['sum'] / 1e9:.1f} GB/s")
-    print(f"{'stage':<30} {'work':<24} {'GEMMs':<9} {'ms':>9} {'GFLOP':>8} {'GFLOP/s':>8} {'GB/s':>7} "
-          f"{'bound':>8} {'of bound':>9}")
+    print(f"{'stage':<30} {'work':<24} {'GEMMs':<9} {'ms':>9} {'profiled ms':>12} {'GFLOP':>8} {'GFLOP/s':>8} "
+          f"{'GB/s':>7} {'bound':>8} {'of bound':>9}")
     for s in report["stages"]:
         gemms = {None: "-", True: "prepared", False: "plain"}[s["prepared"]]
-        print(f"{s['stage']:<30} {s['work']:<24} {gemms:<9} {s['seconds'] * 1e3:>9.2f} {s['flops'] / 1e9:>8.2f} "
-              f"{_num(s['flops_per_s'], 1e-9, '.1f'):>8} {_num(s['bytes_per_s'], 1e-9, '.1f'):>7} {s['bound']:>8} "
-              f"{_num(s['of_bound'], 100, '.0f'):>8}%")
+        profiled = _num(s.get("profiled_seconds"), 1e3, ".2f")
+        print(f"{s['stage']:<30} {s['work']:<24} {gemms:<9} {s['seconds'] * 1e3:>9.2f} {profiled:>12} "
+              f"{s['flops'] / 1e9:>8.2f} {_num(s['flops_per_s'], 1e-9, '.1f'):>8} "
+              f"{_num(s['bytes_per_s'], 1e-9, '.1f'):>7} {s['bound']:>8} {_num(s['of_bound'], 100, '.0f'):>8}%")
 
 
 def main(argv=None) -> int:

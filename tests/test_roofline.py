@@ -79,6 +79,12 @@ def test_costs_scale_as_the_algorithms():
     # attention grows with the square of the length, projections linearly
     a, b = rl.t5_encoder_cost(d, [100], torch.float32), rl.t5_encoder_cost(d, [200], torch.float32)
     assert b.flops - 2 * a.flops == 8 * 4 * (200 ** 2 - 2 * 100 ** 2) * 384
+    # a generation: the rows' steps, with the weights read once per step of the longest row
+    gen = rl.t5_generation_cost(d, [100, 100, 50], [6, 6, 2], torch.float32)
+    steps = [rl.t5_decode_step_cost(d, 2, 100, p, torch.float32) for p in range(6)]
+    steps += [rl.t5_decode_step_cost(d, 1, 50, p, torch.float32) for p in range(2)]
+    assert gen.flops == pytest.approx(sum(c.flops for c in steps))
+    assert gen.bytes == pytest.approx(sum(c.bytes for c in steps) - 2 * weights)
     assert rl.bound_seconds(rl.Cost(1e9, 1e6), 1e9, 1e9) == (1.0, "compute")
     assert rl.bound_seconds(rl.Cost(1e6, 1e9), 1e9, 1e9) == (1.0, "memory")
 

@@ -113,6 +113,25 @@ def t5_decode_step_cost(d: T5Dims, rows: int, encoder_len: int, position: int, d
     return Cost(rows * (2 * params + attn), params * b + rows * kv_bytes)
 
 
+def t5_generation_cost(d: T5Dims, prompt_lengths: list[int], generated: list[int], dtype: torch.dtype) -> Cost:
+    """Greedy decoding of ``generated[i]`` tokens for each prompt (after the encoder): every
+    row-step's FLOPs and its keys/values read, and the decoder's weights read once per step of
+    the longest row (rows of one step share them)."""
+    weights = t5_decode_step_cost(d, 0, 0, 0, dtype).bytes
+    rows = Cost(0.0, 0.0)
+    for n, steps in zip(prompt_lengths, generated):
+        for position in range(steps):
+            rows = rows + t5_decode_step_cost(d, 1, n, position, dtype)
+    steps = sum(generated)
+    return Cost(rows.flops, rows.bytes - steps * weights + max(generated, default=0) * weights)
+
+
+def peak_gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 3) -> float:
+    """The best FLOP/s of ``[m, k] x [k, n]`` over every path the device offers
+    (:func:`gemm_paths`)."""
+    return max(gemm_rate(m, k, n, dtype, device, make, repeats) for make in gemm_paths(device, dtype).values())
+
+
 # -- Qwen3.5 (hybrid Gated DeltaNet + gated attention; Qwen3: attention only) ----------------------
 @dataclass(frozen=True)
 class QwenDims:
