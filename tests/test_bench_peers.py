@@ -246,3 +246,19 @@ def test_probabilities_match_the_backend(t5_cases):
     for request, out in zip(case.requests, run.outputs):
         expected = common.candidate_probs({"logits": list(direct[request.index].logits)})
         np.testing.assert_allclose(out["probs"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_rows_reuse_the_float32_workloads(t5_cases, t5_dir):
+    """fastjudge's bfloat16 LAVE judges export the float32 judges' token ids, so their rows can
+    be paired with the peer's runs of the float32 workloads; other ids are refused."""
+    import dataclasses
+
+    import bench_peers
+
+    bf16 = workloads.lave_cases(t5_dir, "flan-t5 tiny bf16", torch.bfloat16, items=5, rationale_items=3,
+                                rationale_tokens=6)
+    bench_peers.check_same_workloads(t5_cases, bf16)
+    requests = bf16[0].workload.requests
+    shifted = dataclasses.replace(bf16[0].workload, requests=requests[1:] + requests[:1])
+    with pytest.raises(RuntimeError, match="other token ids"):
+        bench_peers.check_same_workloads(t5_cases, [dataclasses.replace(bf16[0], workload=shifted), bf16[1]])

@@ -8,7 +8,9 @@ outputs and print one table: items/s and tokens/s of both, the ratio (above 1: f
 faster) and the output agreement. Medians over ``--repeats`` runs after a warm-up. fastjudge's
 LAVE rows are its public call, ``LaveJudge(...).score(examples)``; each peer runs at several
 values of the batch setting its users tune (``--ct2-batch-sizes``, ``--vllm-max-num-seqs``) and
-its fastest is kept, the row naming the value that won.
+its fastest is kept, the row naming the value that won. fastjudge also runs the CTranslate2
+workloads in bfloat16 (``--t5-extra-dtypes``; its default on the CPU, which CTranslate2 does
+not offer there): those rows pair fastjudge bf16 with the same float32 and int8 peer runs.
 
 A peer whose environment is missing is installed first (``install_*.sh``), unless
 ``--no-install``: then it is skipped with a note. ``--peers`` picks them.
@@ -70,6 +72,17 @@ def rows_for(cases, fast_runs, peer_data: dict, decode_for) -> list[Row]:
     return rows
 
 
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def check_same_workloads(cases, extra_cases) -> None:
+    """fastjudge in another dtype is paired with the peer's runs of the float32 workloads: the
+    same judges must have asked for the same token ids."""
+    for a, b in zip(cases, extra_cases, strict=True):
+        if a.workload.requests != b.workload.requests:
+            raise RuntimeError(f"{a.workload.name}: the {b.model} judge exported other token ids than {a.model}")
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -108,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--qwen-shape", default="mini", help="linear head dim 64 or 128 for vLLM's CPU kernel")
     ap.add_argument("--qwen-archs", nargs="+", default=["qwen3", "qwen3_5"], choices=["qwen3", "qwen3_5"])
     ap.add_argument("--ct2-compute-types", nargs="+", default=["float32", "int8"])
+    ap.add_argument("--t5-extra-dtypes", nargs="*", default=["bfloat16"], choices=["bfloat16"],
+                    help="fastjudge also runs the CTranslate2 workloads in these dtypes (same token ids; "
+                         "rows against the same peer runs)")
     ap.add_argument("--ct2-batch-sizes", nargs="+", type=int, default=[8, 16, 32, 64],
                     help="CTranslate2 max_batch_size values tried per workload; the fastest is kept")
     ap.add_argument("--vllm-modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
@@ -154,7 +170,13 @@ def main(argv=None) -> int:
                 extra = ["--compute-types", *args.ct2_compute_types, "--device", args.device,
                          "--batch-sizes", *map(str, args.ct2_batch_sizes)]
                 peer_settings = dict(settings, dtype="float32")
+                also = [lave_cases(dirs["t5"], f"flan-t5 {args.t5_shape} {SHORT[dtype]}", getattr(torch, dtype),
+                                   args.items, args.gen_items, args.gen_tokens, args.device)
+                        for dtype in args.t5_extra_dtypes]
+                for extra_cases in also:
+                    check_same_workloads(cases, extra_cases)
             else:
+                also = []
                 check_vllm_shape(args.qwen_shape)
                 dirs = build_checkpoints(work, args.t5_shape, args.qwen_shape, which=tuple(args.qwen_archs))
                 captions = [e.text for e in image_text_items(args.gen_items)]
@@ -170,10 +192,12 @@ def main(argv=None) -> int:
                 peer_settings = dict(settings, dtype="bfloat16")
             # fastjudge first, then the peer, on the same exported ids
             fast_runs = [run_fastjudge(c, args.repeats) for c in cases]
+            also_runs = [[run_fastjudge(c, args.repeats) for c in extra_cases] for extra_cases in also]
             workload_file = work / f"{peer}-workloads.json"
             save_workloads(workload_file, [c.workload for c in cases], peer_settings)
-            decoders = {id(c): c.backend.codec.decode for c in cases}
-            for c in cases:  # free fastjudge's models before the peer loads its own
+            every = cases + [c for extra_cases in also for c in extra_cases]
+            decoders = {id(c): c.backend.codec.decode for c in every}
+            for c in every:  # free fastjudge's models before the peer loads its own
                 c.backend = c.judge = None
             lave = backend = None
             try:
@@ -182,6 +206,8 @@ def main(argv=None) -> int:
                 notes.append(f"{peer}: runner failed (exit {failed.returncode}); see its output above")
                 continue
             peer_rows = rows_for(cases, fast_runs, data, lambda c: decoders[id(c)])
+            for extra_cases, extra_runs in zip(also, also_runs):
+                peer_rows += rows_for(extra_cases, extra_runs, data, lambda c: decoders[id(c)])
             print(f"\n{versions(data)}\n{format_table(peer_rows)}\n", file=sys.stderr)  # kept if a later peer fails
             rows += peer_rows
             engine_versions.append(versions(data))
