@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..compiled import row_bucket, width_bucket
+from ..cpu_memory import keep_freed_memory
 from .layers import Step, as_float, build_layers, rms
 from .pool import StatePool, StateView
 from .shape import QwenShape
@@ -40,6 +41,8 @@ class QwenModel(torch.nn.Module):
         self.has_attention = "full_attention" in shape.layer_types
         self.has_deltanet = "linear_attention" in shape.layer_types
         self._rope_tables(shape, embed.device)
+        if embed.device.type == "cpu":  # every forward's temporaries reuse the last one's pages
+            keep_freed_memory()
 
     def _rope_tables(self, shape: QwenShape, device) -> None:
         """The rotary tables :meth:`_rope` reads: per head dim ``i``, a signed frequency (rotate-
