@@ -19,26 +19,32 @@ corrections depend on each other only through earlier tokens of the chunk:
 
     u_i + sum_{j<i} beta_i exp(G_i - G_j) (k_i . k_j) u_j = beta_i v_i - beta_i exp(G_i) M0^T k_i
 
-a unit lower-triangular system ``(I + L) U = beta V - (beta exp(G) K) M0``. Solving it once per
-chunk for the two right-hand sides gives ``U = W - P M0`` with ``W`` and ``P`` independent of
-``M0``; then every output and the state at the end of the chunk are matrix products:
+a unit lower-triangular system ``(I + L) U = beta V - (beta exp(G) K) M0``. Its inverse ``T``
+(:func:`unit_lower_inverse`: block inversion, a handful of batched products instead of a
+triangular solve per chunk) gives ``U = W - P M0`` with ``W = T beta V`` and ``P = T beta exp(G)
+K`` independent of ``M0``; then every output and the state at the end of the chunk are matrix
+products:
 
     o_i  = exp(G_i) M0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j
     M_C  = exp(G_C) M0 + sum_j exp(G_C - G_j) k_j u_j^T
 
-Everything but the last two lines runs for all chunks at once; only the hand-over of ``M``
-from chunk to chunk is sequential (a Python loop over the static number of chunks).
+Everything but the hand-over of ``M`` from chunk to chunk runs for all chunks at once; the
+hand-over (``U_c`` and ``M_{c+1}``: three ops a chunk) is a Python loop over the static number
+of chunks, and the outputs of all chunks are two batched products after it.
 
-In-place form. :func:`recurrent_gated_delta_rule_` is the recurrent rule as a decoding step runs it:
-on the state pool's memory itself (no copy of the state in or out), with each key head read once
-for the value heads it serves (no repeated keys), in the fewest ops.
+In-place forms. The layers run both rules on the state pool's memory itself (no copy of the
+state in or out): :func:`recurrent_gated_delta_rule_` as a decoding step runs it, with each key
+head read once for the value heads it serves (no repeated keys), in the fewest ops;
+:func:`chunk_gated_delta_rule_` for prompts and multi-token steps, in a chunk-major layout where
+products with queries and keys run once per key head. :func:`chunk_gated_delta_rule` and
+:func:`recurrent_gated_delta_rule` keep transformers' signatures (and the tests compare them with
+its reference functions).
 
-The two functions above take the engine's layout: queries and keys [B, S, Hk, dk], values [B, S, Hv, dv]
-(Hv a multiple of Hk: each key head serves Hv // Hk consecutive value heads), ``g`` and ``beta``
-[B, S, Hv]; an optional initial state [B, Hv, dk, dv]. They return the outputs [B, S, Hv, dv] in
-the queries' dtype and, when asked, the final state [B, Hv, dk, dv] in float32. All math runs in
-float32. There is no data-dependent Python control flow and no host read of a tensor value, so
-both trace under ``torch.compile`` and CUDA graph capture.
+All take the engine's layout: queries and keys [B, S, Hk, dk], values [B, S, Hv, dv] (Hv a
+multiple of Hk: each key head serves Hv // Hk consecutive value heads), ``g`` and ``beta``
+[B, S, Hv]; the state is [B, Hv, dk, dv] in float32. All math runs in float32. There is no
+data-dependent Python control flow and no host read of a tensor value, so every form traces
+under ``torch.compile`` and CUDA graph capture.
 """
 
 from __future__ import annotations

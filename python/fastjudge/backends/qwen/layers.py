@@ -231,7 +231,7 @@ class DeltaNetLayer(QwenLayer):
             # float32, against conv1d on channels-first copies; same values)
             conv = F.conv2d(window.transpose(1, 2).unsqueeze(2), self.taps.t()[:, None, None, :],
                             groups=conv_dim).squeeze(2).transpose(1, 2)
-        conv = F.silu(conv)  # [B, S, C]
+        conv = F.silu(conv, inplace=True)  # [B, S, C]; every branch above made a tensor of its own
         # each row's last kernel - 1 inputs (window rows Step.conv_keep) are its new conv state
         torch.index_select(window.view(-1, conv_dim), 0, step.conv_keep, out=conv_state.view(-1, conv_dim))
         beta = b.sigmoid() * step.real  # a pad step: beta = 0 and g = 0, the identity update
