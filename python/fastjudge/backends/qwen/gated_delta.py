@@ -29,8 +29,9 @@ products:
     M_C  = exp(G_C) M0 + sum_j exp(G_C - G_j) k_j u_j^T
 
 Everything but the hand-over of ``M`` from chunk to chunk runs for all chunks at once; the
-hand-over (``U_c`` and ``M_{c+1}``: three ops a chunk) is a Python loop over the static number
-of chunks, and the outputs of all chunks are two batched products after it.
+hand-over is a Python loop over the static number of chunks, four ops a chunk: one product of
+the chunk's start state with the rows that read it (``P`` and the decayed queries, stacked),
+``U``, and the next state. The outputs of all chunks are one batched product after it.
 
 In-place forms. The layers run both rules on the state pool's memory itself (no copy of the
 state in or out): :func:`recurrent_gated_delta_rule_` as a decoding step runs it, with each key
@@ -221,44 +222,33 @@ def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torc
     # head's G value heads, so P is one product of G * C rows per key head
     fresh_part = inverse @ v
     weights = (inverse * start_decay[..., None, :]).view(n, B, Hk, G * C, C)
-    from_start = weights @ k
+    # per chunk and value head, the rows that read the chunk's start state M_c: P (its part of
+    # the corrections) over q_i exp(G_i) (its part of the outputs), one product with M_c
+    BH = B * Hv
+    reads = torch.cat([(weights @ k).view(n, B, Hk, G, C, dk), q.unsqueeze(3) * start_decay[..., None]], dim=-2)
 
     scores = (q @ k.transpose(-1, -2)).unsqueeze(3) * decay  # causal attention in the chunk
-    q_start = q.unsqueeze(3) * start_decay[..., None]  # reads M0 with the decay since the chunk's start
     to_end = (g[..., -1:] - g).exp()  # exp(G_C - G_j)
     k_end = (k.unsqueeze(3) * to_end[..., None]).transpose(-1, -2)  # writes into the end state
     chunk_decay = g[..., -1].exp()  # [n, B, Hk, G]
 
     # the hand-over from chunk to chunk, the only sequential part: U_c = W_c - P_c M_c,
     # M_{c+1} = exp(G_C) M_c + K_end U_c; the batch (B, Hk, G) folded into B * Hv
-    BH = B * Hv
-    W, P = fresh_part.reshape(n, BH, C, dv), from_start.reshape(n, BH, C, dk)
+    W, reads = fresh_part.reshape(n, BH, C, dv), reads.view(n, BH, 2 * C, dk)
     k_end, chunk_decay = k_end.reshape(n, BH, dk, C), chunk_decay.reshape(n, BH, 1, 1)
-    q_start, scores = q_start.reshape(n, BH, C, dk), scores.reshape(n, BH, C, C)
+    scores = scores.reshape(n, BH, C, C)
     M = memory.view(BH, dk, dv)
-    if n == 1:  # one chunk: its outputs read M0 before it is overwritten in place
-        if fresh:
-            u = W[0]
-            out = scores[0] @ u
-            torch.bmm(k_end[0], u, out=M)
-        else:
-            u = torch.baddbmm(W[0], P[0], M, alpha=-1)
-            out = torch.baddbmm(q_start[0] @ M, scores[0], u)
-            M.mul_(chunk_decay[0]).baddbmm_(k_end[0], u)
-    else:
-        starts = M.new_empty(n, BH, dk, dv)  # M_c: the state at each chunk's start
-        corrections = M.new_empty(n, BH, C, dv)
-        if fresh:
-            starts[0].zero_()
-        else:
-            starts[0].copy_(M)
-        for c in range(n):
-            torch.baddbmm(W[c], P[c], starts[c], alpha=-1, out=corrections[c])
-            end = starts[c + 1] if c + 1 < n else M
-            torch.mul(starts[c], chunk_decay[c], out=end).baddbmm_(k_end[c], corrections[c])
-        # every chunk's outputs at once: o_i = exp(G_i) q_i M_c + sum_{j<=i} decay (q_i . k_j) u_j
-        out = torch.baddbmm(q_start.view(n * BH, C, dk) @ starts.view(n * BH, dk, dv),
-                            scores.view(n * BH, C, C), corrections.view(n * BH, C, dv))
+    read = M.new_empty(n, BH, 2 * C, dv)  # [P_c M_c ; exp(G) q M_c] of every chunk
+    corrections = M.new_empty(n, BH, C, dv)
+    if fresh:
+        M.zero_()
+    for c in range(n):
+        torch.bmm(reads[c], M, out=read[c])
+        torch.sub(W[c], read[c, :, :C], out=corrections[c])
+        M.mul_(chunk_decay[c]).baddbmm_(k_end[c], corrections[c])
+    # every chunk's outputs at once: o_i = exp(G_i) q_i M_c + sum_{j<=i} decay (q_i . k_j) u_j
+    out = torch.baddbmm(read[:, :, C:].reshape(n * BH, C, dv), scores.view(n * BH, C, C),
+                        corrections.view(n * BH, C, dv))
     out = out.view(n, B, Hv, C, dv).permute(1, 0, 3, 2, 4).reshape(B, n * C, Hv, dv)
     return out if pad == 0 else out[:, :S]
 

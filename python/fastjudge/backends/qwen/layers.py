@@ -104,7 +104,7 @@ class QwenLayer(torch.nn.Module):
         it whole: the compiler fuses the elementwise ops itself."""
         d = x.shape[-1]
         rows = x.numel() // d
-        if rows < 2 * MLP_BLOCK_ROWS or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or rows < 2 * MLP_BLOCK_ROWS:
             gate, up = self.gate_up(rms(x, self.post_norm, self.s.eps)).chunk(2, dim=-1)
             return x + self.down(F.silu(gate).mul_(up))
         flat = x.reshape(rows, d)
