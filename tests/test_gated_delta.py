@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from fastjudge.backends.qwen.gated_delta import (
     chunk_gated_delta_rule,
+    chunk_gated_delta_rule_,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_,
+    unit_lower_inverse,
 )
 
 reference = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -155,3 +157,62 @@ def test_in_place_recurrent_matches_reference(S, B, Hk, Hv, dk, dv):
         recurrent_gated_delta_rule_(before, q[:, :-1], k[:, :-1], x["value"][:, :-1], x["g"][:, :-1],
                                     x["beta"][:, :-1])
         assert torch.equal(memory[0], before[0])
+
+
+@pytest.mark.parametrize("C", [1, 2, 3, 5, 16, 17, 32, 64])
+def test_unit_lower_inverse_matches_a_triangular_solve(C):
+    """The block inversion of the chunk's unit lower-triangular system against
+    ``torch.linalg.solve_triangular(..., upper=False, unitriangular=True)`` with the identity
+    as right-hand side (torch's documented contract: the diagonal and upper triangle of the
+    matrix are not read), on batches of random systems shaped as the delta rule builds them
+    (|L_ij| <= 1), with garbage on and above the diagonal."""
+    gen = torch.Generator().manual_seed(C)
+    system = torch.rand(3, 2, C, C, generator=gen) * 2 - 1
+    ours = unit_lower_inverse(system)
+    theirs = torch.linalg.solve_triangular(system, torch.eye(C).expand(3, 2, C, C), upper=False,
+                                           unitriangular=True)
+    assert ours.shape == theirs.shape
+    assert relative_error(ours, theirs) <= TOLERANCE
+    assert torch.equal(ours.triu(1), torch.zeros_like(ours))
+    assert torch.equal(ours.diagonal(0, -2, -1), torch.ones(3, 2, C))
+
+
+def test_unit_lower_inverse_of_repeated_keys_is_exact():
+    """Identical keys with beta = 1 and no decay give L = all ones below the diagonal, whose
+    inverse is ``I`` minus the subdiagonal (each correction cancels the one before): entries of
+    powers of L grow like binomial coefficients (C(30, 15) ~ 1.6e8 at C = 32), so a power-series
+    inverse would lose everything in float32; the block inversion must not."""
+    for C in (8, 32, 64):
+        ones = torch.ones(C, C).tril(-1)
+        want = torch.eye(C) - torch.diag(torch.ones(C - 1), -1)
+        assert torch.equal(unit_lower_inverse(ones[None]), want[None])
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_chunked_with_repeated_keys_matches_reference(chunk):
+    """Near-identical keys and beta near 1 (the worst-conditioned chunk systems) against
+    transformers' ``torch_chunk_gated_delta_rule`` (transformers/models/qwen3_5/
+    modeling_qwen3_5.py, transformers 5.x)."""
+    x = inputs(S=2 * chunk + 7, seed=chunk)
+    x["key"] = x["key"][:, :1] + 1e-3 * x["key"]  # every token's key almost the first one's
+    x["beta"] = 0.999 + 0.001 * x["beta"]
+    x["g"] = 0.01 * x["g"]
+    kw = dict(chunk_size=chunk, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert_same(chunk_gated_delta_rule(**x, **kw), reference.torch_chunk_gated_delta_rule(**x, **kw), True)
+
+
+@pytest.mark.parametrize("S,chunk", [(16, 16), (37, 16), (64, 32)])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_in_place_chunked_matches_reference(S, chunk, fresh):
+    """The layers' in-place chunked rule (``chunk_gated_delta_rule_``: the state updated where it
+    lies, one chunk or several) against transformers' ``torch_chunk_gated_delta_rule``
+    (transformers/models/qwen3_5/modeling_qwen3_5.py, transformers 5.x). A fresh start does not
+    read the state buffer at all: filled with NaN, it still gives the zero-state result."""
+    x = inputs(S=S, seed=S + chunk, state=not fresh)
+    out, final = reference.torch_chunk_gated_delta_rule(**x, chunk_size=chunk, output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True)
+    memory = torch.full_like(final, float("nan")) if fresh else x["initial_state"].clone()
+    ours = chunk_gated_delta_rule_(memory, x["query"], x["key"], x["value"], x["g"], x["beta"], chunk,
+                                   fresh=fresh)
+    assert relative_error(ours, out) <= TOLERANCE
+    assert relative_error(memory, final) <= TOLERANCE

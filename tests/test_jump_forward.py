@@ -224,6 +224,26 @@ def test_slot_moves_and_pool_size(backend):
     assert pool.nbytes == pool_bytes(shape, 2, 12, torch.empty((), dtype=backend.dtype).element_size())
 
 
+def test_load_rows_equals_loading_one_by_one(backend):
+    """``StatePool.load_rows`` (rows that share a snapshot written together, by a slice or by an
+    index) leaves the pool exactly as ``load`` slot by slot: shared snapshots in consecutive and
+    scattered slots, an empty row, over a pool that held other states before."""
+    shape = backend.shape
+    rng = np.random.default_rng(4)
+    a, b = (snapshot_of(backend, rng.integers(5, 900, size=n)) for n in (6, 9))
+    order = [a, a, b, None, a, b, b]
+    pools = [StatePool(shape, 8, 12, backend.device, backend.dtype) for _ in range(2)]
+    for pool in pools:
+        for slot in range(8):
+            pool.load(slot, b if slot % 2 else a)  # stale states to overwrite
+    for slot, state in enumerate(order):
+        pools[0].load(1 + slot, state)
+    pools[1].load_rows(1, order)
+    for x, y in zip(pools[0].buffers(), pools[1].buffers()):
+        assert torch.equal(x, y)
+    assert np.array_equal(pools[0].held, pools[1].held)
+
+
 def snapshot_of(backend, ids):
     """The state after prompt ``ids``: prefilled into a pool slot of its own, snapshotted."""
     pool = StatePool(backend.shape, 1, len(ids), backend.device, backend.dtype)

@@ -8,7 +8,8 @@
 * ``trtllm``: ``fastjudge build`` outputs on TensorRT-LLM (``manifest`` reads their manifest).
 
 Shared by the torch backends: ``loading`` (checkpoints), ``fp8`` (FP8 weights), ``compiled``
-(compiled steps), ``profiling`` (profiler labels and the labelled device-to-host copy). ``EngineOptions`` reaches
+(compiled steps), ``profiling`` (profiler labels and the labelled device-to-host copy),
+``cpu_memory`` (malloc thresholds for CPU forwards). ``EngineOptions`` reaches
 a backend whole: each reads the fields it has.
 """
 

@@ -19,26 +19,33 @@ corrections depend on each other only through earlier tokens of the chunk:
 
     u_i + sum_{j<i} beta_i exp(G_i - G_j) (k_i . k_j) u_j = beta_i v_i - beta_i exp(G_i) M0^T k_i
 
-a unit lower-triangular system ``(I + L) U = beta V - (beta exp(G) K) M0``. Solving it once per
-chunk for the two right-hand sides gives ``U = W - P M0`` with ``W`` and ``P`` independent of
-``M0``; then every output and the state at the end of the chunk are matrix products:
+a unit lower-triangular system ``(I + L) U = beta V - (beta exp(G) K) M0``. Its inverse ``T``
+(:func:`unit_lower_inverse`: block inversion, a handful of batched products instead of a
+triangular solve per chunk) gives ``U = W - P M0`` with ``W = T beta V`` and ``P = T beta exp(G)
+K`` independent of ``M0``; then every output and the state at the end of the chunk are matrix
+products:
 
     o_i  = exp(G_i) M0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j
     M_C  = exp(G_C) M0 + sum_j exp(G_C - G_j) k_j u_j^T
 
-Everything but the last two lines runs for all chunks at once; only the hand-over of ``M``
-from chunk to chunk is sequential (a Python loop over the static number of chunks).
+Everything but the hand-over of ``M`` from chunk to chunk runs for all chunks at once; the
+hand-over is a Python loop over the static number of chunks, four ops a chunk: one product of
+the chunk's start state with the rows that read it (``P`` and the decayed queries, stacked),
+``U``, and the next state. The outputs of all chunks are one batched product after it.
 
-In-place form. :func:`recurrent_gated_delta_rule_` is the recurrent rule as a decoding step runs it:
-on the state pool's memory itself (no copy of the state in or out), with each key head read once
-for the value heads it serves (no repeated keys), in the fewest ops.
+In-place forms. The layers run both rules on the state pool's memory itself (no copy of the
+state in or out): :func:`recurrent_gated_delta_rule_` as a decoding step runs it, with each key
+head read once for the value heads it serves (no repeated keys), in the fewest ops;
+:func:`chunk_gated_delta_rule_` for prompts and multi-token steps, in a chunk-major layout where
+products with queries and keys run once per key head. :func:`chunk_gated_delta_rule` and
+:func:`recurrent_gated_delta_rule` keep transformers' signatures (and the tests compare them with
+its reference functions).
 
-The two functions above take the engine's layout: queries and keys [B, S, Hk, dk], values [B, S, Hv, dv]
-(Hv a multiple of Hk: each key head serves Hv // Hk consecutive value heads), ``g`` and ``beta``
-[B, S, Hv]; an optional initial state [B, Hv, dk, dv]. They return the outputs [B, S, Hv, dv] in
-the queries' dtype and, when asked, the final state [B, Hv, dk, dv] in float32. All math runs in
-float32. There is no data-dependent Python control flow and no host read of a tensor value, so
-both trace under ``torch.compile`` and CUDA graph capture.
+All take the engine's layout: queries and keys [B, S, Hk, dk], values [B, S, Hv, dv] (Hv a
+multiple of Hk: each key head serves Hv // Hk consecutive value heads), ``g`` and ``beta``
+[B, S, Hv]; the state is [B, Hv, dk, dv] in float32. All math runs in float32. There is no
+data-dependent Python control flow and no host read of a tensor value, so every form traces
+under ``torch.compile`` and CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -121,52 +128,142 @@ def _tokens(x: torch.Tensor, *shape: int) -> list[torch.Tensor] | tuple[torch.Te
     return [x.view(B, *shape)] if S == 1 else x.view(B, S, *shape).unbind(1)
 
 
+def unit_lower_inverse(system: torch.Tensor) -> torch.Tensor:
+    """``(I + L)^-1`` for ``L`` the strictly lower triangle of ``system`` [..., C, C] (its
+    diagonal and upper triangle are not read), by block inversion, exactly:
+
+        [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]
+
+    applied bottom-up: with the inverses of all diagonal blocks of size b known, one level
+    finishes those of size 2b with two batched products on b x b blocks. The first level
+    (b = 1) is ``-L`` itself, so C = 2^m costs m - 1 levels of two small products, where a
+    triangular solve (LAPACK, one call per matrix) or transformers' row-by-row loop costs C
+    steps. Every strictly lower entry is written by exactly one level, after the blocks it
+    reads are final. A C that is not a power of two is padded with identity rows and columns
+    (the inverse of a block-diagonal matrix is block-diagonal: the leading C x C block is
+    exact)."""
+    *batch, C, _ = system.shape
+    P = 1 << max(C - 1, 0).bit_length()  # the next power of two >= C
+    lower = system.reshape(-1, C, C).tril(-1)
+    if P != C:
+        lower = F.pad(lower, (0, P - C, 0, P - C))
+    inverse = torch.eye(P, dtype=lower.dtype, device=lower.device) - lower  # level b = 1 done
+    N, b = inverse.shape[0], 1
+    while 2 * b < P:
+        b *= 2
+
+        def blocks(t: torch.Tensor, row: int, col: int, b=b) -> torch.Tensor:
+            # the b x b blocks at (row, col) of every 2b x 2b diagonal block, as one view of a
+            # contiguous [N, P, P] tensor of its own (storage offset 0)
+            return t.as_strided((N, P // (2 * b), b, b), (P * P, 2 * b * (P + 1), P, 1), row * P + col)
+
+        first, second = blocks(inverse, 0, 0), blocks(inverse, b, b)  # A^-1, D^-1
+        blocks(inverse, b, 0).copy_(-(second @ (blocks(lower, b, 0) @ first)))
+    inverse = inverse if P == C else inverse[:, :C, :C]
+    return inverse.reshape(*batch, C, C)
+
+
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            g: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64,
                            initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, **unused):
-    """The gated delta rule over ``chunk_size``-token chunks (prefill, multi-token steps). The
-    sequence is right-padded to whole chunks with ``beta = 0``, ``g = 0`` steps, which leave the
-    state unchanged, and the padded outputs are dropped."""
-    out_dtype = query.dtype
-    q, k, v, g, beta = _heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel)
-    B, H, S, dk = k.shape
-    dv = v.shape[-1]
-    C = chunk_size
+    """The gated delta rule over ``chunk_size``-token chunks (prefill, multi-token steps), with
+    transformers' signature: :func:`chunk_gated_delta_rule_` on a copy of the initial state."""
+    B, _, Hk, dk = key.shape
+    Hv, dv = value.shape[2:]
+    if initial_state is None:
+        memory = value.new_empty(B, Hv, dk, dv, dtype=torch.float32)
+    else:
+        memory = initial_state.to(device=value.device, dtype=torch.float32, copy=True).contiguous()
+    out = chunk_gated_delta_rule_(memory, query, key, value, g, beta, chunk_size, fresh=initial_state is None,
+                                  normalise=use_qk_l2norm_in_kernel)
+    return out.to(query.dtype), (memory if output_final_state else None)
+
+
+def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            g: torch.Tensor, beta: torch.Tensor, chunk_size: int, fresh: bool,
+                            normalise: bool = True) -> torch.Tensor:
+    """The gated delta rule over ``chunk_size``-token chunks, in place on ``memory`` [B, Hv, dk,
+    dv] (float32, contiguous): the initial state (zeros when ``fresh``: its contents are not
+    read), and the final state on return. Returns the outputs [B, S, Hv, dv] in float32.
+    ``normalise``: L2-normalise queries and keys here (transformers' ``use_qk_l2norm_in_kernel``).
+
+    The sequence is right-padded to whole chunks with ``beta = 0``, ``g = 0`` steps, which leave
+    the state unchanged, and the padded outputs are dropped. Layout: chunk-major ``[n, B, Hk,
+    G, C, ...]`` (G value heads per key head), so that a chunk's tensors are contiguous for the
+    sequential hand-over, the batch dims of every product fold into one, and products with keys
+    or queries (the same for the G value heads of a key head) run once per key head."""
+    B, S, Hk, dk = key.shape
+    Hv, dv = value.shape[2:]
+    G, C = Hv // Hk, chunk_size
     n = -(-S // C)
     pad = n * C - S
+    q, k, v, g, beta = (as_float(t) for t in (query, key, value, g, beta))
     if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    q, k, v = q.reshape(B, H, n, C, dk), k.reshape(B, H, n, C, dk), v.reshape(B, H, n, C, dv)
-    G = g.reshape(B, H, n, C).cumsum(-1)  # running log-decay inside each chunk
-    beta = beta.reshape(B, H, n, C, 1)
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, 0, 0, pad)), F.pad(beta, (0, 0, 0, pad))
+    q, k = _chunk_rows(q, n, C, dk ** -0.5, normalise), _chunk_rows(k, n, C, 1.0, normalise)
+    v = v.view(B, n, C, Hk, G, dv).permute(1, 0, 3, 4, 2, 5)
+    # per value head [n, B, Hk, G, C]; G_i: the running log-decay inside each chunk
+    g = g.view(B, n, C, Hk, G).permute(1, 0, 3, 4, 2).cumsum(-1)
+    beta = beta.view(B, n, C, Hk, G).permute(1, 0, 3, 4, 2)
 
     # decay from token j to token i of a chunk (i >= j); the upper triangle is masked before the
     # exponential, where G_i - G_j > 0 could overflow
     later = torch.ones(C, C, dtype=torch.bool, device=k.device).triu(1)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(later, float("-inf")).exp()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(later, float("-inf")).exp()
+    kk = (k @ k.transpose(-1, -2)).unsqueeze(3)  # [n, B, Hk, 1, C, C]: shared by the G value heads
+    # the corrections' unit lower-triangular system (I + L) U = beta V - (beta exp(G) K) M0,
+    # inverted once per chunk (T); the betas scale T's columns rather than V's and K's rows
+    inverse = unit_lower_inverse(kk * decay * beta[..., None]) * beta[..., None, :]
+    start_decay = g.exp()  # exp(G_i): how much of M0 token i still sees
+    # U = W - P M0 with W = T beta V and P = T beta exp(G) K; the keys are the same for a key
+    # head's G value heads, so P is one product of G * C rows per key head
+    fresh_part = inverse @ v
+    weights = (inverse * start_decay[..., None, :]).view(n, B, Hk, G * C, C)
+    # per chunk and value head, the rows that read the chunk's start state M_c: P (its part of
+    # the corrections) over q_i exp(G_i) (its part of the outputs), one product with M_c
+    BH = B * Hv
+    reads = torch.cat([(weights @ k).view(n, B, Hk, G, C, dk), q.unsqueeze(3) * start_decay[..., None]], dim=-2)
 
-    # the corrections' triangular system; its diagonal is the identity (unitriangular solve)
-    system = (beta * k) @ k.transpose(-1, -2) * decay
-    start_decay = G.exp()[..., None]  # exp(G_i): how much of M0 token i still sees
-    rhs = torch.cat([beta * v, beta * start_decay * k], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    fresh, from_start = solved.split([dv, dk], dim=-1)  # U = fresh - from_start @ M0
+    scores = (q @ k.transpose(-1, -2)).unsqueeze(3) * decay  # causal attention in the chunk
+    to_end = (g[..., -1:] - g).exp()  # exp(G_C - G_j)
+    k_end = (k.unsqueeze(3) * to_end[..., None]).transpose(-1, -2)  # writes into the end state
+    chunk_decay = g[..., -1].exp()  # [n, B, Hk, G]
 
-    scores = q @ k.transpose(-1, -2) * decay  # causal within-chunk attention, diagonal included
-    q_start = q * start_decay  # reads M0 with the decay since the chunk's start
-    to_end = (G[..., -1:] - G).exp()[..., None]  # exp(G_C - G_j)
-    k_end = (k * to_end).transpose(-1, -2)  # [B, H, n, dk, C]: writes into the end state
-    chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
-
-    memory = _start_state(initial_state, v, dk)
-    outputs = []
+    # the hand-over from chunk to chunk, the only sequential part: U_c = W_c - P_c M_c,
+    # M_{c+1} = exp(G_C) M_c + K_end U_c; the batch (B, Hk, G) folded into B * Hv
+    W, reads = fresh_part.reshape(n, BH, C, dv), reads.view(n, BH, 2 * C, dk)
+    k_end, chunk_decay = k_end.reshape(n, BH, dk, C), chunk_decay.reshape(n, BH, 1, 1)
+    scores = scores.reshape(n, BH, C, C)
+    M = memory.view(BH, dk, dv)
+    read = M.new_empty(n, BH, 2 * C, dv)  # [P_c M_c ; exp(G) q M_c] of every chunk
+    corrections = M.new_empty(n, BH, C, dv)
+    if fresh:
+        M.zero_()
     for c in range(n):
-        u = fresh[:, :, c] - from_start[:, :, c] @ memory
-        outputs.append(q_start[:, :, c] @ memory + scores[:, :, c] @ u)
-        memory = memory * chunk_decay[:, :, c] + k_end[:, :, c] @ u
-    out = torch.stack(outputs, dim=2).view(B, H, n * C, dv)[:, :, :S]
-    out = out.transpose(1, 2).contiguous().to(out_dtype)
-    return out, (memory if output_final_state else None)
+        torch.bmm(reads[c], M, out=read[c])
+        torch.sub(W[c], read[c, :, :C], out=corrections[c])
+        M.mul_(chunk_decay[c]).baddbmm_(k_end[c], corrections[c])
+    # every chunk's outputs at once: o_i = exp(G_i) q_i M_c + sum_{j<=i} decay (q_i . k_j) u_j
+    out = torch.baddbmm(read[:, :, C:].reshape(n * BH, C, dv), scores.view(n * BH, C, C),
+                        corrections.view(n * BH, C, dv))
+    out = out.view(n, B, Hv, C, dv).permute(1, 0, 3, 2, 4).reshape(B, n * C, Hv, dv)
+    return out if pad == 0 else out[:, :S]
+
+
+def as_float(x: torch.Tensor) -> torch.Tensor:
+    # a float32 tensor as it is: even a no-op ``.float()`` is one more dispatched op per call
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _chunk_rows(x: torch.Tensor, n: int, C: int, scale: float, normalise: bool) -> torch.Tensor:
+    """Queries or keys [B, n * C, Hk, d] as [n, B, Hk, C, d] (contiguous: the batched products
+    fold their batch dims without a copy), L2-normalised (``normalise``) and scaled by
+    ``scale``, in one pass that also makes the chunk-major copy."""
+    B, _, Hk, d = x.shape
+    x = x.view(B, n, C, Hk, d).permute(1, 0, 3, 2, 4)
+    factor = x.new_full((), scale) if not normalise else \
+        torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().add_(L2_EPS).rsqrt_().mul_(scale)
+    return torch.mul(x, factor, out=x.new_empty(x.shape))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..compiled import row_bucket, width_bucket
+from ..cpu_memory import keep_freed_memory
 from .layers import Step, as_float, build_layers, rms
 from .pool import StatePool, StateView
 from .shape import QwenShape
@@ -40,13 +41,15 @@ class QwenModel(torch.nn.Module):
         self.has_attention = "full_attention" in shape.layer_types
         self.has_deltanet = "linear_attention" in shape.layer_types
         self._rope_tables(shape, embed.device)
+        if embed.device.type == "cpu":  # every forward's temporaries reuse the last one's pages
+            keep_freed_memory()
 
     def _rope_tables(self, shape: QwenShape, device) -> None:
         """The rotary tables :meth:`_rope` reads: per head dim ``i``, a signed frequency (rotate-
         half's ``-sin`` on the first half of the rotary dims is ``sin`` of a negated angle; 0
         past ``rotary_dim``: cos 1, sin 0), per M-RoPE row (t/h/w: which position drives each
         frequency, interleaved per ``mrope_section``; the other rows hold 0, so their products
-        add exact zeros), and the index that swaps the rotary halves."""
+        add exact zeros)."""
         rd, hd, half = shape.rotary_dim, shape.head_dim, shape.rotary_dim // 2
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
         row = torch.zeros(half, dtype=torch.long)  # the M-RoPE row of each frequency pair
@@ -57,14 +60,11 @@ class QwenModel(torch.nn.Module):
         by_row = torch.zeros(3, hd)
         for r in range(3):
             by_row[r, :rd] = torch.where(torch.cat([row, row]) == r, freq[:rd], 0.0)
-        swap = torch.arange(hd)
-        swap[:rd] = torch.cat([swap[half:rd], swap[:half]])
         self.register_buffer("rope_freq", freq.to(device), persistent=False)
         self.register_buffer("rope_freq_rows", by_row.view(3, 1, 1, 1, hd).to(device), persistent=False)
-        self.register_buffer("rope_swap", swap.to(device), persistent=False)
 
     def _rope(self, positions: torch.Tensor, dtype, mrope: bool):
-        """(cos, sin, swap) for :func:`layers.rotate`: cos/sin [B, k, 1, head_dim] of the
+        """(cos, sin, half) for :func:`layers.rotate`: cos/sin [B, k, 1, head_dim] of the
         positions [B, k] (text: the three M-RoPE rows are equal, which is plain RoPE) or, with
         ``mrope``, of the M-RoPE ``positions`` [3, B, k]."""
         if mrope:
@@ -74,7 +74,7 @@ class QwenModel(torch.nn.Module):
         cos, sin = angle.cos(), angle.sin()
         if dtype != torch.float32:
             cos, sin = cos.to(dtype), sin.to(dtype)
-        return cos, sin, self.rope_swap
+        return cos, sin, self.s.rotary_dim // 2
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, state: StatePool | StateView, width: int,
                 fresh: bool = False, positions: torch.Tensor | None = None,

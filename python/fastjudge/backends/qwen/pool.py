@@ -133,6 +133,37 @@ class StatePool(torch.nn.Module):
         self.positions[slot] = state.next_position
         self.held[slot] = state.length
 
+    def load_rows(self, start: int, states: list[PrefixState | None]) -> None:
+        """``states[b]`` into slot ``start + b`` for every b, as :meth:`load` does one by one, but
+        with one write a buffer for all rows that share a snapshot (a batch of suffixes after
+        one prefix: 64 rows x 6 layers, 15 small ops a row -> 15 ops), the rows of a snapshot
+        addressed by a slice where they are consecutive."""
+        groups: dict[int, tuple[PrefixState | None, list[int]]] = {}
+        for b, state in enumerate(states):
+            groups.setdefault(id(state), (state, []))[1].append(start + b)
+        for state, slots in groups.values():
+            if state is not None and state.length > self.capacity:
+                raise ValueError(f"a state of {state.length} tokens does not fit {self.capacity} positions")
+            if slots == list(range(slots[0], slots[-1] + 1)):
+                rows = slice(slots[0], slots[-1] + 1)
+            else:
+                rows = torch.tensor(slots, device=self.lengths.device)
+            n = 0 if state is None else state.length
+            for kind, (a, b), pair in zip(self.kinds, self.layers, [None] * len(self.kinds) if state is None
+                                          else state.layers):
+                if state is None:
+                    a[rows] = 0
+                    b[rows] = 0
+                elif kind == "full_attention":
+                    a[rows, :, :n] = pair[0][0]
+                    b[rows, :, :n] = pair[1][0]
+                else:
+                    a[rows] = pair[0][0]
+                    b[rows] = pair[1][0]
+            self.lengths[rows] = n
+            self.positions[rows] = 0 if state is None else state.next_position
+            self.held[slots] = n
+
     def snapshot(self, slot: int, next_position: int) -> PrefixState:
         """A copy of ``slot``'s state (its written part), to keep beyond the slot's next use."""
         n = int(self.held[slot])
