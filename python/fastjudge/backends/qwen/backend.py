@@ -248,8 +248,7 @@ class TorchQwenBackend:
                 ids = [missing[name][1] for name in part]
                 tokens = torch.from_numpy(np.stack(ids)).to(self.device)
                 images = [missing[name][2] for name in part]
-                for b in range(len(part)):
-                    pool.load(b, None)
+                pool.load_rows(0, [None] * len(part))
                 run_step(self.model, pool, 0, tokens, [length] * len(part),
                          **self._image_inputs(tokens, ids, images, [0] * len(part)))
                 self.tokens_computed += length * len(part)
@@ -276,8 +275,7 @@ class TorchQwenBackend:
     def _prefill_rows(self, batch, snapshots, start: int) -> torch.Tensor:
         pool = self.pool
         suffixes = [self._suffix(r) for r in batch]
-        for b, snapshot in enumerate(snapshots):
-            pool.load(start + b, snapshot)
+        pool.load_rows(start, list(snapshots))
         rows = [ids for ids, _ in suffixes]
         counts = [len(ids) for ids in rows]
         tokens = torch.full((len(rows), max(counts)), self.codec.pad_token_id, dtype=torch.long)
