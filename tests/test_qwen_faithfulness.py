@@ -201,3 +201,25 @@ def test_cached_attention_folds_query_heads_exactly(dtype, new_tokens):
                                       scaling=hd ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens", [64, 65, 130, 512])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
+    """``attend_causal`` (query blocks over the keys up to their last row, for prompts SDPA's
+    CPU kernel would not skip) against transformers' ``eager_attention_forward``
+    (``transformers/models/qwen3/modeling_qwen3.py``) under a causal additive mask, float32."""
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    from fastjudge.backends.qwen.layers import attend_causal
+
+    gen = torch.Generator().manual_seed(tokens)
+    B, H, hd = 2, 4, 16
+    q = torch.randn(B, H, tokens, hd, generator=gen)
+    k, v = (torch.randn(B, kv_heads, tokens, hd, generator=gen) for _ in range(2))
+    got = attend_causal(q, k, v, gqa=kv_heads != H)
+    causal = torch.full((tokens, tokens), float("-inf")).triu_(1)[None, None]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = H // kv_heads, False
+    want, _ = eager_attention_forward(module, q, k, v, causal, scaling=hd ** -0.5)
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
