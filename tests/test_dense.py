@@ -49,6 +49,24 @@ def test_float32_matches_linear(out_in, rows):
     assert rel_err(y, F.linear(x, w)) <= 1e-5
 
 
+@pytest.mark.skipif(not PACKS, reason="oneDNN's packed linear is not in this build")
+def test_mid_size_weights_take_the_packed_gemm_for_many_rows():
+    """A 256 x 256 weight (below PACK_MIN_ELEMENTS) is packed, but runs F.linear itself at a
+    decode step's few rows and the packed GEMM from MANY_ROWS rows on."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(256, 256, generator=g) / 16
+    d = prepared(w)
+    assert d.path == "onednn-packed"
+    with torch.no_grad():
+        for rows in (1, 16, dense.MANY_ROWS - 1):
+            x = torch.randn(rows, 256, generator=g)
+            assert torch.equal(d(x), F.linear(x, w))
+        for rows in (dense.MANY_ROWS, 600):
+            x = torch.randn(2, rows // 2, 256, generator=g)  # rows counted over every leading dim
+            assert torch.equal(d(x), dense.packed_linear(x, d._packed))
+            assert rel_err(d(x), F.linear(x, w)) <= 1e-5
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_bfloat16_within_rounding(rows):
     g = torch.Generator().manual_seed(100 + rows)

@@ -12,7 +12,9 @@ GEMM each one runs:
   ``F.linear`` in float32 (which goes through MKL without prepacking), 1.0-2x in bfloat16; the
   float32 results are within 1.1e-6 of ``F.linear`` relative to the output's largest value
   (another summation order, same precision); in bfloat16 they are identical. The op has a fixed
-  cost of ~15 us per call, so smaller weights (the test models' ``64 x 48``) stay on ``F.linear``.
+  cost of ~15 us per call, so weights below :data:`PACK_MIN_ELEMENTS` take it only for inputs of
+  :data:`MANY_ROWS` rows or more, and those below :data:`PACK_MANY_ROWS_MIN_ELEMENTS` (the test
+  models' ``64 x 48``) never.
 * CUDA, and everything else: ``F.linear`` (cuBLAS picks its own kernels; nothing to prepare).
 
 The packed copy is not a parameter or buffer: ``state_dict`` holds ``weight`` alone, as before.
@@ -30,6 +32,11 @@ import torch.nn.functional as F
 # The packed oneDNN linear costs ~15 us a call beyond F.linear's; below about 256 x 512 weights
 # F.linear is as fast or faster at every row count measured (1, 16, 256 rows).
 PACK_MIN_ELEMENTS = 1 << 17
+# Smaller weights down to 256 x 256 are packed too, but take the packed GEMM only for inputs of
+# at least MANY_ROWS rows (a prefill): there it is 5-13 % faster in float32 (256 x 256 at 256 and
+# 2,048 rows, one thread), while at a decode step's few rows its fixed cost loses.
+PACK_MANY_ROWS_MIN_ELEMENTS = 1 << 16
+MANY_ROWS = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -38,9 +45,15 @@ def packing_available() -> bool:
 
 
 def should_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's prepacked linear is the faster exact GEMM for this plain weight."""
+    """Whether oneDNN's prepacked linear is the faster exact GEMM for this plain weight (at
+    least for inputs of :data:`MANY_ROWS` rows, :func:`packed_min_rows`)."""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
-            and weight.numel() >= PACK_MIN_ELEMENTS and packing_available())
+            and weight.numel() >= PACK_MANY_ROWS_MIN_ELEMENTS and packing_available())
+
+
+def packed_min_rows(weight: torch.Tensor) -> int:
+    """The fewest input rows for which a packed ``weight`` takes the packed GEMM."""
+    return 0 if weight.numel() >= PACK_MIN_ELEMENTS else MANY_ROWS
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -75,6 +88,7 @@ class Dense(torch.nn.Module):
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self._packed: torch.Tensor | None = None
         self._packed_for: tuple | None = None
+        self._min_rows = 0
         self.register_load_state_dict_post_hook(_repack_after_load)
 
     @property
@@ -100,6 +114,7 @@ class Dense(torch.nn.Module):
         if not isinstance(w, torch.nn.Module) and should_pack(w):
             self._packed = pack(w)
             self._packed_for = (w.data_ptr(), w.dtype)
+            self._min_rows = packed_min_rows(w)
         return self.path
 
     def unprepare(self) -> str:
@@ -111,7 +126,8 @@ class Dense(torch.nn.Module):
         w = self.weight
         if isinstance(w, torch.nn.Module):
             return w(x)
-        if self._packed is not None and not torch.compiler.is_compiling() and _usable(x, w, self._packed_for):
+        if (self._packed is not None and not torch.compiler.is_compiling() and _usable(x, w, self._packed_for)
+                and (not self._min_rows or x.numel() >= self._min_rows * x.shape[-1])):
             return packed_linear(x, self._packed)
         return F.linear(x, w)
 
