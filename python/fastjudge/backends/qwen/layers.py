@@ -30,7 +30,6 @@ SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a wi
 ONE_CHUNK_STEPS = 64
 DELTA_CHUNK = 32
 RECURRENT_STEPS = 3  # up to this many new tokens the recurrent rule (one iteration a token) wins
-MLP_BLOCK_ROWS = 256  # the MLP's row block (QwenLayer.mlp); 128-1024 measured, 256 best on CPU
 FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend as query rows
 # SDPA's CPU kernel skips only whole 512-key blocks above the causal diagonal: up to
 # CAUSAL_SPLIT_TOKENS new tokens, query blocks of CAUSAL_BLOCK rows attend to the keys up to their
@@ -101,24 +100,10 @@ class QwenLayer(torch.nn.Module):
         return self.mlp(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + down(silu(gate) * up)`` of ``rms(x)``. Eagerly, many rows run in blocks of
-        ``MLP_BLOCK_ROWS``: each block's [rows, 2 x intermediate] activations stay in cache from
-        the gate/up GEMM through silu, the product and the down GEMM, and the residual sum is
-        written straight into the output (every row's arithmetic is the same as unblocked;
-        float32 prefill of 4 x 512 tokens, mini: 24.7 -> 23.0 ms a layer). Compiled code runs
-        it whole: the compiler fuses the elementwise ops itself."""
-        d = x.shape[-1]
-        rows = x.numel() // d
-        if torch.compiler.is_compiling() or rows < 2 * MLP_BLOCK_ROWS:
-            gate, up = self.gate_up(rms(x, self.post_norm, self.s.eps)).chunk(2, dim=-1)
-            return x + self.down(F.silu(gate).mul_(up))
-        flat = x.reshape(rows, d)
-        out = torch.empty_like(flat)
-        for i in range(0, rows, MLP_BLOCK_ROWS):
-            block = flat[i:i + MLP_BLOCK_ROWS]
-            gate, up = self.gate_up(rms(block, self.post_norm, self.s.eps)).chunk(2, dim=-1)
-            torch.add(block, self.down(F.silu(gate).mul_(up)), out=out[i:i + MLP_BLOCK_ROWS])
-        return out.view(x.shape)
+        """``x + down(silu(gate) * up)`` of ``rms(x)``; the product in place on silu's output
+        (torch has no fused silu-times-product on the CPU)."""
+        gate, up = self.gate_up(rms(x, self.post_norm, self.s.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate).mul_(up))
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         raise NotImplementedError
