@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
+from ..cpu_memory import keep_freed_memory
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
@@ -182,6 +183,8 @@ class T5Model(torch.nn.Module):
         super().__init__()
         check_shapes(state, shape.tensor_shapes())
         self.s = shape
+        if torch.device(device).type == "cpu":  # every forward's temporaries reuse the last one's pages
+            keep_freed_memory()
 
         def dense(name: str):
             if name not in state:
