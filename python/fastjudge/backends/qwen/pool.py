@@ -114,28 +114,11 @@ class StatePool(torch.nn.Module):
 
     def load(self, slot: int, state: PrefixState | None) -> None:
         """A snapshot into ``slot``; None empties the slot (a row with no prefix)."""
-        if state is None:
-            for a, b in self.layers:
-                a[slot].zero_()
-                b[slot].zero_()
-            self.lengths[slot] = self.positions[slot] = self.held[slot] = 0
-            return
-        if state.length > self.capacity:
-            raise ValueError(f"a state of {state.length} tokens does not fit {self.capacity} positions")
-        for kind, (a, b), (x, y) in zip(self.kinds, self.layers, state.layers):
-            if kind == "full_attention":
-                a[slot, :, : state.length] = x[0]
-                b[slot, :, : state.length] = y[0]
-            else:
-                a[slot] = x[0]
-                b[slot] = y[0]
-        self.lengths[slot] = state.length
-        self.positions[slot] = state.next_position
-        self.held[slot] = state.length
+        self.load_rows(slot, [state])
 
     def load_rows(self, start: int, states: list[PrefixState | None]) -> None:
-        """``states[b]`` into slot ``start + b`` for every b, as :meth:`load` does one by one, but
-        with one write a buffer for all rows that share a snapshot (a batch of suffixes after
+        """``states[b]`` into slot ``start + b`` for every b (None empties a slot), with one write
+        a buffer for all rows that share a snapshot (a batch of suffixes after
         one prefix: 64 rows x 6 layers, 15 small ops a row -> 15 ops), the rows of a snapshot
         addressed by a slice where they are consecutive."""
         groups: dict[int, tuple[PrefixState | None, list[int]]] = {}
