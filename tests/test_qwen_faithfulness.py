@@ -220,3 +220,26 @@ def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
     module.num_key_value_groups, module.training = H // kv_heads, False
     want, _ = eager_attention_forward(module, q, k, v, causal, scaling=hd ** -0.5)
     torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(37, 256), (3, 5, 4, 64), (1, 1, 128)])
+def test_rms_norm_in_place_is_bit_identical(shape):
+    """``layers.rms`` (one float32 buffer, normalised in place) against transformers'
+    ``Qwen3RMSNorm.forward`` (``transformers/models/qwen3/modeling_qwen3.py``) in float32, bit
+    for bit, and in bfloat16 against ``F.rms_norm`` of the float32 input cast back (what it
+    replaced); the input is never written."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from fastjudge.backends.qwen.layers import rms
+
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    norm = Qwen3RMSNorm(shape[-1], eps=1e-6)
+    norm.weight.data = torch.rand(shape[-1], generator=gen) + 0.5
+    before = x.clone()
+    assert torch.equal(rms(x, norm.weight.data, 1e-6), norm(x))
+    assert torch.equal(x, before)
+    xb = x.bfloat16()
+    want = torch.nn.functional.rms_norm(xb.float(), (shape[-1],), norm.weight.data, 1e-6).bfloat16()
+    assert torch.equal(rms(xb, norm.weight.data, 1e-6), want)
+    assert torch.equal(xb, before.bfloat16())

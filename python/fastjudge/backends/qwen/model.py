@@ -83,8 +83,9 @@ class QwenModel(torch.nn.Module):
         then right padding) continuing from the first B slots of ``state``, whose lengths and
         positions advance by each row's count; attention reads the first ``width`` columns.
 
-        ``fresh``: every row starts empty and has k real tokens (a prefix prefill; no state is
-        read). Images: ``image_embeds`` [N, d] replace the embeddings where ``image_mask``
+        ``fresh``: every row starts empty (a prefix prefill, or whole prompts right-padded to the
+        longest; no state is read): attention is causal over the new tokens alone, since under a
+        causal mask a real token never sees the padding that follows it. Images: ``image_embeds`` [N, d] replace the embeddings where ``image_mask``
         [B, k] is true (row-major, as transformers' masked_scatter) and ``positions`` [3, B, k]
         are the M-RoPE positions (``positions.mrope_positions``); without them each row counts on
         from its slot's next position."""
@@ -144,8 +145,10 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
     slots on a shape bucket: rows padded to a bucket with free slots that feed nothing, tokens
     to a power-of-two width, keys over the whole capacity, so that a handful of shapes serve
     every step and the pool's buffers are the same tensors in every call. Otherwise the forward
-    runs eagerly over the live extent only; rows that all start empty with no padding take the
-    fresh path (plain causal attention)."""
+    runs eagerly over the live extent only; rows that all start empty take the fresh path
+    (causal attention over the new tokens, padded or not: a masked attention over the pool's
+    columns computes every padded row and column in full, 7.5 -> 6.0 ms a layer at 16 x 240
+    tokens, bfloat16)."""
     B, k = tokens.shape
     held = pool.held[start:start + B]
     host_counts = np.asarray(counts, dtype=np.int64)
@@ -157,7 +160,7 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
         n = torch.tensor(np.pad(host_counts, (0, rows - B))).to(tokens.device, non_blocking=True)
         x = compiled((rows, wide, pool.capacity), full, n, pool, pool.capacity)[:B, :k]
     else:
-        fresh = not held.any() and (host_counts == k).all()
+        fresh = not held.any()
         width = int((held + host_counts).max()) if B else 0
         n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
         x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), **images)
