@@ -20,8 +20,9 @@ from fastjudge.kernels.choice_head import choice_logits
 
 from ..compiled import row_bucket, width_bucket
 from ..cpu_memory import keep_freed_memory
-from .layers import Step, as_float, build_layers, rms
-from .pool import StatePool, StateView
+from .layers import (FOLD_QUERY_STEPS, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS, Step, as_float,
+                     build_layers, rms)
+from .pool import SharedPrefix, StatePool, StateView
 from .shape import QwenShape
 
 
@@ -78,17 +79,20 @@ class QwenModel(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, state: StatePool | StateView, width: int,
                 fresh: bool = False, positions: torch.Tensor | None = None,
-                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+                shared: SharedPrefix | None = None) -> torch.Tensor:
         """Hidden states [B, k, d] of ``tokens`` [B, k] (row ``b``: ``counts[b]`` real tokens,
         then right padding) continuing from the first B slots of ``state``, whose lengths and
         positions advance by each row's count; attention reads the first ``width`` columns.
 
         ``fresh``: every row starts empty (a prefix prefill, or whole prompts right-padded to the
         longest; no state is read): attention is causal over the new tokens alone, since under a
-        causal mask a real token never sees the padding that follows it. Images: ``image_embeds`` [N, d] replace the embeddings where ``image_mask``
-        [B, k] is true (row-major, as transformers' masked_scatter) and ``positions`` [3, B, k]
-        are the M-RoPE positions (``positions.mrope_positions``); without them each row counts on
-        from its slot's next position."""
+        causal mask a real token never sees the padding that follows it. Images:
+        ``image_embeds`` [N, d] replace the embeddings where ``image_mask`` [B, k] is true
+        (row-major, as transformers' masked_scatter) and ``positions`` [3, B, k] are the M-RoPE
+        positions (``positions.mrope_positions``); without them each row counts on from its
+        slot's next position. ``shared``: K/V columns the rows share by snapshot
+        (``StatePool.shared_prefix``), read once per snapshot by attention."""
         B, k = tokens.shape
         device = tokens.device
         steps = torch.arange(k, device=device)
@@ -114,7 +118,7 @@ class QwenModel(torch.nn.Module):
             keep = ((torch.arange(B, device=device) * (K - 1 + k) + counts)[:, None]
                     + torch.arange(K - 1, device=device)).view(-1)
         step = Step(rope, counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
-                    mask, width, fresh, real[..., None], keep)
+                    mask, width, fresh, real[..., None], keep, shared)
         for layer, (a, b) in zip(self.layers, state.layers):
             if a.shape[0] != B:  # a pool wider than the rows (compiled buckets); a view is exact
                 a, b = a[:B], b[:B]
@@ -148,7 +152,8 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
     runs eagerly over the live extent only; rows that all start empty take the fresh path
     (causal attention over the new tokens, padded or not: a masked attention over the pool's
     columns computes every padded row and column in full, 7.5 -> 6.0 ms a layer at 16 x 240
-    tokens, bfloat16)."""
+    tokens, bfloat16). On the CPU, a step of few new tokens whose rows share prefix columns by
+    snapshot reads those once per snapshot (``StatePool.shared_prefix``)."""
     B, k = tokens.shape
     held = pool.held[start:start + B]
     host_counts = np.asarray(counts, dtype=np.int64)
@@ -163,6 +168,9 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
         fresh = not held.any()
         width = int((held + host_counts).max()) if B else 0
         n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
-        x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), **images)
+        shared = None
+        if not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu":
+            shared = pool.shared_prefix(start, start + B, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)
+        x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), shared=shared, **images)
     held += host_counts
     return x

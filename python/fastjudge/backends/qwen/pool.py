@@ -25,6 +25,8 @@ budget (``EngineOptions.decode_cache_bytes``) at the capacity its rows need.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -35,12 +37,16 @@ from .shape import QwenShape
 class PrefixState:
     """A snapshot of one slot: per layer (K, V) ``[1, kv_heads, length, head_dim]`` or (conv,
     recurrent) state, the token count and the next rotary position (which runs ahead of the
-    length after an image: M-RoPE text continues from the largest position so far + 1)."""
+    length after an image: M-RoPE text continues from the largest position so far + 1).
+    ``serial`` names the snapshot for as long as the process runs (never reused, unlike ``id``)."""
+
+    _serials = itertools.count()
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int, next_position: int | None = None):
         self.layers = layers
         self.length = length
         self.next_position = length if next_position is None else next_position
+        self.serial = next(PrefixState._serials)
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +102,11 @@ class StatePool(torch.nn.Module):
         for t in self.buffers():
             torch._dynamo.mark_static_address(t)
         self.held = np.zeros(slots, dtype=np.int64)
+        # host only: the snapshot each slot was loaded from (its serial, -1 for none) and that
+        # snapshot's length. Slots of one snapshot hold the same K/V in its first columns, which
+        # a decoding step may then read once for all of them (``shared_prefix``)
+        self.source = np.full(slots, -1, dtype=np.int64)
+        self.source_len = np.zeros(slots, dtype=np.int64)
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -146,6 +157,8 @@ class StatePool(torch.nn.Module):
             self.lengths[rows] = n
             self.positions[rows] = 0 if state is None else state.next_position
             self.held[slots] = n
+            self.source[slots] = -1 if state is None else state.serial
+            self.source_len[slots] = n
 
     def snapshot(self, slot: int, next_position: int) -> PrefixState:
         """A copy of ``slot``'s state (its written part), to keep beyond the slot's next use."""
@@ -158,4 +171,28 @@ class StatePool(torch.nn.Module):
     def move(self, src: list[int], dst: list[int], *riders: torch.Tensor) -> None:
         """The rows of slots ``src`` into slots ``dst`` (``slots.move_rows``: one gather a buffer),
         with the same rows of ``riders`` (per-slot tensors kept beside the pool)."""
-        move_rows([*self.buffers(), *riders], [self.held], src, dst)
+        move_rows([*self.buffers(), *riders], [self.held, self.source, self.source_len], src, dst)
+
+    def shared_prefix(self, start: int, stop: int, min_keys: int, min_rows: int) -> SharedPrefix | None:
+        """How slots ``start .. stop - 1`` share prefix K/V, where a step can read it once per
+        snapshot: every slot loaded from a snapshot, at least ``min_rows`` slots per snapshot and
+        ``min_keys`` columns that every slot holds from its snapshot. None otherwise."""
+        source = self.source[start:stop]
+        if len(source) < min_rows or (source < 0).any():
+            return None
+        columns = int(self.source_len[start:stop].min())
+        serials, first = np.unique(source, return_index=True)
+        if columns < min_keys or len(serials) * min_rows > len(source):
+            return None
+        device = self.lengths.device
+        groups = [(int(f), None if len(serials) == 1 else torch.tensor(np.flatnonzero(source == s)).to(device))
+                  for s, f in zip(serials, first)]
+        return SharedPrefix(columns, groups)
+
+
+class SharedPrefix:
+    """The first ``columns`` K/V columns of a step's rows, by snapshot: ``groups`` lists, per
+    snapshot, one row holding its columns and the rows that share them (None: every row)."""
+
+    def __init__(self, columns: int, groups: list[tuple[int, torch.Tensor | None]]):
+        self.columns, self.groups = columns, groups
