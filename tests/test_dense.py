@@ -82,6 +82,30 @@ def test_bfloat16_within_rounding(rows):
     assert rel_err(y, F.linear(x.float(), w.float())) <= 2 ** -7
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", (1, 16, 300))
+def test_gated_projection_is_silu_of_gate_times_up(dtype, rows):
+    """``Dense(w, gated=True).silu_gated(x)`` against transformers' Qwen3 MLP activation
+    (``Qwen3MLP.forward`` in transformers/models/qwen3/modeling_qwen3.py: ``act_fn(gate_proj(x))
+    * up_proj(x)``, ``act_fn`` silu) on the gate rows and the up rows of one weight: packed
+    (its halves apart, fused epilogues) within 1e-5 in float32 and to bfloat16 rounding;
+    ``forward`` stays the plain product with the whole weight."""
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(2 * 768, 256, generator=g) / 16).to(dtype)
+    x = (torch.randn(2, rows, 256, generator=g) * 2).to(dtype)
+    d = Dense(w, gated=True)
+    assert d.prepare() == ("onednn-packed" if PACKS else "linear")
+    gate, up = w.float().chunk(2)
+    want = F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up)
+    with torch.no_grad():
+        got = d.silu_gated(x)
+        assert got.shape == (2, rows, 768) and got.dtype == dtype
+        assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
+        assert rel_err(d(x), F.linear(x.float(), w.float())) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
+    if PACKS:
+        assert isinstance(d._packed, tuple) and len(d._packed) == 2
+
+
 def test_leading_dimensions_and_strides():
     """``x`` of shape [B, S, in], and a transposed (non-contiguous) ``x``."""
     w = torch.randn(1152, 512) / 512 ** 0.5

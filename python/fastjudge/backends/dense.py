@@ -17,6 +17,15 @@ GEMM each one runs:
   models' ``64 x 48``) never.
 * CUDA, and everything else: ``F.linear`` (cuBLAS picks its own kernels; nothing to prepare).
 
+A gated projection (``Dense(w, gated=True)``: the gate and up projections of a SwiGLU MLP as one
+``[2 * inner, in]`` weight) also has :meth:`Dense.silu_gated`, ``silu(gate) * up``. Packed, its
+two halves are packed apart and run as two oneDNN linears with fused epilogues (swish on the
+gate, times the gate on the up projection), never writing the ``[rows, 2 * inner]`` product or
+the activation apart: at ``[rows, 256] x [256, 2 x 768]``, two threads, 2,048 rows float32
+12.9 -> 12.2 ms (with the down projection), 3,840 rows bfloat16 13.1 -> 11.9 ms, 256 rows
+2.0 -> 1.6 ms; float32 within 1e-6 of the unfused path; in bfloat16 the gate is no longer
+rounded before the swish.
+
 The packed copy is not a parameter or buffer: ``state_dict`` holds ``weight`` alone, as before.
 It costs a second copy of each packed weight in memory. It is rebuilt after ``.to()`` and
 ``load_state_dict`` and is bypassed (``F.linear``) when it no longer matches the weight's
@@ -67,6 +76,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def packed_silu_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` on the two halves from :func:`pack`, each product with
+    its elementwise step fused into oneDNN's epilogue (``swish`` is silu there)."""
+    g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
+
+
 def _usable(x: torch.Tensor, weight: torch.Tensor, packed_for) -> bool:
     # the packed copy answers only for the storage and dtype it was made from, and has no
     # autograd formula
@@ -75,10 +91,12 @@ def _usable(x: torch.Tensor, weight: torch.Tensor, packed_for) -> bool:
 
 
 class Dense(torch.nn.Module):
-    """``forward(x) = x @ weight.T`` (no bias), for ``x`` of any leading shape."""
+    """``forward(x) = x @ weight.T`` (no bias), for ``x`` of any leading shape; with
+    ``gated=True`` (a gate/up weight, gate rows first) also :meth:`silu_gated`."""
 
-    def __init__(self, weight: torch.Tensor | torch.nn.Module):
+    def __init__(self, weight: torch.Tensor | torch.nn.Module, gated: bool = False):
         super().__init__()
+        self.gated = gated
         # a module weight is an fp8.Fp8Weight, applied as it is
         if isinstance(weight, torch.nn.Module):
             self.weight = weight
@@ -112,7 +130,8 @@ class Dense(torch.nn.Module):
         self._packed = self._packed_for = None
         w = self.weight
         if not isinstance(w, torch.nn.Module) and should_pack(w):
-            self._packed = pack(w)
+            # a gated weight packs its halves apart (silu_gated), and only those: one copy
+            self._packed = tuple(pack(half) for half in w.chunk(2)) if self.gated else pack(w)
             self._packed_for = (w.data_ptr(), w.dtype)
             self._min_rows = packed_min_rows(w)
         return self.path
@@ -122,14 +141,31 @@ class Dense(torch.nn.Module):
         self._packed = self._packed_for = None
         return self.path
 
+    def _packed_for_input(self, x: torch.Tensor):
+        """The packed weight to run ``x`` on, or None (``F.linear`` / the module weight)."""
+        if (self._packed is not None and not torch.compiler.is_compiling() and _usable(x, self.weight, self._packed_for)
+                and (not self._min_rows or x.numel() >= self._min_rows * x.shape[-1])):
+            return self._packed
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, torch.nn.Module):
             return w(x)
-        if (self._packed is not None and not torch.compiler.is_compiling() and _usable(x, w, self._packed_for)
-                and (not self._min_rows or x.numel() >= self._min_rows * x.shape[-1])):
-            return packed_linear(x, self._packed)
-        return F.linear(x, w)
+        packed = self._packed_for_input(x)
+        if packed is None:
+            return F.linear(x, w)
+        if self.gated:
+            return torch.cat([packed_linear(x, half) for half in packed], dim=-1)
+        return packed_linear(x, packed)
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``x`` (``[rows, inner]``), the weight's first half the gate."""
+        packed = None if isinstance(self.weight, torch.nn.Module) or not self.gated else self._packed_for_input(x)
+        if packed is not None:
+            return packed_silu_gated(x, *packed)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
 
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / .bfloat16(): the packed copy belongs to the old weight; choose again
