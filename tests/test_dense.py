@@ -84,26 +84,33 @@ def test_bfloat16_within_rounding(rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", (1, 16, 300))
-def test_gated_projection_is_silu_of_gate_times_up(dtype, rows):
-    """``Dense(w, gated=True).silu_gated(x)`` against transformers' Qwen3 MLP activation
-    (``Qwen3MLP.forward`` in transformers/models/qwen3/modeling_qwen3.py: ``act_fn(gate_proj(x))
-    * up_proj(x)``, ``act_fn`` silu) on the gate rows and the up rows of one weight: packed
-    (its halves apart, fused epilogues) within 1e-5 in float32 and to bfloat16 rounding;
-    ``forward`` stays the plain product with the whole weight."""
+@pytest.mark.parametrize("activation", sorted(dense.ACTIVATIONS))
+def test_gated_product_is_activation_of_gate_times_up(dtype, rows, activation):
+    """``Dense(w, gate=act).gated_product(x)`` against the gated MLPs of transformers: Qwen3's
+    ``Qwen3MLP.forward`` (``act_fn(gate_proj(x)) * up_proj(x)``, silu; transformers/models/
+    qwen3/modeling_qwen3.py) and T5's ``T5DenseGatedActDense.forward`` (``act(wi_0(x)) *
+    wi_1(x)``, gelu_new for Flan-T5; transformers/models/t5/modeling_t5.py), the activations
+    from transformers' ``ACT2FN`` (activations.py) on the gate rows and the up rows of one
+    weight: packed (its halves apart, fused epilogues) within 1e-5 in float32 and to bfloat16
+    rounding; ``forward`` stays the plain product with the whole weight."""
+    from transformers.activations import ACT2FN
+
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(2 * 768, 256, generator=g) / 16).to(dtype)
     x = (torch.randn(2, rows, 256, generator=g) * 2).to(dtype)
-    d = Dense(w, gated=True)
+    d = Dense(w, gate=activation)
     assert d.prepare() == ("onednn-packed" if PACKS else "linear")
     gate, up = w.float().chunk(2)
-    want = F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up)
+    want = ACT2FN[activation](F.linear(x.float(), gate)) * F.linear(x.float(), up)
     with torch.no_grad():
-        got = d.silu_gated(x)
+        got = d.gated_product(x)
         assert got.shape == (2, rows, 768) and got.dtype == dtype
         assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
         assert rel_err(d(x), F.linear(x.float(), w.float())) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
     if PACKS:
         assert isinstance(d._packed, tuple) and len(d._packed) == 2
+    with pytest.raises(ValueError, match="gate=<activation>"):
+        Dense(w).gated_product(x)
 
 
 def test_leading_dimensions_and_strides():

@@ -110,15 +110,15 @@ class QwenLayer(torch.nn.Module):
         self.s = shape
         self.register_buffer("in_norm", in_norm)
         self.register_buffer("post_norm", post_norm)
-        self.gate_up, self.down = Dense(gate_up, gated=True), Dense(down)
+        self.gate_up, self.down = Dense(gate_up, gate="silu"), Dense(down)
 
     def forward(self, x: torch.Tensor, step: Step, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.mix(rms(x, self.in_norm, self.s.eps), step, state)
         return self.mlp(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + down(silu(gate) * up)`` of ``rms(x)`` (:meth:`dense.Dense.silu_gated`)."""
-        return x + self.down(self.gate_up.silu_gated(rms(x, self.post_norm, self.s.eps)))
+        """``x + down(silu(gate) * up)`` of ``rms(x)`` (:meth:`dense.Dense.gated_product`)."""
+        return x + self.down(self.gate_up.gated_product(rms(x, self.post_norm, self.s.eps)))
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         raise NotImplementedError

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from fastjudge.kernels.choice_head import choice_logits
 
 from ..cpu_memory import keep_freed_memory
-from ..dense import Dense
+from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
 from .shape import T5Shape
@@ -65,12 +65,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def activation(name: str):
-    acts = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "gelu": F.gelu,
-            "gelu_python": F.gelu, "silu": F.silu, "swish": F.silu}
-    if name not in acts:
+# transformers' names of the same activations
+ACTIVATION_ALIASES = {"gelu_python": "gelu", "swish": "silu"}
+
+
+def activation_name(name: str) -> str:
+    """The checkpoint's ``dense_act_fn`` as a key of :data:`dense.ACTIVATIONS`."""
+    name = ACTIVATION_ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
         raise CheckpointError(f"unsupported T5 activation {name!r}")
-    return acts[name]
+    return name
 
 
 PROJECTIONS = ("qkv", "o", "x_q", "x_kv", "x_o", "wi", "wo")  # applied as GEMMs: Dense modules
@@ -102,9 +106,13 @@ class T5Block(torch.nn.Module):
 
     def __init__(self, shape: T5Shape, weights: dict):
         super().__init__()
-        self.s, self.act = shape, activation(shape.act)
+        act = activation_name(shape.act)
+        self.s, self.act = shape, ACTIVATIONS[act][0]
         for name, w in weights.items():
-            setattr(self, name, Dense(w) if name in PROJECTIONS else _registered(w))
+            if name in PROJECTIONS:  # a gated feed-forward's wi holds both inputs, gate first
+                setattr(self, name, Dense(w, gate=act if name == "wi" and shape.gated else None))
+            else:
+                setattr(self, name, _registered(w))
 
     @property
     def x_k(self) -> torch.Tensor:
@@ -115,12 +123,8 @@ class T5Block(torch.nn.Module):
         return self.x_kv.weight[self.s.num_heads * self.s.d_kv:]
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.wi(rms_norm(x, self.ff_norm, self.s.eps))
-        if self.s.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate).mul_(up)  # in place: one pass and no extra [T, d_ff] buffer
-        else:
-            h = self.act(h)
+        h = rms_norm(x, self.ff_norm, self.s.eps)
+        h = self.wi.gated_product(h) if self.s.gated else self.act(self.wi(h))
         return x + self.wo(h)
 
     def encode(self, x: torch.Tensor, lengths: Sequence[int], starts: np.ndarray, bias: torch.Tensor) -> torch.Tensor:
