@@ -127,31 +127,39 @@ class QwenLayer(torch.nn.Module):
 class AttentionLayer(QwenLayer):
     """Full attention (Qwen3.5: with a sigmoid output gate): the q, k and v projections as one
     GEMM (``qkv``; or q alone and a fused ``kv`` where FP8 scales keep them apart), o, the q/k
-    norms. ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
+    norms as one scale per head, q heads first (``qk_norm`` [heads + kv_heads, head_dim]: where
+    the queries and keys are adjacent in the GEMM's output, Qwen3's, one RMSNorm and one rotary
+    over both save a dozen dispatched ops a layer). ``state``: the layer's K and V pool buffers
+    [B, kv_heads, capacity + 1, head_dim]."""
 
     def __init__(self, shape: QwenShape, qkv, o, q_norm, k_norm, kv=None, **common):
         super().__init__(shape, **common)
         self.qkv, self.o = Dense(qkv), Dense(o)
         self.kv = None if kv is None else Dense(kv)
-        self.register_buffer("q_norm", q_norm)
-        self.register_buffer("k_norm", k_norm)
+        self.register_buffer("qk_norm", torch.cat([q_norm.expand(shape.heads, -1), k_norm.expand(shape.kv_heads, -1)]))
+        self.qk_adjacent = kv is None and not shape.hybrid
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         s = self.s
         B, S, _ = h.shape
         H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
         q_dim = H * hd * (2 if s.hybrid else 1)
-        if self.kv is None:
-            q, k, v = self.qkv(h).split([q_dim, Hkv * hd, Hkv * hd], dim=-1)
-        else:
-            q, (k, v) = self.qkv(h), self.kv(h).chunk(2, dim=-1)
         gate = None
-        if s.hybrid:  # per head: its hd query dims, then its hd gate dims
-            q, gate = q.view(B, S, H, 2, hd).unbind(3)
+        if self.qk_adjacent:  # queries and keys side by side: normed and rotated as H + Hkv heads
+            qk, v = self.qkv(h).split([(H + Hkv) * hd, Hkv * hd], dim=-1)
+            qk = rotate(rms(qk.view(B, S, H + Hkv, hd), self.qk_norm, s.eps), step.rope)
+            q, k = qk[:, :, :H], qk[:, :, H:]
         else:
-            q = q.view(B, S, H, hd)
-        q = rotate(rms(q, self.q_norm, s.eps), step.rope)  # [B, S, H, hd]
-        k = rotate(rms(k.view(B, S, Hkv, hd), self.k_norm, s.eps), step.rope)
+            if self.kv is None:
+                q, k, v = self.qkv(h).split([q_dim, Hkv * hd, Hkv * hd], dim=-1)
+            else:
+                q, (k, v) = self.qkv(h), self.kv(h).chunk(2, dim=-1)
+            if s.hybrid:  # per head: its hd query dims, then its hd gate dims
+                q, gate = q.view(B, S, H, 2, hd).unbind(3)
+            else:
+                q = q.view(B, S, H, hd)
+            q = rotate(rms(q, self.qk_norm[0], s.eps), step.rope)  # [B, S, H, hd]
+            k = rotate(rms(k.view(B, S, Hkv, hd), self.qk_norm[H], s.eps), step.rope)
         v = v.view(B, S, Hkv, hd)
         keys, values = state
         # keys[rows, :, where] = k, as one dispatched op
