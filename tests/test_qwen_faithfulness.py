@@ -222,7 +222,7 @@ def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
     torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(37, 256), (3, 5, 4, 64), (1, 1, 128)])
+@pytest.mark.parametrize("shape", [(37, 256), (300, 256), (3, 5, 4, 64), (1, 1, 128)])
 def test_rms_norm_in_place_is_bit_identical(shape):
     """``layers.rms`` (one float32 buffer, normalised in place) against transformers'
     ``Qwen3RMSNorm.forward`` (``transformers/models/qwen3/modeling_qwen3.py``) in float32, bit
