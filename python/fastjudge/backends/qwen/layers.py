@@ -79,8 +79,9 @@ def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
     ``x``, times the weight; bit-identical), but in place on one float32 buffer where that op
     allocates a tensor per step: 0.67 -> 0.29 ms at [3840, 256] bfloat16, 0.20 -> 0.14 ms in
     float32 (two threads). A float32 input of a decoding step's size takes ``F.rms_norm``
-    itself, one call where this is six (11 against 13 us at [8, 1, 64])."""
-    if x.dtype == torch.float32 and x.numel() < RMS_IN_PLACE_MIN_ELEMENTS:
+    itself, one call where this is six (11 against 13 us at [8, 1, 64]), unless the weight is one
+    scale per head (``[heads, head_dim]``, broadcast here; that op takes one scale only)."""
+    if x.dtype == torch.float32 and x.numel() < RMS_IN_PLACE_MIN_ELEMENTS and weight_f32.dim() == 1:
         return F.rms_norm(x, (x.shape[-1],), weight_f32, eps)
     xf = x.float()  # x itself in float32: the product below must not overwrite it
     scale = xf.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
