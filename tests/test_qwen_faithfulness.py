@@ -180,7 +180,7 @@ def test_cached_attention_folds_query_heads_exactly(dtype, new_tokens):
     different lengths under the additive mask the model builds."""
     from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
-    from fastjudge.backends.qwen.layers import attend_cached
+    from fastjudge.backends.qwen.attention import attend_cached
 
     gen = torch.Generator().manual_seed(new_tokens)
     B, H, kv_heads, hd, width = 3, 8, 2, 16, 40
@@ -208,7 +208,7 @@ def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
     (``transformers/models/qwen3/modeling_qwen3.py``) under a causal additive mask, float32."""
     from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
-    from fastjudge.backends.qwen.layers import attend_causal
+    from fastjudge.backends.qwen.attention import attend_causal
 
     gen = torch.Generator().manual_seed(tokens)
     B, H, hd = 2, 4, 16

@@ -1,4 +1,4 @@
-"""Decoding steps that read a shared prefix's K/V once per snapshot (``layers.attend_shared_prefix``,
+"""Decoding steps that read a shared prefix's K/V once per snapshot (``attention.attend_shared_prefix``,
 ``StatePool.shared_prefix``): the attention against transformers' own, the pool's grouping of
 rows by snapshot through loads and moves, and greedy decoding against ``generate``."""
 
@@ -10,7 +10,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from fastjudge import LaveJudge
-from fastjudge.backends.qwen import layers, model
+from fastjudge.backends.qwen import attention, model
 from fastjudge.backends.qwen.backend import TorchQwenBackend
 from fastjudge.backends.qwen.pool import SharedPrefix, StatePool
 from fastjudge.checkpoints import build_random_qwen
@@ -51,7 +51,7 @@ def test_shared_prefix_attention_matches_transformers(dtype, new_tokens, snapsho
     else:
         groups = [(s, torch.nonzero(owner == s).flatten()) for s in range(snapshots)]
 
-    got = layers.attend_cached(q, keys, values, mask, SharedPrefix(P, groups)).transpose(1, 2)
+    got = attention.attend_cached(q, keys, values, mask, SharedPrefix(P, groups)).transpose(1, 2)
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = H // kv_heads, False
     want, _ = eager_attention_forward(module, q.transpose(1, 2).float(), keys.float(), values.float(), mask.float(),
@@ -104,8 +104,8 @@ def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, monkeypatch):
         calls.append(args[-1].columns)
         return shared_attention(*args)
 
-    shared_attention = layers.attend_shared_prefix
-    monkeypatch.setattr(layers, "attend_shared_prefix", counted)
+    shared_attention = attention.attend_shared_prefix
+    monkeypatch.setattr(attention, "attend_shared_prefix", counted)
     monkeypatch.setattr(model, "SHARED_PREFIX_MIN_KEYS", 8)
     monkeypatch.setattr(model, "SHARED_PREFIX_MIN_ROWS", 2)
     outs = backend.run(requests)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
+from .attention import attend_cached, attend_causal
 from .gated_delta import L2_EPS, as_float, chunk_gated_delta_rule_, recurrent_gated_delta_rule_
 from .pool import SharedPrefix
 from .shape import QwenShape
@@ -32,19 +33,6 @@ SHORT_CONV_STEPS = 8  # up to this many new tokens, the causal conv runs as a wi
 ONE_CHUNK_STEPS = 64
 DELTA_CHUNK = 32
 RECURRENT_STEPS = 3  # up to this many new tokens the recurrent rule (one iteration a token) wins
-FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend as query rows
-# rows that share at least this many prefix K/V columns, this many rows per snapshot, read them once
-# per snapshot in a decoding step (attend_cached); below either the extra calls and conversions
-# cost more than the reads they save (bfloat16, 700 shared of 900 keys, a layer: 4 rows 0.15 ->
-# 0.22 ms, 8 rows 0.28 -> 0.39, 16 rows 0.54 -> 0.41, 64 rows 2.9 -> 1.6; 16 rows, 400 of 500
-# keys: 0.30 -> 0.36)
-SHARED_PREFIX_MIN_KEYS = 512
-SHARED_PREFIX_MIN_ROWS = 16
-# SDPA's CPU kernel skips only whole 512-key blocks above the causal diagonal: up to
-# CAUSAL_SPLIT_TOKENS new tokens, query blocks of CAUSAL_BLOCK rows attend to the keys up to their
-# last row instead (see attend_causal)
-CAUSAL_BLOCK = 64
-CAUSAL_SPLIT_TOKENS = 1024
 
 
 @dataclass
@@ -178,97 +166,6 @@ class AttentionLayer(QwenLayer):
         o = o.transpose(1, 2)  # [B, S, H, hd]
         o = (o if gate is None else o * torch.sigmoid(gate)).reshape(B, S, H * hd)
         return self.o(o)
-
-
-def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """Causal attention of ``q`` [B, H, S, hd] over ``k``, ``v`` [B, kv_heads, S, hd].
-
-    SDPA's causal CPU kernel takes keys in blocks of 512 and skips only the blocks wholly above
-    the diagonal, so up to about a thousand tokens it computes most of the masked half as well.
-    There (CPU, ``CAUSAL_BLOCK < S <= CAUSAL_SPLIT_TOKENS``) each block of ``CAUSAL_BLOCK`` query
-    rows attends to the keys up to its last row, its own diagonal block under an additive mask:
-    the same keys per query row, about half the products (4 x 512 tokens, float32, one thread:
-    15.1 -> 9.8 ms a layer). Elsewhere (CUDA kernels skip at a fine grain, longer inputs) it is
-    SDPA's causal kernel as is."""
-    S = q.shape[2]
-    if q.device.type != "cpu" or not CAUSAL_BLOCK < S <= CAUSAL_SPLIT_TOKENS:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    # visible[r, c]: 0 where key c <= S - CAUSAL_BLOCK + r, else -inf; rows of a block ending at
-    # ``end`` take its last columns (a view), a last short block its last rows as well
-    visible = q.new_full((CAUSAL_BLOCK, S), float("-inf")).triu_(S - CAUSAL_BLOCK + 1)
-    parts = []
-    for start in range(0, S, CAUSAL_BLOCK):
-        end = min(start + CAUSAL_BLOCK, S)
-        mask = visible[CAUSAL_BLOCK - (end - start):, S - end:]
-        parts.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
-                                                    attn_mask=mask, enable_gqa=gqa))
-    return torch.cat(parts, dim=2)
-
-
-def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  shared: SharedPrefix | None = None) -> torch.Tensor:
-    """New tokens' queries ``q`` [B, S, H, hd] against the rows' keys and values
-    [B, kv_heads, W, hd] under the additive ``mask`` [B, 1, S, W]; returns [B, H, S, hd].
-
-    With grouped-query heads (H = g x kv_heads) and at most ``FOLD_QUERY_STEPS`` new tokens, each
-    K/V head's g query heads attend as g x S query rows of one problem, as they share its keys:
-    every query row's arithmetic is the same, but SDPA's CPU kernel then runs B x kv_heads
-    problems of g x S rows instead of B x H of S rows, and it is much slower on a single query
-    row (one-token decode, bfloat16: 3.1 -> 0.5 ms at 16 rows x 900 keys, 4 heads on 2).
-
-    ``shared`` (few new tokens only): the first ``shared.columns`` keys are the same in every
-    row of a snapshot, so they are read once per snapshot: :func:`attend_shared_prefix`."""
-    B, S, H, hd = q.shape
-    kv_heads = keys.shape[1]
-    g = H // kv_heads
-    if S > FOLD_QUERY_STEPS or (g == 1 and shared is None):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=g > 1)
-    # query rows in (head, token) order, the mask's token rows repeated for each head (a
-    # [B, 1, 1, W] mask broadcasts over them as it is)
-    rows = q.reshape(B, S, kv_heads, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, g * S, hd)
-    if S > 1:
-        width = mask.shape[-1]
-        mask = mask.unsqueeze(2).expand(B, 1, g, S, width).reshape(B, 1, g * S, width)
-    if shared is None:
-        o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask)
-    else:
-        o = attend_shared_prefix(rows, keys, values, mask, shared)
-    return o.view(B, H, S, hd)
-
-
-def attend_shared_prefix(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                         shared: SharedPrefix) -> torch.Tensor:
-    """Attention of query ``rows`` [B, kv_heads, R, hd] over ``keys``/``values`` [B, kv_heads, W,
-    hd] under ``mask`` [B, 1, R or 1, W], as two parts merged by their log-sum-exp (as cascade
-    and flash-decoding kernels merge key blocks): the first ``P = shared.columns`` keys, which
-    all rows of a snapshot hold alike, as one problem per snapshot over one row's copy (the
-    queries of all its rows against P keys read once), and each row's own keys ``P ..`` under
-    the mask. Softmax over the union is ``w * o_prefix + (1 - w) * o_own`` with ``w =
-    sigmoid(lse_prefix - lse_own)``. Both parts run in float32 and the result is rounded once:
-    in bfloat16 it is closer to a float32 reference than SDPA over the whole row is (max error
-    4.8e-4 against 5.4e-4 at 16 rows x 900 keys). CPU only (``model.run_step`` passes ``shared``
-    there alone): SDPA's CPU flash kernel returns the log-sum-exp with its output."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    B, kv_heads, R, hd = rows.shape
-    P, dtype = shared.columns, rows.dtype
-    rows = as_float(rows)
-    own, own_lse = flash(rows, as_float(keys[:, :, P:]), as_float(values[:, :, P:]), 0.0, False,
-                         attn_mask=as_float(mask[..., P:]))[:2]
-    pre = torch.empty_like(own)
-    pre_lse = torch.empty_like(own_lse)
-    for first, members in shared.groups:
-        part = rows if members is None else rows.index_select(0, members)
-        n = part.shape[0]
-        # the group's queries as one [1, kv_heads, n x R] problem over one copy of the prefix
-        o, lse = flash(part.transpose(0, 1).reshape(1, kv_heads, n * R, hd), as_float(keys[first:first + 1, :, :P]),
-                       as_float(values[first:first + 1, :, :P]), 0.0, False)[:2]
-        o, lse = o.view(kv_heads, n, R, hd).transpose(0, 1), lse.view(kv_heads, n, R).transpose(0, 1)
-        if members is None:
-            pre.copy_(o), pre_lse.copy_(lse)
-        else:
-            pre.index_copy_(0, members, o), pre_lse.index_copy_(0, members, lse)
-    w = torch.sigmoid(pre_lse - own_lse).unsqueeze(-1)
-    return torch.addcmul(own, pre - own, w).to(dtype)
 
 
 class DeltaNetLayer(QwenLayer):

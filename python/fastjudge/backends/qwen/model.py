@@ -20,8 +20,8 @@ from fastjudge.kernels.choice_head import choice_logits
 
 from ..compiled import row_bucket, width_bucket
 from ..cpu_memory import keep_freed_memory
-from .layers import (FOLD_QUERY_STEPS, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS, Step, as_float,
-                     build_layers, rms)
+from .attention import FOLD_QUERY_STEPS, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS
+from .layers import Step, as_float, build_layers, rms
 from .pool import SharedPrefix, StatePool, StateView
 from .shape import QwenShape
 
