@@ -47,6 +47,20 @@ def examples(n=None):
             for r in sample_rows()[:n]]
 
 
+def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' own attention (``eager_attention_forward`` of
+    transformers/models/qwen3/modeling_qwen3.py: ``repeat_kv``, softmax in float32) of ``q`` [B,
+    H, S, hd] over ``keys``/``values`` [B, kv_heads, W, hd] under the additive ``mask``, in
+    float32: [B, S, H, hd]."""
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q.shape[1] // keys.shape[1], False
+    out, _ = eager_attention_forward(module, q.float(), keys.float(), values.float(), mask.float(),
+                                     scaling=q.shape[-1] ** -0.5)
+    return out
+
+
 @torch.inference_mode()
 def hf_next_token_probs(hf, ids, candidates):
     logits = hf(input_ids=torch.tensor([list(ids)])).logits[0, -1, list(candidates)].double()
@@ -178,8 +192,6 @@ def test_cached_attention_folds_query_heads_exactly(dtype, new_tokens):
     transformers' own attention over the same cache: ``eager_attention_forward`` of
     ``transformers/models/qwen3/modeling_qwen3.py`` (``repeat_kv`` + softmax in float32), rows of
     different lengths under the additive mask the model builds."""
-    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
-
     from fastjudge.backends.qwen.attention import attend_cached
 
     gen = torch.Generator().manual_seed(new_tokens)
@@ -192,10 +204,7 @@ def test_cached_attention_folds_query_heads_exactly(dtype, new_tokens):
     mask = torch.zeros(B, 1, new_tokens, width, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
     got = attend_cached(q, keys, values, mask).transpose(1, 2)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.training = H // kv_heads, False
-    want, _ = eager_attention_forward(module, q.transpose(1, 2).float(), keys.float(), values.float(), mask.float(),
-                                      scaling=hd ** -0.5)
+    want = eager_attention(q.transpose(1, 2), keys, values, mask)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
@@ -206,8 +215,6 @@ def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
     """``attend_causal`` (query blocks over the keys up to their last row, for prompts SDPA's
     CPU kernel would not skip) against transformers' ``eager_attention_forward``
     (``transformers/models/qwen3/modeling_qwen3.py``) under a causal additive mask, float32."""
-    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
-
     from fastjudge.backends.qwen.attention import attend_causal
 
     gen = torch.Generator().manual_seed(tokens)
@@ -216,9 +223,7 @@ def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
     k, v = (torch.randn(B, kv_heads, tokens, hd, generator=gen) for _ in range(2))
     got = attend_causal(q, k, v, gqa=kv_heads != H)
     causal = torch.full((tokens, tokens), float("-inf")).triu_(1)[None, None]
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.training = H // kv_heads, False
-    want, _ = eager_attention_forward(module, q, k, v, causal, scaling=hd ** -0.5)
+    want = eager_attention(q, k, v, causal)
     torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TEST_DEVICE
+from test_qwen_faithfulness import eager_attention, examples, hf_model
 
 from fastjudge import LaveJudge
 from fastjudge.backends.qwen import attention, model
@@ -16,7 +17,6 @@ from fastjudge.backends.qwen.pool import SharedPrefix, StatePool
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.runtime.requests import Text
-from test_qwen_faithfulness import examples, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,6 @@ def test_shared_prefix_attention_matches_transformers(dtype, new_tokens, snapsho
     with its own keys after them: ``attend_cached`` with ``shared`` against transformers'
     ``eager_attention_forward`` (``transformers/models/qwen3/modeling_qwen3.py``) over every
     row's whole keys under the model's additive mask."""
-    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
-
     gen = torch.Generator().manual_seed(new_tokens * 10 + snapshots)
     B, H, kv_heads, hd, width, P = 6, 8, 2, 16, 48, 20
     q = torch.randn(B, new_tokens, H, hd, generator=gen).to(dtype)
@@ -52,10 +50,7 @@ def test_shared_prefix_attention_matches_transformers(dtype, new_tokens, snapsho
         groups = [(s, torch.nonzero(owner == s).flatten()) for s in range(snapshots)]
 
     got = attention.attend_cached(q, keys, values, mask, SharedPrefix(P, groups)).transpose(1, 2)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.training = H // kv_heads, False
-    want, _ = eager_attention_forward(module, q.transpose(1, 2).float(), keys.float(), values.float(), mask.float(),
-                                      scaling=hd ** -0.5)
+    want = eager_attention(q.transpose(1, 2), keys, values, mask)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
