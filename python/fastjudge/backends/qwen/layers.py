@@ -121,16 +121,18 @@ class AttentionLayer(QwenLayer):
     """Full attention (Qwen3.5: with a sigmoid output gate): the q, k and v projections as one
     GEMM (``qkv``; or q alone and a fused ``kv`` where FP8 scales keep them apart), o, the q/k
     norms as one scale per head, q heads first (``qk_norm`` [heads + kv_heads, head_dim]: where
-    the queries and keys are adjacent in the GEMM's output, Qwen3's, one RMSNorm and one rotary
-    over both save a dozen dispatched ops a layer). ``state``: the layer's K and V pool buffers
-    [B, kv_heads, capacity + 1, head_dim]."""
+    the queries and keys are adjacent in the GEMM's output, one RMSNorm and one rotary over both
+    save a dozen dispatched ops a layer). Qwen3's fused GEMM writes q, k, v; Qwen3.5's writes q,
+    k, the output gate, v when ``gate_apart`` (its checkpoint interleaves each head's query and
+    gate rows; ``build_layers`` takes them apart where the weight is not FP8). ``state``: the
+    layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
 
-    def __init__(self, shape: QwenShape, qkv, o, q_norm, k_norm, kv=None, **common):
+    def __init__(self, shape: QwenShape, qkv, o, q_norm, k_norm, kv=None, gate_apart: bool = False, **common):
         super().__init__(shape, **common)
         self.qkv, self.o = Dense(qkv), Dense(o)
         self.kv = None if kv is None else Dense(kv)
         self.register_buffer("qk_norm", torch.cat([q_norm.expand(shape.heads, -1), k_norm.expand(shape.kv_heads, -1)]))
-        self.qk_adjacent = kv is None and not shape.hybrid
+        self.qk_adjacent = kv is None and (gate_apart or not shape.hybrid)
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         s = self.s
@@ -139,7 +141,10 @@ class AttentionLayer(QwenLayer):
         q_dim = H * hd * (2 if s.hybrid else 1)
         gate = None
         if self.qk_adjacent:  # queries and keys side by side: normed and rotated as H + Hkv heads
-            qk, v = self.qkv(h).split([(H + Hkv) * hd, Hkv * hd], dim=-1)
+            parts = self.qkv(h).split([(H + Hkv) * hd] + ([H * hd] if s.hybrid else []) + [Hkv * hd], dim=-1)
+            qk, v = parts[0], parts[-1]
+            if s.hybrid:
+                gate = parts[1].view(B, S, H, hd)
             qk = rotate(rms(qk.view(B, S, H + Hkv, hd), self.qk_norm, s.eps), step.rope)
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
@@ -294,11 +299,17 @@ def build_layers(state: dict[str, torch.Tensor], shape: QwenShape, device, dtype
             q, k, v = (dense(a + f"{n}_proj.weight") for n in "qkv")
             # one GEMM for q, k and v, unless that would dequantize FP8 projections whose scales
             # differ (fp8.fuse): then q alone and k/v fused, as they are calibrated
-            qkv = fuse([q, k, v], dtype)
-            split = any(isinstance(w, Fp8Weight) for w in (q, k, v)) and not isinstance(qkv, Fp8Weight)
+            fp8 = any(isinstance(w, Fp8Weight) for w in (q, k, v))
+            gate = None
+            if shape.hybrid and not fp8:
+                # Qwen3.5's query rows are per head [query dims, gate dims]: the queries of every
+                # head first, then the gates, so that queries and keys sit side by side
+                q, gate = (t.reshape(-1, t.shape[-1]) for t in q.view(shape.heads, 2, shape.head_dim, -1).unbind(1))
+            qkv = fuse([q, k, v] if gate is None else [q, k, gate, v], dtype)
+            split = fp8 and not isinstance(qkv, Fp8Weight)
             layers.append(AttentionLayer(shape, qkv=q if split else qkv, kv=fuse([k, v], dtype) if split else None,
                                          o=dense(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
-                                         k_norm=norm(a + "k_norm.weight"), **common))
+                                         k_norm=norm(a + "k_norm.weight"), gate_apart=gate is not None, **common))
         elif kind == "linear_attention":
             a = p + "linear_attn."
             layers.append(DeltaNetLayer(
