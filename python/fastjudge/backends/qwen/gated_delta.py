@@ -209,10 +209,12 @@ def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torc
     g = g.view(B, n, C, Hk, G).permute(1, 0, 3, 4, 2).cumsum(-1)
     beta = beta.view(B, n, C, Hk, G).permute(1, 0, 3, 4, 2)
 
-    # decay from token j to token i of a chunk (i >= j); the upper triangle is masked before the
-    # exponential, where G_i - G_j > 0 could overflow
+    # decay from token j to token i of a chunk (i >= j); above the diagonal G_i - G_j > 0 could
+    # overflow, so it is clamped to 0 before the exponential and zeroed after: the same values as
+    # exp of -inf there, but the exponential's fast path (an -inf input takes a slower one:
+    # 0.77 -> 0.51 ms at [8, 16, 2, 2, 32, 32])
     later = torch.ones(C, C, dtype=torch.bool, device=k.device).triu(1)
-    decay = (g[..., :, None] - g[..., None, :]).masked_fill(later, float("-inf")).exp()
+    decay = (g[..., :, None] - g[..., None, :]).clamp_(max=0).exp_().masked_fill_(later, 0.0)
     kk = (k @ k.transpose(-1, -2)).unsqueeze(3)  # [n, B, Hk, 1, C, C]: shared by the G value heads
     # the corrections' unit lower-triangular system (I + L) U = beta V - (beta exp(G) K) M0,
     # inverted once per chunk (T); the betas scale T's columns rather than V's and K's rows
