@@ -200,3 +200,38 @@ def test_command_line_options():
             "--template", "fastjudge", "--normalize", "vocab"]
     values = registry.option_values(build_parser().parse_args(argv), registry.HOLISTIC_OPTIONS)
     assert values["template"] == "fastjudge" and values["normalize"] == "vocab"
+
+
+def test_recent_images_read_each_source_once(tmp_path, monkeypatch):
+    """``RecentImages``: an image's captions next to each other read (decode and hash) its
+    source once; an equal but distinct array, bytes, and a source pushed out of the recent ones
+    are read again; every read gives ``read_image``'s array and key."""
+    from PIL import Image
+
+    from fastjudge.io import images
+
+    reads = []
+    real = images.read_image
+
+    def counted(image, root=None, max_pixels=images.MAX_IMAGE_PIXELS):
+        reads.append(image if isinstance(image, str) else type(image).__name__)
+        return real(image, root, max_pixels)
+
+    monkeypatch.setattr(images, "read_image", counted)
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    Image.fromarray(a).save(tmp_path / "a.png")
+    recent = images.RecentImages(root=tmp_path, size=2)
+
+    key_a = real(a)[1]
+    for _ in range(3):
+        array, key = recent.read(a)
+        assert array is a and key == key_a
+    assert recent.read("a.png")[1] == key_a and recent.read("a.png")[1] == key_a
+    assert recent.read(a.copy())[1] == key_a  # another object: read again, same content key
+    assert reads == ["ndarray", "a.png", "ndarray"]
+    png = (tmp_path / "a.png").read_bytes()
+    recent.read(png), recent.read(png)
+    assert reads[-2:] == ["bytes", "bytes"]
+    recent.read(a)  # pushed out by the two sources after it (size 2): read again
+    assert reads[-1] == "ndarray"

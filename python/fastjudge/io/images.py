@@ -120,6 +120,36 @@ def read_image(image, root: str | os.PathLike | None = None,
     return array, digest.digest()
 
 
+class RecentImages:
+    """:func:`read_image` for the examples of one call, where an image's several captions sit
+    next to each other (evaluation sets list them so): the last ``size`` sources are kept with
+    their arrays and keys, and a source met again is neither decoded nor hashed again (16 pairs,
+    4 captions an image, 448 x 336 arrays: 4 ms of a 42 ms call went to hashing). A source is a
+    path (by its string, joined with ``root``) or an array or PIL image (by the object itself,
+    held here, so no other object can take its ``id`` meanwhile). A source changed in place or
+    on disk while the call runs is not read again; bytes are always read."""
+
+    def __init__(self, root: str | os.PathLike | None = None, max_pixels: int = MAX_IMAGE_PIXELS, size: int = 8):
+        self.root, self.max_pixels, self.size = root, max_pixels, size
+        self._recent: dict = {}  # source -> (object, array, key), oldest first
+
+    def read(self, image) -> tuple[np.ndarray, bytes]:
+        if isinstance(image, (str, os.PathLike)):
+            source = ("path", os.fspath(image))
+        elif isinstance(image, np.ndarray) or (hasattr(image, "convert") and hasattr(image, "size")):
+            source = ("object", id(image))
+        else:
+            return read_image(image, self.root, self.max_pixels)
+        hit = self._recent.get(source)
+        if hit is not None and (source[0] == "path" or hit[0] is image):
+            return hit[1], hit[2]
+        array, key = read_image(image, self.root, self.max_pixels)
+        self._recent[source] = (image, array, key)
+        if len(self._recent) > self.size:
+            del self._recent[next(iter(self._recent))]
+        return array, key
+
+
 def image_tensor(array: np.ndarray) -> torch.Tensor:
     """``[3, H, W]`` uint8 tensor of its own memory (a later change to ``array`` does not reach
     it) from an ``H x W x 3`` array: one transposing copy."""

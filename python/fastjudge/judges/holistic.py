@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..engine_options import EngineOptions
-from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, encode_region, image_tensor, read_image
+from ..io.images import MAX_IMAGE_PIXELS, ImageError, LoadedImage, RecentImages, encode_region, image_tensor
 from ..runtime.requests import Choice, Image, Request
 from .base import Judge
 
@@ -111,14 +111,17 @@ class HolisticJudge(Judge):
             raise ValueError(f'"Yes" and "No" start with the same token ({yes}) for this tokenizer')
         return yes, no
 
-    def _request(self, index: int, example, encoded_images: dict | None = None) -> Request:
+    def _request(self, index: int, example, encoded_images: dict | None = None,
+                 images: RecentImages | None = None) -> Request:
         """``encoded_images``: vision inputs by image content key, so an image with several
-        captions is preprocessed once."""
+        captions is preprocessed once; ``images``: the call's recent image sources, so such an
+        image is not read (decoded, hashed) again either."""
         text = example.text
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text (the caption) must be a non-empty string")
         self.codec.check_text_length(text, self.backend.max_input_tokens)
-        array, key = read_image(example.image, self.image_root, self.max_image_pixels)
+        images = images or RecentImages(self.image_root, self.max_image_pixels)
+        array, key = images.read(example.image)
         memo = {} if encoded_images is None else encoded_images
         image = memo.get(key)
         if image is None:  # the pixel tensor only for an image not encoded yet
@@ -138,10 +141,11 @@ class HolisticJudge(Judge):
 
     def stream(self, examples: Iterable) -> Iterator[HolisticResult]:
         requests, results, encoded_images = [], {}, {}
+        images = RecentImages(self.image_root, self.max_image_pixels)
         for i, example in enumerate(examples):
             result = HolisticResult(index=i, id=getattr(example, "id", None))
             try:
-                request = self._request(i, example, encoded_images)
+                request = self._request(i, example, encoded_images, images)
             except (ImageError, ValueError, TypeError, AttributeError) as bad:
                 result.error = f"invalid example: {bad}"
                 yield result
