@@ -107,6 +107,7 @@ class StatePool(torch.nn.Module):
         # a decoding step may then read once for all of them (``shared_prefix``)
         self.source = np.full(slots, -1, dtype=np.int64)
         self.source_len = np.zeros(slots, dtype=np.int64)
+        self._shared = None  # shared_prefix's last (rows, answer)
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -180,14 +181,21 @@ class StatePool(torch.nn.Module):
         source = self.source[start:stop]
         if len(source) < min_rows or (source < 0).any():
             return None
+        # the rows only change when some leave or join: the last answer (and its device index
+        # tensors) serves every step in between
+        key = (start, min_keys, min_rows, source.tobytes(), self.source_len[start:stop].tobytes())
+        if self._shared is not None and self._shared[0] == key:
+            return self._shared[1]
         columns = int(self.source_len[start:stop].min())
         serials, first = np.unique(source, return_index=True)
-        if columns < min_keys or len(serials) * min_rows > len(source):
-            return None
-        device = self.lengths.device
-        groups = [(int(f), None if len(serials) == 1 else torch.tensor(np.flatnonzero(source == s)).to(device))
-                  for s, f in zip(serials, first)]
-        return SharedPrefix(columns, groups)
+        shared = None
+        if columns >= min_keys and len(serials) * min_rows <= len(source):
+            device = self.lengths.device
+            shared = SharedPrefix(columns, [(int(f), None if len(serials) == 1 else
+                                             torch.tensor(np.flatnonzero(source == s)).to(device))
+                                            for s, f in zip(serials, first)])
+        self._shared = (key, shared)
+        return shared
 
 
 class SharedPrefix:
