@@ -17,9 +17,9 @@ Only the decoding loop is counted (``fastjudge.bench.step_profile``): host syncs
 and the engine's labelled copies to the host), top-level aten ops and wall time per decode step,
 the prompts' own work (prefill, encoder, vision tower) left out.
 
-Steps run eagerly by default (``--compile off``): with ``auto``, a long enough job compiles the
-Qwen forward part-way (``EngineOptions.compile``) and its steps would then count compile time
-and compiled steps; ``benchmarks/bench_compiled.py`` measures those.
+Steps run eagerly by default (``--compile off``, what ``auto`` gives on the CPU; on CUDA
+``auto`` compiles, and its steps would count compile time); ``benchmarks/bench_compiled.py``
+measures compiled steps.
 
 Target for a GPU-shaped step: at most 2 syncs per step whatever the row count, and aten ops per
 step independent of the row count (within 10 %).

@@ -14,7 +14,7 @@ pytest.importorskip("xgrammar")
 from conftest import TEST_DEVICE  # noqa: E402
 from test_jump_forward import adversarial_biases, assert_same, biased, json_spec, requests_for  # noqa: E402
 
-from fastjudge.backends.compiled import CompileWhenItPays, compile_enabled, row_bucket, width_bucket  # noqa: E402
+from fastjudge.backends.compiled import compile_enabled, row_bucket, width_bucket  # noqa: E402
 from fastjudge.backends.qwen.backend import TorchQwenBackend  # noqa: E402
 from fastjudge.runtime.requests import Choice, Request, Text  # noqa: E402
 
@@ -65,40 +65,6 @@ def test_compiled_choice_equals_eager(backends):
     a, b = (backend.run(reqs) for backend in backends)
     for x, y in zip(a, b):
         np.testing.assert_allclose(x.logits, y.logits, atol=1e-5, rtol=0)
-
-
-def test_compile_when_it_pays():
-    """The ski-rental rule: due once the eager seconds times the saving reach the compile cost."""
-    rule = CompileWhenItPays(speedup=2.0, compile_seconds=10.0)  # a compiled step saves half
-    rule.eager_seconds = 19.9
-    assert not rule.due()
-    rule.eager_seconds = 20.0
-    assert rule.due()
-    with rule.timing():
-        pass
-    assert rule.eager_seconds > 20.0
-
-
-def test_auto_compiles_on_the_cpu_once_it_pays(backends, model_dir):
-    """``compile="auto"`` on the CPU: the first batches run eagerly and timed; once compiling
-    pays (here at once: its cost set to ~0), the next batch compiles, on a pool resized to a row
-    bucket, with the eager results."""
-    eager = backends[0]
-    auto = TorchQwenBackend(model_dir, device="cpu", dtype="float32", compile="auto")
-    assert auto._compiled is None and auto._compile_later is not None
-    auto._compile_later.compile_seconds = 1e-9
-    rng = np.random.default_rng(5)
-    prefix = rng.integers(5, 900, size=10)
-    reqs = [Request(i, np.concatenate([prefix, rng.integers(5, 900, size=4 + i)]), Choice((3, 10, 11)),
-                    prefix_len=10) for i in range(3)]
-    first = auto.run(reqs)
-    assert auto._compiled is None and auto._compile_later.eager_seconds > 0
-    second = auto.run(reqs)
-    assert auto._compiled is not None and auto._compile_later is None and auto.compile_seconds > 0
-    assert auto.pool.slots == row_bucket(auto.pool.slots)
-    for x, y, z in zip(first, second, eager.run(reqs)):
-        np.testing.assert_allclose(x.logits, z.logits, atol=1e-6, rtol=0)
-        np.testing.assert_allclose(y.logits, z.logits, atol=1e-5, rtol=0)
 
 
 def test_compiled_t5_equals_eager(t5_dir):
@@ -160,3 +126,24 @@ def test_compiled_forward_gets_the_pool_at_static_addresses(backends):
     assert backend.pool is pool and backend.pool_allocations == allocations
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert set(backend._compiled._seen) == shapes
+
+
+def test_compiled_function_keeps_every_shape_compiled():
+    """A compiled step meets more shapes than dynamo's default recompile limit (8): past it,
+    dynamo would run each new shape eagerly (on CUDA without its graph). ``CompiledFunction``
+    raises the limit, so twelve shapes give twelve graphs, and calling them all again compiles
+    nothing (``set_stance("fail_on_recompile")`` raises on any compilation)."""
+    from torch._dynamo.utils import counters
+
+    from fastjudge.backends.compiled import CompiledFunction
+
+    fn = CompiledFunction(lambda x: (x * 2).sin() + 1, torch.device("cpu"), "a test step")
+    before = counters["stats"]["unique_graphs"]
+    shapes = [(rows, width) for rows in (1, 2, 4, 8) for width in (1, 2, 4)]
+    for shape in shapes:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(fn(shape, x), (x * 2).sin() + 1)
+    assert counters["stats"]["unique_graphs"] - before == len(shapes)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for shape in shapes:
+            fn(shape, torch.randn(*shape))

@@ -44,8 +44,8 @@ class EngineOptions:
         "else float32; float32 is the precision faithfulness is tested in)"))
     compile: str = field(default="auto", metadata=_flag(
         "torch.compile the torch backends' decoding and score-only steps (CUDA graphs on CUDA): "
-        "off, on, or auto (default: on for CUDA; on the CPU, Qwen steps compile once a job has "
-        "run long enough for it to pay; docs/engine.md)", choices=COMPILE_MODES))
+        "off, on, or auto (default: on for CUDA, off on the CPU, where compiled steps were "
+        "measured slower; docs/engine.md)", choices=COMPILE_MODES))
     max_batch_tokens: int | None = field(default=None, metadata=_flag(
         "token budget of one batch (default: the backend's)", int))
     max_batch_size: int = field(default=DEFAULT_MAX_BATCH_SIZE, metadata=_flag(

@@ -51,10 +51,3 @@ def use_persistent_compile_cache() -> Path:
         return Path(default_cache_dir())
     os.environ[ENV] = str(path)
     return path
-
-
-def compile_cache_warm() -> bool:
-    """Whether the compile cache this process uses already holds compiled graphs (a previous
-    run's): compiling then mostly loads them (docs/benchmarks.md, persistent compile caches)."""
-    graphs = Path(os.environ.get(ENV) or compile_cache_dir()) / "fxgraph"
-    return graphs.is_dir() and any(graphs.iterdir())

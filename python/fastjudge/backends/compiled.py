@@ -8,35 +8,30 @@ replays it with one launch. Both specialise on shapes, so rows are padded to a f
 (:data:`ROW_BUCKETS`, as vLLM's CUDA-graph batch sizes) and multi-token widths to powers of
 two: a judge meets a handful of shapes, each compiled once per process.
 
-``compile``: ``"on"``, ``"off"`` or ``"auto"``: on for CUDA devices; on the CPU, where the first
-calls' compile costs far more than a short job's steps, the Qwen backend starts eager and
-compiles once the job has run long enough for compiling to pay (:class:`CompileWhenItPays`; see
-docs/engine.md).
+``compile``: ``"on"``, ``"off"`` or ``"auto"``: on for CUDA devices, off on the CPU, where
+compiled steps of judge-sized models were measured slower than eager ones (docs/engine.md,
+compiled steps).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from ..engine_options import COMPILE_MODES
-from .compile_cache import compile_cache_warm, use_persistent_compile_cache
+from .compile_cache import use_persistent_compile_cache
 
 log = logging.getLogger("fastjudge")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-#: The Qwen forward on the CPU (``benchmarks/bench_compiled.py --shape mini --rows 16``, 2 cores,
-#: docs/engine.md#compiled-steps): eager step time over compiled step time (the lowest measured),
-#: and the seconds compiling a judge's shapes cost with an empty and with a filled persistent
-#: compile cache.
-CPU_COMPILED_SPEEDUP = 1.4
-CPU_COMPILE_SECONDS = {"cold": 160.0, "warm": 25.0}
 CAPACITY_QUANTUM = 64  # token capacities round up to this, so caches of nearby sizes share a shape
+# Compilations a compiled step may keep per code object. Dynamo's default keeps 8 and runs every
+# later shape eagerly (so on CUDA without its graph), with one warning; a judge meets up to
+# len(ROW_BUCKETS) row counts x a handful of widths x its pool's capacities.
+RECOMPILE_LIMIT = 256
 
 
 def compile_enabled(option: str | bool | None, device: torch.device) -> bool:
@@ -63,6 +58,15 @@ def round_capacity(n: int) -> int:
     return -(-n // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
 
 
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep at least ``limit`` compilations of one function (process-wide: dynamo's
+    limits are global; only ever raised, never lowered)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, limit)
+
+
 class CompiledFunction:
     """``fn`` through ``torch.compile`` (CUDA graphs per shape on CUDA), with the seconds spent
     in the first call of each new shape (compilation, and the graph recording) added to
@@ -72,6 +76,7 @@ class CompiledFunction:
     def __init__(self, fn: Callable, device: torch.device, name: str, dynamic: bool | None = False):
         mode = "reduce-overhead" if device.type == "cuda" else None
         use_persistent_compile_cache()  # a later process reuses what this one compiles
+        raise_recompile_limit(RECOMPILE_LIMIT)
         self.fn = torch.compile(fn, mode=mode, dynamic=dynamic)
         self.name = name
         self.seconds = 0.0
@@ -87,34 +92,3 @@ class CompiledFunction:
         self.seconds += spent
         log.info("fastjudge: compiled %s for shape %s in %.1f s", self.name, shape_key, spent)
         return out
-
-
-class CompileWhenItPays:
-    """``compile="auto"`` where compiling is slow (the CPU). A job's length is not known when it
-    starts, so its steps run eagerly while their seconds are summed; once what compiled steps
-    would have saved so far (``eager_seconds * (1 - 1 / speedup)``) reaches what compiling is
-    expected to cost, :meth:`due` says so and the owner compiles. The ski-rental rule: whatever
-    the job's length, it pays at most about twice what the better of "never compile" and
-    "compile at once" would have cost it; a short job never compiles."""
-
-    def __init__(self, speedup: float, compile_seconds: float):
-        self.saving = 1.0 - 1.0 / speedup
-        self.compile_seconds = compile_seconds
-        self.eager_seconds = 0.0
-
-    @classmethod
-    def for_cpu(cls) -> "CompileWhenItPays":
-        warm = compile_cache_warm()
-        return cls(CPU_COMPILED_SPEEDUP, CPU_COMPILE_SECONDS["warm" if warm else "cold"])
-
-    @contextmanager
-    def timing(self) -> Iterator[None]:
-        """Adds the block's wall time to the eager seconds (eager CPU steps end when they return)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.eager_seconds += time.perf_counter() - start
-
-    def due(self) -> bool:
-        return self.eager_seconds * self.saving >= self.compile_seconds

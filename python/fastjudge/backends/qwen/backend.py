@@ -33,7 +33,7 @@ from ...codec import open_codec
 from ...engine_options import EngineOptions
 from ...kernels.choice_head import choice_head
 from ...runtime.requests import Choice, Image, Output, Request, Text, choice_probs
-from ..compiled import ROW_BUCKETS, CompiledFunction, CompileWhenItPays, compile_enabled, round_capacity
+from ..compiled import ROW_BUCKETS, CompiledFunction, compile_enabled, round_capacity
 from ..dense import prepare_dense
 from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL, PREFIX_LABEL, VISION_LABEL
@@ -91,11 +91,8 @@ class TorchQwenBackend:
         self.max_decode_rows = engine.max_decode_rows
         self.compile = engine.compile
         self._compiled = None
-        self._compile_later = None  # ``auto`` on the CPU: compile once the job has run long enough
         if compile_enabled(engine.compile, self.device):
             self._compile()
-        elif engine.compile == "auto" and self.device.type == "cpu":
-            self._compile_later = CompileWhenItPays.for_cpu()
         self.reset_decode_stats()
         log.info("fastjudge: loaded %s judge %s on %s (%s)", self.shape.arch, model_dir, self.device,
                  str(self.dtype).replace("torch.", ""))
@@ -107,16 +104,11 @@ class TorchQwenBackend:
 
     def _compile(self) -> None:
         self._compiled = CompiledFunction(self.model.forward, self.device, "the Qwen forward")
-        self._compile_later = None
         self.pool = None  # resized to a row bucket, the compiled steps' shapes
 
     def _step(self, pool: StatePool, start: int, tokens: torch.Tensor, counts, **images) -> torch.Tensor:
-        """One forward of the steps compile speeds up (suffixes, decoding): compiled, or eager
-        and timed while ``auto`` waits to see whether compiling pays."""
-        if self._compile_later is None:
-            return run_step(self.model, pool, start, tokens, counts, self._compiled, **images)
-        with self._compile_later.timing():
-            return run_step(self.model, pool, start, tokens, counts, None, **images)
+        """One forward of the steps compile speeds up (suffixes, decoding)."""
+        return run_step(self.model, pool, start, tokens, counts, self._compiled, **images)
 
     def reset_decode_stats(self) -> None:
         """Zero :attr:`decode_stats`: cumulative ``tokens_computed`` (tokens chosen from logits),
@@ -200,10 +192,6 @@ class TorchQwenBackend:
     # -- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: Sequence[Request]) -> list[Output]:
-        if self._compile_later is not None and self._compile_later.due():
-            log.info("fastjudge: %.0f s of eager steps so far: compiling the Qwen forward (compile=auto)",
-                     self._compile_later.eager_seconds)
-            self._compile()
         held, snapshots = self._prefix_snapshots(batch)
         try:
             if isinstance(batch[0].spec, Choice):
