@@ -219,15 +219,19 @@ def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torc
     # the corrections' unit lower-triangular system (I + L) U = beta V - (beta exp(G) K) M0,
     # inverted once per chunk (T); the betas scale T's columns rather than V's and K's rows
     inverse = unit_lower_inverse(kk * decay * beta[..., None]) * beta[..., None, :]
-    start_decay = g.exp()  # exp(G_i): how much of M0 token i still sees
     # U = W - P M0 with W = T beta V and P = T beta exp(G) K; the keys are the same for a key
     # head's G value heads, so P is one product of G * C rows per key head
     fresh_part = inverse @ v
-    weights = (inverse * start_decay[..., None, :]).view(n, B, Hk, G * C, C)
     # per chunk and value head, the rows that read the chunk's start state M_c: P (its part of
-    # the corrections) over q_i exp(G_i) (its part of the outputs), one product with M_c
+    # the corrections) over q_i exp(G_i) (its part of the outputs), one product with M_c. A fresh
+    # first chunk starts from zeros: it reads nothing (its U is W, its outputs' M_c part 0), so
+    # its rows are not built (a whole prompt of up to ONE_CHUNK_STEPS tokens builds none).
+    first = 1 if fresh else 0
     BH = B * Hv
-    reads = torch.cat([(weights @ k).view(n, B, Hk, G, C, dk), q.unsqueeze(3) * start_decay[..., None]], dim=-2)
+    start_decay = g[first:].exp()  # exp(G_i): how much of M_c token i still sees
+    weights = (inverse[first:] * start_decay[..., None, :]).view(n - first, B, Hk, G * C, C)
+    reads = torch.cat([(weights @ k[first:]).view(n - first, B, Hk, G, C, dk),
+                       q[first:].unsqueeze(3) * start_decay[..., None]], dim=-2)
 
     scores = (q @ k.transpose(-1, -2)).unsqueeze(3) * decay  # causal attention in the chunk
     to_end = (g[..., -1:] - g).exp()  # exp(G_C - G_j)
@@ -236,16 +240,18 @@ def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torc
 
     # the hand-over from chunk to chunk, the only sequential part: U_c = W_c - P_c M_c,
     # M_{c+1} = exp(G_C) M_c + K_end U_c; the batch (B, Hk, G) folded into B * Hv
-    W, reads = fresh_part.reshape(n, BH, C, dv), reads.view(n, BH, 2 * C, dk)
+    W, reads = fresh_part.reshape(n, BH, C, dv), reads.view(n - first, BH, 2 * C, dk)
     k_end, chunk_decay = k_end.reshape(n, BH, dk, C), chunk_decay.reshape(n, BH, 1, 1)
     scores = scores.reshape(n, BH, C, C)
     M = memory.view(BH, dk, dv)
     read = M.new_empty(n, BH, 2 * C, dv)  # [P_c M_c ; exp(G) q M_c] of every chunk
     corrections = M.new_empty(n, BH, C, dv)
-    if fresh:
-        M.zero_()
-    for c in range(n):
-        torch.bmm(reads[c], M, out=read[c])
+    if fresh:  # chunk 0 from zeros: the same values as the loop below gives it
+        read[0, :, C:].zero_()
+        corrections[0].copy_(W[0])
+        torch.bmm(k_end[0], corrections[0], out=M)
+    for c in range(first, n):
+        torch.bmm(reads[c - first], M, out=read[c])
         torch.sub(W[c], read[c, :, :C], out=corrections[c])
         M.mul_(chunk_decay[c]).baddbmm_(k_end[c], corrections[c])
     # every chunk's outputs at once: o_i = exp(G_i) q_i M_c + sum_{j<=i} decay (q_i . k_j) u_j
