@@ -94,3 +94,27 @@ def test_the_budget_of_steps_picks_the_step(varied, prompts, padded, monkeypatch
     assert [o.token_ids for o in run_text(tight, prompts)] == [o.token_ids for o in short]
     assert calls == [] and tight.pool.cross_slots == 0
     assert [o.token_ids for o in run_text(tight, prompts, max_new=SHORT)] == [o.token_ids[:SHORT] for o in short]
+
+
+def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
+    """A bfloat16 model on the CPU keeps its projected K/V in float32 (``pool.cross_kv_dtype``:
+    SDPA's one-query attention per head is slower than the reassociated form in bfloat16, faster
+    in float32), and the per-head attention runs in float32, rounded to bfloat16 once: the same
+    values as float32 SDPA over those K/V."""
+    import torch
+    import torch.nn.functional as F
+
+    backend = TorchT5Backend(varied, device="cpu", dtype="bfloat16", max_decode_rows=5)
+    backend.project_at = 0
+    run_text(backend, prompts)
+    pool = backend.pool
+    assert pool.xkv.dtype == torch.float32 and pool.mem.dtype == torch.bfloat16 and pool.cross_slots > 0
+    s = backend.shape
+    xq = torch.randn(3, 1, s.num_heads, s.d_kv).bfloat16()
+    xkv = pool.xkv[:3, 0, :, :, :16]
+    mask = torch.zeros(3, 1, 1, 16)
+    mask[1, ..., 9:] = float("-inf")
+    got = backend.model.decoder[0].cross_attention_heads(xq, xkv, mask)
+    want = F.scaled_dot_product_attention(xq.float().transpose(1, 2), xkv[:, 0], xkv[:, 1], attn_mask=mask, scale=1.0)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.transpose(1, 2).reshape(3, 1, -1).bfloat16())

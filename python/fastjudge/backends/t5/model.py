@@ -171,10 +171,12 @@ class T5Block(torch.nn.Module):
     def cross_attention_heads(self, xq: torch.Tensor, xkv: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """The same output from the encoder states' projected K/V ``xkv`` [B, 2, heads, L, d_kv]
         (:meth:`T5Model.project_cross`): per-head attention through SDPA, which reads the pool's
-        strided slices in place (``matmul`` would copy them into a batch it can fold)."""
+        strided slices in place (``matmul`` would copy them into a batch it can fold), in the
+        K/V's dtype (``pool.cross_kv_dtype``: float32 on the CPU; ``key_mask`` is in it too)."""
         B, P, h, dk = xq.shape
-        ctx = F.scaled_dot_product_attention(xq.transpose(1, 2), xkv[:, 0], xkv[:, 1], attn_mask=key_mask, scale=1.0)
-        return ctx.transpose(1, 2).reshape(B, P, h * dk)
+        q = xq.transpose(1, 2).to(xkv.dtype)
+        ctx = F.scaled_dot_product_attention(q, xkv[:, 0], xkv[:, 1], attn_mask=key_mask, scale=1.0)
+        return ctx.transpose(1, 2).reshape(B, P, h * dk).to(xq.dtype)
 
 
 class T5Model(torch.nn.Module):
@@ -284,7 +286,8 @@ class T5Model(torch.nn.Module):
         keys = torch.arange(width, device=device)
         self_mask = bias.masked_fill(keys[None, None, None, :] > where[:, None, :, None], float("-inf"))
         enc_keys = torch.arange(enc_width, device=device)[None, :]
-        key_mask = torch.zeros(B, enc_width, dtype=bias.dtype, device=device).masked_fill(
+        mask_dtype = pool.xkv.dtype if pool.projected else bias.dtype  # the cross-attention's dtype
+        key_mask = torch.zeros(B, enc_width, dtype=mask_dtype, device=device).masked_fill(
             enc_keys >= pool.enc_lengths[:B, None], float("-inf")).view(B, 1, 1, enc_width)
         step = DecoderStep(where, torch.arange(B, device=device)[:, None].expand(B, P), self_mask, key_mask)
         x = F.embedding(tokens, self.embed)
