@@ -97,7 +97,7 @@ def test_the_budget_of_steps_picks_the_step(varied, prompts, padded, monkeypatch
 
 
 def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
-    """A bfloat16 model on the CPU keeps its projected K/V in float32 (``pool.cross_kv_dtype``:
+    """A bfloat16 model on the CPU keeps its projected K/V in float32 (``pool.attention_dtype``:
     SDPA's one-query attention per head is slower than the reassociated form in bfloat16, faster
     in float32), and the per-head attention runs in float32, rounded to bfloat16 once: the same
     values as float32 SDPA over those K/V."""
@@ -108,7 +108,8 @@ def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
     backend.project_at = 0
     run_text(backend, prompts)
     pool = backend.pool
-    assert pool.xkv.dtype == torch.float32 and pool.mem.dtype == torch.bfloat16 and pool.cross_slots > 0
+    assert pool.xkv.dtype == pool.kv.dtype == torch.float32 and pool.mem.dtype == torch.bfloat16
+    assert pool.cross_slots > 0
     s = backend.shape
     xq = torch.randn(3, 1, s.num_heads, s.d_kv).bfloat16()
     xkv = pool.xkv[:3, 0, :, :, :16]

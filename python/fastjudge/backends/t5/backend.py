@@ -27,7 +27,7 @@ from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL
 from .decode import decode_greedy, projection_step, run_step
 from .model import T5Model
-from .pool import T5Pool, cross_kv_dtype, cross_row_bytes, row_bytes
+from .pool import T5Pool, attention_dtype, cross_row_bytes, row_bytes
 from .shape import T5Shape
 
 log = logging.getLogger("fastjudge")
@@ -99,8 +99,8 @@ class TorchT5Backend:
             capacity = max(capacity, pool.capacity * (2 if capacity > pool.capacity else 1))
         enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
         size = torch.empty((), dtype=self.dtype).element_size()
-        per_row = row_bytes(self.shape, enc_capacity, capacity, size)
-        budget = self.decode_cache_bytes - cross_rows * cross_row_bytes(self.shape, enc_capacity, self._cross_size)
+        per_row = row_bytes(self.shape, enc_capacity, capacity, size, self._attention_size)
+        budget = self.decode_cache_bytes - cross_rows * cross_row_bytes(self.shape, enc_capacity, self._attention_size)
         slots = max(1, min(self.options.max_batch_size, budget // per_row))
         if self._compiled is not None:
             slots = max(b for b in ROW_BUCKETS if b <= slots)
@@ -113,9 +113,9 @@ class TorchT5Backend:
         return self.pool
 
     @property
-    def _cross_size(self) -> int:
-        """Bytes per element of the projected cross-attention K/V."""
-        return torch.empty((), dtype=cross_kv_dtype(self.device, self.dtype)).element_size()
+    def _attention_size(self) -> int:
+        """Bytes per element of the pool's attention K/V (``pool.attention_dtype``)."""
+        return torch.empty((), dtype=attention_dtype(self.device, self.dtype)).element_size()
 
     def _cross_rows(self, rows: int, enc_capacity: int, capacity: int) -> int:
         """Rows of projected cross-attention K/V a call of ``rows`` decoding rows needs: ``rows``
@@ -124,8 +124,8 @@ class TorchT5Backend:
             rows = row_bucket(rows)  # a compiled step runs on the padded row count
         enc_capacity, capacity = round_capacity(enc_capacity), round_capacity(capacity)
         size = torch.empty((), dtype=self.dtype).element_size()
-        need = rows * (cross_row_bytes(self.shape, enc_capacity, self._cross_size)
-                       + row_bytes(self.shape, enc_capacity, capacity, size))
+        need = rows * (cross_row_bytes(self.shape, enc_capacity, self._attention_size)
+                       + row_bytes(self.shape, enc_capacity, capacity, size, self._attention_size))
         return rows if need <= self.decode_cache_bytes else 0
 
     # -- execution ---------------------------------------------------------------------------

@@ -147,13 +147,15 @@ class T5Block(torch.nn.Module):
         s = self.s
         B, P, _ = x.shape
         h, dk = s.num_heads, s.d_kv
-        q, k, v = self.qkv(rms_norm(x, self.norm, s.eps)).view(B, P, 3, h, dk).unbind(2)
+        # attention in the K/V's dtype (``pool.attention_dtype``: float32 on the CPU), rounded back once
+        qkv = self.qkv(rms_norm(x, self.norm, s.eps)).to(kv.dtype)
+        q, k, v = qkv.view(B, P, 3, h, dk).unbind(2)
         kv[step.rows, 0, :, step.where] = k
         kv[step.rows, 1, :, step.where] = v
         width = step.self_mask.shape[-1]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0, :, :width], kv[:, 1, :, :width],
                                            attn_mask=step.self_mask, scale=1.0)
-        x = x + self.o(o.transpose(1, 2).reshape(B, P, h * dk))
+        x = x + self.o(o.transpose(1, 2).reshape(B, P, h * dk).to(x.dtype))
         xq = self.x_q(rms_norm(x, self.x_norm, s.eps)).view(B, P, h, dk)
         attend = self.cross_attention_heads if cross.dim() == 5 else self.cross_attention
         return self.feed_forward(x + self.x_o(attend(xq, cross, step.key_mask)))
@@ -172,7 +174,7 @@ class T5Block(torch.nn.Module):
         """The same output from the encoder states' projected K/V ``xkv`` [B, 2, heads, L, d_kv]
         (:meth:`T5Model.project_cross`): per-head attention through SDPA, which reads the pool's
         strided slices in place (``matmul`` would copy them into a batch it can fold), in the
-        K/V's dtype (``pool.cross_kv_dtype``: float32 on the CPU; ``key_mask`` is in it too)."""
+        K/V's dtype (``pool.attention_dtype``: float32 on the CPU; ``key_mask`` is in it too)."""
         B, P, h, dk = xq.shape
         q = xq.transpose(1, 2).to(xkv.dtype)
         ctx = F.scaled_dot_product_attention(q, xkv[:, 0], xkv[:, 1], attn_mask=key_mask, scale=1.0)
@@ -282,11 +284,12 @@ class T5Model(torch.nn.Module):
         start = pool.dec_lengths[:B]
         where = torch.where(steps[None, :] < counts[:, None], start[:, None] + steps, pool.capacity)
         # each token's bias row (its own position), and -inf on keys past it
-        bias = self._dec_bias[:, where.clamp(max=self._dec_bias.shape[-1] - 1), :width].transpose(0, 1)
+        rows = where.clamp(max=self._dec_bias.shape[-1] - 1)
+        bias = self._dec_bias[:, rows, :width].transpose(0, 1).to(pool.kv.dtype)
         keys = torch.arange(width, device=device)
         self_mask = bias.masked_fill(keys[None, None, None, :] > where[:, None, :, None], float("-inf"))
         enc_keys = torch.arange(enc_width, device=device)[None, :]
-        mask_dtype = pool.xkv.dtype if pool.projected else bias.dtype  # the cross-attention's dtype
+        mask_dtype = pool.xkv.dtype if pool.projected else pool.mem.dtype  # the cross-attention's dtype
         key_mask = torch.zeros(B, enc_width, dtype=mask_dtype, device=device).masked_fill(
             enc_keys >= pool.enc_lengths[:B, None], float("-inf")).view(B, 1, 1, enc_width)
         step = DecoderStep(where, torch.arange(B, device=device)[:, None].expand(B, P), self_mask, key_mask)

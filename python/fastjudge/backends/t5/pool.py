@@ -12,10 +12,12 @@ projected one, the first ``cross_slots`` slots also have ``xkv`` ``[cross_slots,
 heads, enc_capacity, d_kv]``, every layer's cross-attention K/V of the row's encoder states
 (``model.T5Model.project_cross``; ``cross_slots`` is 0, and ``xkv`` empty, in a pool that never
 needed it). Slots are never cleared: a masked position's weight is exactly 0.
-Memory: ``slots * (enc_capacity * d_model + layers * 2 * heads * (capacity + 1) * d_kv) * b``
-bytes (:func:`row_bytes`), ``b`` the bytes per element of the model's dtype, plus
-``cross_slots * layers * 2 * heads * enc_capacity * d_kv * x`` (:func:`cross_row_bytes`), ``x``
-the bytes per element of :func:`cross_kv_dtype`.
+The attention K/V (``kv``, ``xkv``) are kept, and attended, in :func:`attention_dtype`: float32
+on the CPU whatever the model's dtype.
+Memory: ``slots * (enc_capacity * d_model * b + layers * 2 * heads * (capacity + 1) * d_kv * a)``
+bytes (:func:`row_bytes`), ``b`` the bytes per element of the model's dtype and ``a`` of the
+attention dtype, plus ``cross_slots * layers * 2 * heads * enc_capacity * d_kv * a``
+(:func:`cross_row_bytes`).
 """
 
 from __future__ import annotations
@@ -27,24 +29,27 @@ from ..slots import move_rows
 from .shape import T5Shape
 
 
-def row_bytes(shape: T5Shape, enc_capacity: int, capacity: int, element_size: int) -> int:
-    """Bytes one slot holds: its encoder states and its self-attention K/V."""
+def row_bytes(shape: T5Shape, enc_capacity: int, capacity: int, element_size: int,
+              attention_size: int | None = None) -> int:
+    """Bytes one slot holds: its encoder states (``element_size`` bytes an element) and its
+    self-attention K/V (``attention_size``, default the same)."""
     kv = shape.num_decoder_layers * 2 * shape.num_heads * (capacity + 1) * shape.d_kv
-    return (shape.d_model * enc_capacity + kv) * element_size
+    return shape.d_model * enc_capacity * element_size + kv * (attention_size or element_size)
 
 
 def cross_row_bytes(shape: T5Shape, enc_capacity: int, element_size: int) -> int:
     """Bytes one slot's projected cross-attention K/V hold (``element_size``: of
-    :func:`cross_kv_dtype`)."""
+    :func:`attention_dtype`)."""
     return shape.num_decoder_layers * 2 * shape.num_heads * shape.d_kv * enc_capacity * element_size
 
 
-def cross_kv_dtype(device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype the projected cross-attention K/V are kept in: float32 on the CPU, where SDPA's
-    one-query-per-head attention in bfloat16 runs slower than the reassociated form it is meant
-    to replace and in float32 faster (Flan-T5-small's shape, 16 rows, a layer: 128 encoder
-    tokens 840 us bfloat16 / 171 us float32 against 654 us reassociated; 490 tokens 3.0 / 1.7 ms
-    against 2.3; 1,190 tokens 7.3 / 2.7 ms against 4.3); the model's dtype elsewhere."""
+def attention_dtype(device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the decoder's attention K/V are kept and attended in: float32 on the CPU, the
+    model's dtype elsewhere. SDPA's CPU kernel with one query per head is slower in bfloat16
+    than in float32 (Flan-T5-small's shape, 16 rows, a layer): self-attention over 100 decoder
+    positions 555 us against 147 us (casts included), and per-head cross-attention over 490
+    encoder tokens 3.0 against 1.7 ms, where the reassociated form it replaces takes 2.3 ms (128
+    tokens: 840 / 171 us against 654; 1,190: 7.3 / 2.7 ms against 4.3)."""
     return torch.float32 if torch.device(device).type == "cpu" else dtype
 
 
@@ -64,11 +69,11 @@ class T5Pool(torch.nn.Module):
         super().__init__()
         self.capacity, self.enc_capacity = int(capacity), int(enc_capacity)
         self.register_buffer("mem", torch.zeros(slots, enc_capacity, shape.d_model, dtype=dtype, device=device))
+        kv_dtype = attention_dtype(device, dtype)
         self.register_buffer("kv", torch.zeros(slots, shape.num_decoder_layers, 2, shape.num_heads, capacity + 1,
-                                               shape.d_kv, dtype=dtype, device=device))
+                                               shape.d_kv, dtype=kv_dtype, device=device))
         self.register_buffer("xkv", torch.zeros(min(cross_slots, slots), shape.num_decoder_layers, 2, shape.num_heads,
-                                                enc_capacity, shape.d_kv, dtype=cross_kv_dtype(device, dtype),
-                                                device=device))
+                                                enc_capacity, shape.d_kv, dtype=kv_dtype, device=device))
         self.register_buffer("enc_lengths", torch.zeros(slots, dtype=torch.long, device=device))
         self.register_buffer("dec_lengths", torch.zeros(slots, dtype=torch.long, device=device))
         for t in self.buffers():
