@@ -244,19 +244,24 @@ def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torc
     k_end, chunk_decay = k_end.reshape(n, BH, dk, C), chunk_decay.reshape(n, BH, 1, 1)
     scores = scores.reshape(n, BH, C, C)
     M = memory.view(BH, dk, dv)
-    read = M.new_empty(n, BH, 2 * C, dv)  # [P_c M_c ; exp(G) q M_c] of every chunk
-    corrections = M.new_empty(n, BH, C, dv)
-    if fresh:  # chunk 0 from zeros: the same values as the loop below gives it
-        read[0, :, C:].zero_()
-        corrections[0].copy_(W[0])
-        torch.bmm(k_end[0], corrections[0], out=M)
+    # of the chunks that read their start state (all but a fresh first one): [P_c M_c ; exp(G)
+    # q M_c], and U_c
+    read = M.new_empty(n - first, BH, 2 * C, dv)
+    corrections = M.new_empty(n - first, BH, C, dv)
+    out = M.new_empty(n, BH, C, dv)
+    if fresh:  # chunk 0 from zeros: U_0 = W_0, its outputs' own part only, M_1 from U_0
+        torch.bmm(scores[0], W[0], out=out[0])
+        torch.bmm(k_end[0], W[0], out=M)
     for c in range(first, n):
-        torch.bmm(reads[c - first], M, out=read[c])
-        torch.sub(W[c], read[c, :, :C], out=corrections[c])
-        M.mul_(chunk_decay[c]).baddbmm_(k_end[c], corrections[c])
-    # every chunk's outputs at once: o_i = exp(G_i) q_i M_c + sum_{j<=i} decay (q_i . k_j) u_j
-    out = torch.baddbmm(read[:, :, C:].reshape(n * BH, C, dv), scores.view(n * BH, C, C),
-                        corrections.view(n * BH, C, dv))
+        r, u = read[c - first], corrections[c - first]
+        torch.bmm(reads[c - first], M, out=r)
+        torch.sub(W[c], r[:, :C], out=u)
+        M.mul_(chunk_decay[c]).baddbmm_(k_end[c], u)
+    # every such chunk's outputs at once: o_i = exp(G_i) q_i M_c + sum_{j<=i} decay (q_i . k_j) u_j
+    if n > first:
+        m = (n - first) * BH
+        torch.baddbmm(read[:, :, C:].reshape(m, C, dv), scores[first:].reshape(m, C, C),
+                      corrections.view(m, C, dv), out=out[first:].view(m, C, dv))
     out = out.view(n, B, Hv, C, dv).permute(1, 0, 3, 2, 4).reshape(B, n * C, Hv, dv)
     return out if pad == 0 else out[:, :S]
 
