@@ -216,3 +216,22 @@ def test_in_place_chunked_matches_reference(S, chunk, fresh):
                                    fresh=fresh)
     assert relative_error(ours, out) <= TOLERANCE
     assert relative_error(memory, final) <= TOLERANCE
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_strong_decays_match_reference(fresh):
+    """Heads that forget fast: log-decays of -5 to -15 a token, so the decays inside a chunk of
+    32 fall far below exp(-87), where float32 has only denormals and 0 and the chunked rule
+    clamps its exponents (``EXP_FLOOR``). Against transformers' ``torch_chunk_gated_delta_rule``
+    (transformers/models/qwen3_5/modeling_qwen3_5.py): the same outputs and final state."""
+    from fastjudge.backends.qwen.gated_delta import EXP_FLOOR
+
+    x = inputs(S=64, seed=11, state=not fresh)
+    x["g"] = -5.0 - 10.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(3))
+    assert float(x["g"][:, :32].sum(1).min()) < 2 * EXP_FLOOR  # the clamp binds
+    out, final = reference.torch_chunk_gated_delta_rule(**x, chunk_size=32, output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True)
+    memory = torch.zeros_like(final) if fresh else x["initial_state"].clone()
+    ours = chunk_gated_delta_rule_(memory, x["query"], x["key"], x["value"], x["g"], x["beta"], 32, fresh=fresh)
+    assert relative_error(ours, out) <= TOLERANCE
+    assert relative_error(memory, final) <= TOLERANCE
