@@ -97,10 +97,11 @@ def test_the_budget_of_steps_picks_the_step(varied, prompts, padded, monkeypatch
 
 
 def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
-    """A bfloat16 model on the CPU keeps its projected K/V in float32 (``pool.attention_dtype``:
-    SDPA's one-query attention per head is slower than the reassociated form in bfloat16, faster
-    in float32), and the per-head attention runs in float32, rounded to bfloat16 once: the same
-    values as float32 SDPA over those K/V."""
+    """A bfloat16 model on the CPU keeps its decoder's attention K/V, self-attention and projected
+    cross-attention, in float32 (``pool.attention_dtype``: SDPA's one-query attention per head is
+    several times slower in bfloat16 there, slower even than the reassociated cross-attention it
+    replaces), and the per-head cross-attention runs in float32, rounded to bfloat16 once: the
+    same values as float32 SDPA over those K/V."""
     import torch
     import torch.nn.functional as F
 

@@ -284,8 +284,8 @@ class T5Model(torch.nn.Module):
         start = pool.dec_lengths[:B]
         where = torch.where(steps[None, :] < counts[:, None], start[:, None] + steps, pool.capacity)
         # each token's bias row (its own position), and -inf on keys past it
-        rows = where.clamp(max=self._dec_bias.shape[-1] - 1)
-        bias = self._dec_bias[:, rows, :width].transpose(0, 1).to(pool.kv.dtype)
+        bias_rows = where.clamp(max=self._dec_bias.shape[-1] - 1)
+        bias = self._dec_bias[:, bias_rows, :width].transpose(0, 1).to(pool.kv.dtype)
         keys = torch.arange(width, device=device)
         self_mask = bias.masked_fill(keys[None, None, None, :] > where[:, None, :, None], float("-inf"))
         enc_keys = torch.arange(enc_width, device=device)[None, :]
