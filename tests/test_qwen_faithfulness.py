@@ -105,14 +105,15 @@ def test_reuse_equals_full_prompt_alone_for_widely_different_suffixes(qwen35_dir
     assert backend.prefix_cache.hit_rate > 0
 
 
-def test_long_whole_prompt_batches_match_transformers(qwen35_dir):
-    """Prompts long enough for the prefill's own paths (transformers' ``Qwen3_5ForCausalLM``
-    forward, transformers/models/qwen3_5/modeling_qwen3_5.py, as the reference): the delta rule
-    over several chunks with a padded last one, the depthwise conv as a channels-last 2-D conv,
-    causal attention in query blocks; once as a fresh batch of equal lengths, once right-padded to
-    the longest row."""
-    backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
-    hf = hf_model(qwen35_dir)
+def test_long_whole_prompt_batches_match_transformers(qwen_dir):
+    """Prompts long enough for the prefill's own paths, for every architecture (transformers'
+    ``Qwen3_5ForConditionalGeneration`` and ``Qwen3ForCausalLM`` forwards, transformers/models/
+    qwen3_5/modeling_qwen3_5.py and models/qwen3/modeling_qwen3.py, as the references): the delta rule
+    over several chunks with a padded last one, the depthwise conv as a channels-last 2-D conv
+    (Qwen3.5), causal attention in query blocks (both); once as a fresh batch of equal lengths,
+    once right-padded to the longest row (``model.run_step``'s padded whole-prompt path)."""
+    backend = TorchQwenBackend(qwen_dir, device=TEST_DEVICE, dtype="float32")
+    hf = hf_model(qwen_dir)
     rng = np.random.default_rng(5)
     cands = (10, 11, 12)
     for lengths in ([300, 300, 300], [300, 203, 171]):
