@@ -65,6 +65,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``x`` as it is when it has the dtype already: even a no-op ``.to`` is one more dispatched
+    # op per call (the attention casts below are no-ops in float32 and on CUDA)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 # transformers' names of the same activations
 ACTIVATION_ALIASES = {"gelu_python": "gelu", "swish": "silu"}
 
@@ -148,14 +154,14 @@ class T5Block(torch.nn.Module):
         B, P, _ = x.shape
         h, dk = s.num_heads, s.d_kv
         # attention in the K/V's dtype (``pool.attention_dtype``: float32 on the CPU), rounded back once
-        qkv = self.qkv(rms_norm(x, self.norm, s.eps)).to(kv.dtype)
+        qkv = as_dtype(self.qkv(rms_norm(x, self.norm, s.eps)), kv.dtype)
         q, k, v = qkv.view(B, P, 3, h, dk).unbind(2)
         kv[step.rows, 0, :, step.where] = k
         kv[step.rows, 1, :, step.where] = v
         width = step.self_mask.shape[-1]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0, :, :width], kv[:, 1, :, :width],
                                            attn_mask=step.self_mask, scale=1.0)
-        x = x + self.o(o.transpose(1, 2).reshape(B, P, h * dk).to(x.dtype))
+        x = x + self.o(as_dtype(o.transpose(1, 2).reshape(B, P, h * dk), x.dtype))
         xq = self.x_q(rms_norm(x, self.x_norm, s.eps)).view(B, P, h, dk)
         attend = self.cross_attention_heads if cross.dim() == 5 else self.cross_attention
         return self.feed_forward(x + self.x_o(attend(xq, cross, step.key_mask)))
@@ -176,9 +182,9 @@ class T5Block(torch.nn.Module):
         strided slices in place (``matmul`` would copy them into a batch it can fold), in the
         K/V's dtype (``pool.attention_dtype``: float32 on the CPU; ``key_mask`` is in it too)."""
         B, P, h, dk = xq.shape
-        q = xq.transpose(1, 2).to(xkv.dtype)
+        q = as_dtype(xq.transpose(1, 2), xkv.dtype)
         ctx = F.scaled_dot_product_attention(q, xkv[:, 0], xkv[:, 1], attn_mask=key_mask, scale=1.0)
-        return ctx.transpose(1, 2).reshape(B, P, h * dk).to(xq.dtype)
+        return as_dtype(ctx.transpose(1, 2).reshape(B, P, h * dk), xq.dtype)
 
 
 class T5Model(torch.nn.Module):
@@ -285,7 +291,7 @@ class T5Model(torch.nn.Module):
         where = torch.where(steps[None, :] < counts[:, None], start[:, None] + steps, pool.capacity)
         # each token's bias row (its own position), and -inf on keys past it
         bias_rows = where.clamp(max=self._dec_bias.shape[-1] - 1)
-        bias = self._dec_bias[:, bias_rows, :width].transpose(0, 1).to(pool.kv.dtype)
+        bias = as_dtype(self._dec_bias[:, bias_rows, :width].transpose(0, 1), pool.kv.dtype)
         keys = torch.arange(width, device=device)
         self_mask = bias.masked_fill(keys[None, None, None, :] > where[:, None, :, None], float("-inf"))
         enc_keys = torch.arange(enc_width, device=device)[None, :]
