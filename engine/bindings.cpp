@@ -7,6 +7,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -16,6 +17,7 @@
 
 #include "planner.hpp"
 #include "prefix_index.hpp"
+#include "triangular.hpp"
 
 namespace py = pybind11;
 
@@ -314,10 +316,56 @@ non-decreasing, offsets[-1] == len(tokens)): query i is tokens[offsets[i]:offset
       });
 }
 
+
+// ---------------------------------------------------------------------------------------
+// triangular inverse (the chunked delta rule's per-chunk system)
+// ---------------------------------------------------------------------------------------
+
+// A float32 array as it is: C-contiguous and aligned, or nothing (no silent conversion copy,
+// which would also leave an output unwritten).
+py::array_t<float> float32_matrices(const py::handle& obj, const std::string& name) {
+  py::array arr = py::array::ensure(obj);
+  if (!arr || arr.dtype().kind() != 'f' || arr.itemsize() != 4 ||
+      !(arr.flags() & py::array::c_style) || arr.ndim() < 2 ||
+      arr.shape(arr.ndim() - 1) != arr.shape(arr.ndim() - 2)) {
+    throw py::value_error(name + " must be a C-contiguous float32 array of square matrices [..., C, C]");
+  }
+  return py::reinterpret_borrow<py::array_t<float>>(arr);
+}
+
+void unit_lower_inverse(const py::handle& system, const py::handle& out, int threads) {
+  py::array_t<float> in = float32_matrices(system, "system");
+  py::array_t<float> res = float32_matrices(out, "out");
+  if (!res.writeable()) throw py::value_error("out must be writable");
+  if (in.ndim() != res.ndim() ||
+      !std::equal(in.shape(), in.shape() + in.ndim(), res.shape())) {
+    throw py::value_error("out must have the shape of system");
+  }
+  const int64_t C = in.shape(in.ndim() - 1);
+  const int64_t n = C == 0 ? 0 : in.size() / (C * C);
+  const float* src = in.data();
+  float* dst = res.mutable_data();
+  if (src == dst) throw py::value_error("out must not be system itself");
+  py::gil_scoped_release release;
+  fastjudge::unit_lower_inverse(src, dst, n, C, threads);
+}
+
+void bind_triangular(py::module_& m) {
+  m.def("unit_lower_inverse", &unit_lower_inverse, py::arg("system"), py::arg("out"),
+        py::arg("threads") = 1,
+        R"doc(Write (I + L)^-1 into out for L the strictly lower triangle of each C x C matrix of
+system (float32, C-contiguous, [..., C, C]; the diagonal and upper triangle are not read).
+out: a float32 array of the same shape, written whole (ones on the diagonal, zeros above).
+threads: at most this many threads, used only where there are enough matrices.
+Raises ValueError on arrays of another dtype, layout or shape, and for C over
+unit_lower_inverse_max_size.)doc");
+  m.attr("unit_lower_inverse_max_size") = fastjudge::kMaxUnitLowerSize;
+}
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
-  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index.";
+  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, triangular inverse.";
   bind_planner(m);
   bind_prefix_index(m);
+  bind_triangular(m);
 }

@@ -15,6 +15,7 @@ from fastjudge.backends.qwen.gated_delta import (
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_,
     unit_lower_inverse,
+    unit_lower_inverse_blocks,
 )
 
 reference = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -159,16 +160,21 @@ def test_in_place_recurrent_matches_reference(S, B, Hk, Hv, dk, dv):
         assert torch.equal(memory[0], before[0])
 
 
+INVERSES = {"engine": unit_lower_inverse, "blocks": unit_lower_inverse_blocks}
+
+
+@pytest.mark.parametrize("how", sorted(INVERSES))
 @pytest.mark.parametrize("C", [1, 2, 3, 5, 16, 17, 32, 64])
-def test_unit_lower_inverse_matches_a_triangular_solve(C):
-    """The block inversion of the chunk's unit lower-triangular system against
+def test_unit_lower_inverse_matches_a_triangular_solve(C, how):
+    """The inverse of the chunk's unit lower-triangular system, by the engine's forward
+    substitution (what a float32 CPU system takes) and by block inversion (elsewhere), against
     ``torch.linalg.solve_triangular(..., upper=False, unitriangular=True)`` with the identity
     as right-hand side (torch's documented contract: the diagonal and upper triangle of the
     matrix are not read), on batches of random systems shaped as the delta rule builds them
     (|L_ij| <= 1), with garbage on and above the diagonal."""
     gen = torch.Generator().manual_seed(C)
     system = torch.rand(3, 2, C, C, generator=gen) * 2 - 1
-    ours = unit_lower_inverse(system)
+    ours = INVERSES[how](system)
     theirs = torch.linalg.solve_triangular(system, torch.eye(C).expand(3, 2, C, C), upper=False,
                                            unitriangular=True)
     assert ours.shape == theirs.shape
@@ -177,15 +183,16 @@ def test_unit_lower_inverse_matches_a_triangular_solve(C):
     assert torch.equal(ours.diagonal(0, -2, -1), torch.ones(3, 2, C))
 
 
-def test_unit_lower_inverse_of_repeated_keys_is_exact():
+@pytest.mark.parametrize("how", sorted(INVERSES))
+def test_unit_lower_inverse_of_repeated_keys_is_exact(how):
     """Identical keys with beta = 1 and no decay give L = all ones below the diagonal, whose
     inverse is ``I`` minus the subdiagonal (each correction cancels the one before): entries of
     powers of L grow like binomial coefficients (C(30, 15) ~ 1.6e8 at C = 32), so a power-series
-    inverse would lose everything in float32; the block inversion must not."""
+    inverse would lose everything in float32; neither form may."""
     for C in (8, 32, 64):
         ones = torch.ones(C, C).tril(-1)
         want = torch.eye(C) - torch.diag(torch.ones(C - 1), -1)
-        assert torch.equal(unit_lower_inverse(ones[None]), want[None])
+        assert torch.equal(INVERSES[how](ones[None]), want[None])
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 64])
