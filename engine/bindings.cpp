@@ -17,6 +17,7 @@
 
 #include "planner.hpp"
 #include "prefix_index.hpp"
+#include "delta_rule.hpp"
 #include "triangular.hpp"
 
 namespace py = pybind11;
@@ -361,11 +362,69 @@ Raises ValueError on arrays of another dtype, layout or shape, and for C over
 unit_lower_inverse_max_size.)doc");
   m.attr("unit_lower_inverse_max_size") = fastjudge::kMaxUnitLowerSize;
 }
+
+// ---------------------------------------------------------------------------------------
+// the gated delta rule's one-token steps
+// ---------------------------------------------------------------------------------------
+
+// A C-contiguous float32 array of the given shape, or ValueError (no conversion copy: the state
+// is written in place, and a copy of an input would hide a caller's layout mistake).
+py::array_t<float> float32_shaped(const py::handle& obj, const std::string& name,
+                                  const std::vector<int64_t>& shape) {
+  py::array arr = py::array::ensure(obj);
+  bool ok = arr && arr.dtype().kind() == 'f' && arr.itemsize() == 4 && (arr.flags() & py::array::c_style) &&
+            arr.ndim() == static_cast<py::ssize_t>(shape.size());
+  for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = arr.shape(i) == shape[i];
+  if (!ok) {
+    std::string want;
+    for (int64_t n : shape) want += (want.empty() ? "" : ", ") + std::to_string(n);
+    throw py::value_error(name + " must be a C-contiguous float32 array of shape [" + want + "]");
+  }
+  return py::reinterpret_borrow<py::array_t<float>>(arr);
+}
+
+void recurrent_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
+                          const py::handle& value, const py::handle& decay, const py::handle& beta,
+                          const py::handle& out, int threads) {
+  py::array keys = py::array::ensure(key), values = py::array::ensure(value);
+  if (!keys || keys.ndim() != 4 || !values || values.ndim() != 4) {
+    throw py::value_error("key and value must be 4-D arrays [B, S, heads, dim]");
+  }
+  const int64_t B = keys.shape(0), S = keys.shape(1), Hk = keys.shape(2), dk = keys.shape(3);
+  const int64_t Hv = values.shape(2), dv = values.shape(3);
+  if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
+  auto state = float32_shaped(memory, "memory", {B, Hv, dk, dv});
+  auto q = float32_shaped(query, "query", {B, S, Hk, dk});
+  auto k = float32_shaped(key, "key", {B, S, Hk, dk});
+  auto v = float32_shaped(value, "value", {B, S, Hv, dv});
+  auto d = float32_shaped(decay, "decay", {B, S, Hv});
+  auto b = float32_shaped(beta, "beta", {B, S, Hv});
+  auto o = float32_shaped(out, "out", {B, S, Hv, dv});
+  if (!state.writeable() || !o.writeable()) throw py::value_error("memory and out must be writable");
+  float* mem = state.mutable_data();
+  float* dst = o.mutable_data();
+  py::gil_scoped_release release;
+  fastjudge::recurrent_delta_rule(mem, q.data(), k.data(), v.data(), d.data(), b.data(), dst, B, S, Hk, Hv, dk,
+                                  dv, threads);
+}
+
+void bind_delta_rule(py::module_& m) {
+  m.def("recurrent_delta_rule", &recurrent_delta_rule, py::arg("memory"), py::arg("query"), py::arg("key"),
+        py::arg("value"), py::arg("decay"), py::arg("beta"), py::arg("out"), py::arg("threads") = 1,
+        R"doc(The gated delta rule one token at a time, in place on memory.
+
+memory [B, Hv, dk, dv] (the state, updated), query and key [B, S, Hk, dk] (normalised; queries
+scaled), value [B, S, Hv, dv], decay (exp of the log-decays) and beta [B, S, Hv], out
+[B, S, Hv, dv] (written): float32, C-contiguous. Value head h reads key head h // (Hv // Hk).
+threads: at most this many threads, used only for large states. Raises ValueError on arrays of
+another dtype, layout or shape.)doc");
+}
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
-  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, triangular inverse.";
+  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, delta-rule kernels.";
   bind_planner(m);
   bind_prefix_index(m);
   bind_triangular(m);
+  bind_delta_rule(m);
 }

@@ -14,6 +14,7 @@ from fastjudge.backends.qwen.gated_delta import (
     chunk_gated_delta_rule_,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_,
+    recurrent_gated_delta_rule_ops,
     unit_lower_inverse,
     unit_lower_inverse_blocks,
 )
@@ -136,13 +137,19 @@ def test_traces_without_graph_breaks():
     assert_same(step(**one, **kw), recurrent_gated_delta_rule(**one, **kw), True)
 
 
+STEP_FORMS = {"engine": recurrent_gated_delta_rule_, "ops": recurrent_gated_delta_rule_ops}
+
+
+@pytest.mark.parametrize("how", sorted(STEP_FORMS))
 @pytest.mark.parametrize("S", [1, 2, 3])
 @pytest.mark.parametrize("B,Hk,Hv,dk,dv", [(2, 2, 4, 16, 24), (3, 1, 3, 8, 40), (1, 2, 2, 32, 16)])
-def test_in_place_recurrent_matches_reference(S, B, Hk, Hv, dk, dv):
-    """The decoding steps' in-place rule (grouped value heads, the state updated where it lies)
-    against ``torch_recurrent_gated_delta_rule`` (transformers/models/qwen3_5/modeling_qwen3_5.py,
+def test_in_place_recurrent_matches_reference(S, B, Hk, Hv, dk, dv, how):
+    """The decoding steps' in-place rule (grouped value heads, the state updated where it lies),
+    by the engine (what a CPU state takes) and as tensor ops (elsewhere), against
+    ``torch_recurrent_gated_delta_rule`` (transformers/models/qwen3_5/modeling_qwen3_5.py,
     transformers 5.x), which normalises the queries and keys itself; a step with beta = 0 and
     g = 0 (the engine's padding) leaves the state as it was."""
+    rule = STEP_FORMS[how]
     x = inputs(B=B, S=S, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=10 * S + dv)
     x["beta"][0, -1] = 0.0
     x["g"][0, -1] = 0.0
@@ -150,13 +157,12 @@ def test_in_place_recurrent_matches_reference(S, B, Hk, Hv, dk, dv):
     memory = x["initial_state"].clone()
     q = x["query"] * torch.rsqrt(x["query"].square().sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
     k = x["key"] * torch.rsqrt(x["key"].square().sum(-1, keepdim=True) + 1e-6)
-    ours = recurrent_gated_delta_rule_(memory, q, k, x["value"], x["g"], x["beta"])
+    ours = rule(memory, q, k, x["value"], x["g"], x["beta"])
     assert relative_error(ours, out) <= TOLERANCE
     assert relative_error(memory, final) <= TOLERANCE
     if S > 1:  # row 0's padded last step changed nothing: its state is the one after S - 1 steps
         before = x["initial_state"].clone()
-        recurrent_gated_delta_rule_(before, q[:, :-1], k[:, :-1], x["value"][:, :-1], x["g"][:, :-1],
-                                    x["beta"][:, :-1])
+        rule(before, q[:, :-1], k[:, :-1], x["value"][:, :-1], x["g"][:, :-1], x["beta"][:, :-1])
         assert torch.equal(memory[0], before[0])
 
 

