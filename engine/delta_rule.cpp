@@ -1,20 +1,15 @@
 #include "delta_rule.hpp"
 
 #include <algorithm>
-#include <thread>
 #include <vector>
+
+#include "cpu_parallel.hpp"
 
 namespace fastjudge {
 namespace {
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define FASTJUDGE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FASTJUDGE_CLONES
-#endif
-
-// Below this many state floats (4 MB) one thread is faster: a thread's start costs about what
-// streaming a megabyte of state does.
+// One thread for each 4 MB of state (16 rows of 16 heads of 128 x 128 take four): below that a
+// thread's start costs more than the share of the state it would stream.
 constexpr int64_t kFloatsPerThread = 1 << 20;
 
 struct Step {
@@ -73,20 +68,8 @@ void recurrent_delta_rule(float* memory, const float* query, const float* key, c
   const Step s{memory, query, key, value, decay, beta, out, S, Hk, Hv, dk, dv};
   const int64_t heads = B * Hv;
   if (heads == 0 || S == 0) return;
-  const int64_t workers =
-      std::max<int64_t>(1, std::min<int64_t>({threads, heads, heads * dk * dv / kFloatsPerThread}));
-  if (workers == 1) {
-    run_heads(s, 0, heads);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const int64_t per = (heads + workers - 1) / workers;
-  for (int64_t w = 1; w < workers; ++w) {
-    const int64_t first = w * per, last = std::min(heads, first + per);
-    if (first < last) pool.emplace_back(run_heads, std::cref(s), first, last);
-  }
-  run_heads(s, 0, std::min(heads, per));
-  for (auto& th : pool) th.join();
+  parallel_ranges(heads, std::min<int64_t>(threads, heads * dk * dv / kFloatsPerThread), 1,
+                  [&](int64_t first, int64_t last) { run_heads(s, first, last); });
 }
 
 }  // namespace fastjudge

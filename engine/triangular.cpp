@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include "cpu_parallel.hpp"
 
 namespace fastjudge {
 namespace {
@@ -15,14 +16,6 @@ namespace {
 // accumulators hide the multiply-add latency.
 constexpr int kLanes = 16;
 constexpr int kBlock = 4;
-
-// GCC and Clang on x86-64 Linux build the hot loop for AVX-512, AVX2 and the baseline ISA and
-// pick one at load time (ifunc), so the module stays portable.
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define FASTJUDGE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FASTJUDGE_CLONES
-#endif
 
 // The substitution over one group held lane-minor: lower[(i * stride + k) * kLanes + w] is
 // L_w[i][k] (zero on and above the diagonal and in unused lanes), inverse the same layout for
@@ -95,19 +88,8 @@ void unit_lower_inverse(const float* system, float* out, int64_t n, int64_t C, i
   // whole groups per thread, and only where each thread gets at least two (a thread's start
   // costs about what one group of 32 x 32 matrices does)
   const int64_t groups = (n + kLanes - 1) / kLanes;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, groups / 2));
-  if (workers == 1) {
-    invert_range(system, out, 0, n, C);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const int64_t per = (groups + workers - 1) / workers * kLanes;
-  for (int64_t t = 1; t < workers; ++t) {
-    const int64_t first = t * per, last = std::min(n, first + per);
-    if (first < last) pool.emplace_back(invert_range, system, out, first, last, C);
-  }
-  invert_range(system, out, 0, std::min(n, per), C);
-  for (auto& th : pool) th.join();
+  parallel_ranges(n, std::min<int64_t>(threads, groups / 2), kLanes,
+                  [&](int64_t first, int64_t last) { invert_range(system, out, first, last, C); });
 }
 
 }  // namespace fastjudge
