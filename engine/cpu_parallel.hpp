@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -17,7 +19,9 @@
 namespace fastjudge {
 
 // run(first, last) over [0, n) in `workers` contiguous ranges of whole `grain`-item units, the
-// calling thread taking the first; fewer than two workers run it inline.
+// calling thread taking the first; fewer than two workers run it inline. An exception in any
+// range (std::bad_alloc for scratch) reaches the caller after every thread has finished, as
+// it would from one thread (Python sees MemoryError), instead of ending the process.
 template <typename Run>
 void parallel_ranges(int64_t n, int64_t workers, int64_t grain, Run run) {
   const int64_t units = (n + grain - 1) / grain;
@@ -27,13 +31,30 @@ void parallel_ranges(int64_t n, int64_t workers, int64_t grain, Run run) {
     return;
   }
   const int64_t per = (units + workers - 1) / workers * grain;
+  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(workers));
+  auto guarded = [&](int64_t w, int64_t first, int64_t last) {
+    try {
+      run(first, last);
+    } catch (...) {
+      failed[static_cast<std::size_t>(w)] = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(workers));  // no reallocation while threads run
   for (int64_t w = 1; w < workers; ++w) {
     const int64_t first = w * per, last = std::min(n, first + per);
-    if (first < last) pool.emplace_back(run, first, last);
+    if (first >= last) continue;
+    try {
+      pool.emplace_back(guarded, w, first, last);
+    } catch (const std::system_error&) {  // no thread to be had: this range runs here
+      guarded(w, first, last);
+    }
   }
-  run(int64_t{0}, std::min(n, per));
+  guarded(0, 0, std::min(n, per));
   for (auto& t : pool) t.join();
+  for (const auto& e : failed) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 }  // namespace fastjudge
