@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "delta_rule.hpp"
 #include "planner.hpp"
 #include "prefix_index.hpp"
-#include "delta_rule.hpp"
 #include "triangular.hpp"
 
 namespace py = pybind11;
@@ -317,7 +317,6 @@ non-decreasing, offsets[-1] == len(tokens)): query i is tokens[offsets[i]:offset
       });
 }
 
-
 // ---------------------------------------------------------------------------------------
 // triangular inverse (the chunked delta rule's per-chunk system)
 // ---------------------------------------------------------------------------------------
@@ -419,6 +418,7 @@ scaled), value [B, S, Hv, dv], decay (exp of the log-decays) and beta [B, S, Hv]
 threads: at most this many threads, used only for large states. Raises ValueError on arrays of
 another dtype, layout or shape.)doc");
 }
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
