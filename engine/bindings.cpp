@@ -321,13 +321,17 @@ non-decreasing, offsets[-1] == len(tokens)): query i is tokens[offsets[i]:offset
 // triangular inverse (the chunked delta rule's per-chunk system)
 // ---------------------------------------------------------------------------------------
 
-// A float32 array as it is: C-contiguous and aligned, or nothing (no silent conversion copy,
-// which would also leave an output unwritten).
-py::array_t<float> float32_matrices(const py::handle& obj, const std::string& name) {
+// A float32 array as it is, C-contiguous, or nothing: no silent conversion copy, which would
+// leave an output or the state unwritten and hide a caller's layout mistake.
+py::array float32_array(const py::handle& obj) {
   py::array arr = py::array::ensure(obj);
-  if (!arr || arr.dtype().kind() != 'f' || arr.itemsize() != 4 ||
-      !(arr.flags() & py::array::c_style) || arr.ndim() < 2 ||
-      arr.shape(arr.ndim() - 1) != arr.shape(arr.ndim() - 2)) {
+  const bool ok = arr && arr.dtype().kind() == 'f' && arr.itemsize() == 4 && (arr.flags() & py::array::c_style);
+  return ok ? arr : py::array();
+}
+
+py::array_t<float> float32_matrices(const py::handle& obj, const std::string& name) {
+  py::array arr = float32_array(obj);
+  if (!arr || arr.ndim() < 2 || arr.shape(arr.ndim() - 1) != arr.shape(arr.ndim() - 2)) {
     throw py::value_error(name + " must be a C-contiguous float32 array of square matrices [..., C, C]");
   }
   return py::reinterpret_borrow<py::array_t<float>>(arr);
@@ -366,13 +370,11 @@ unit_lower_inverse_max_size.)doc");
 // the gated delta rule's one-token steps
 // ---------------------------------------------------------------------------------------
 
-// A C-contiguous float32 array of the given shape, or ValueError (no conversion copy: the state
-// is written in place, and a copy of an input would hide a caller's layout mistake).
+// float32_array of the given shape, or ValueError
 py::array_t<float> float32_shaped(const py::handle& obj, const std::string& name,
                                   const std::vector<int64_t>& shape) {
-  py::array arr = py::array::ensure(obj);
-  bool ok = arr && arr.dtype().kind() == 'f' && arr.itemsize() == 4 && (arr.flags() & py::array::c_style) &&
-            arr.ndim() == static_cast<py::ssize_t>(shape.size());
+  py::array arr = float32_array(obj);
+  bool ok = arr && arr.ndim() == static_cast<py::ssize_t>(shape.size());
   for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = arr.shape(i) == shape[i];
   if (!ok) {
     std::string want;
