@@ -384,6 +384,23 @@ py::array_t<float> float32_shaped(const py::handle& obj, const std::string& name
   return py::reinterpret_borrow<py::array_t<float>>(arr);
 }
 
+// A float32 [B, S, heads, dim] numpy array read in place: any strides over its first three
+// dimensions (a layer's views), contiguous rows; ValueError otherwise. Only an array itself is
+// taken (the caller's argument keeps its memory alive for the call), never a converted copy.
+fastjudge::StridedRows float32_rows(const py::handle& obj, const std::string& name,
+                                    const std::vector<int64_t>& shape) {
+  py::array arr = py::isinstance<py::array>(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array();
+  bool ok = arr && arr.dtype().kind() == 'f' && arr.itemsize() == 4 && arr.ndim() == 4 &&
+            (arr.shape(3) <= 1 || arr.strides(3) == 4);
+  for (int i = 0; ok && i < 4; ++i) ok = arr.shape(i) == shape[i] && arr.strides(i) % 4 == 0;
+  if (!ok) {
+    throw py::value_error(name + " must be a float32 array of shape [" + std::to_string(shape[0]) + ", " +
+                          std::to_string(shape[1]) + ", " + std::to_string(shape[2]) + ", " +
+                          std::to_string(shape[3]) + "] with contiguous rows");
+  }
+  return {static_cast<const float*>(arr.data()), arr.strides(0) / 4, arr.strides(1) / 4, arr.strides(2) / 4};
+}
+
 void recurrent_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
                           const py::handle& value, const py::handle& decay, const py::handle& beta,
                           const py::handle& out, int threads) {
@@ -395,9 +412,9 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   const int64_t Hv = values.shape(2), dv = values.shape(3);
   if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
   auto state = float32_shaped(memory, "memory", {B, Hv, dk, dv});
-  auto q = float32_shaped(query, "query", {B, S, Hk, dk});
-  auto k = float32_shaped(key, "key", {B, S, Hk, dk});
-  auto v = float32_shaped(value, "value", {B, S, Hv, dv});
+  const fastjudge::StridedRows q = float32_rows(query, "query", {B, S, Hk, dk});
+  const fastjudge::StridedRows k = float32_rows(key, "key", {B, S, Hk, dk});
+  const fastjudge::StridedRows v = float32_rows(value, "value", {B, S, Hv, dv});
   auto d = float32_shaped(decay, "decay", {B, S, Hv});
   auto b = float32_shaped(beta, "beta", {B, S, Hv});
   auto o = float32_shaped(out, "out", {B, S, Hv, dv});
@@ -405,8 +422,7 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   float* mem = state.mutable_data();
   float* dst = o.mutable_data();
   py::gil_scoped_release release;
-  fastjudge::recurrent_delta_rule(mem, q.data(), k.data(), v.data(), d.data(), b.data(), dst, B, S, Hk, Hv, dk,
-                                  dv, threads);
+  fastjudge::recurrent_delta_rule(mem, q, k, v, d.data(), b.data(), dst, B, S, Hk, Hv, dk, dv, threads);
 }
 
 void bind_delta_rule(py::module_& m) {
@@ -416,7 +432,8 @@ void bind_delta_rule(py::module_& m) {
 
 memory [B, Hv, dk, dv] (the state, updated), query and key [B, S, Hk, dk] (normalised; queries
 scaled), value [B, S, Hv, dv], decay (exp of the log-decays) and beta [B, S, Hv], out
-[B, S, Hv, dv] (written): float32, C-contiguous. Value head h reads key head h // (Hv // Hk).
+[B, S, Hv, dv] (written): float32; query, key and value read in place with any strides but
+contiguous rows, the rest C-contiguous. Value head h reads key head h // (Hv // Hk).
 threads: at most this many threads, used only for large states. Raises ValueError on arrays of
 another dtype, layout or shape.)doc");
 }

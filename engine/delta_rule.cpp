@@ -14,7 +14,8 @@ constexpr int64_t kFloatsPerThread = 1 << 20;
 
 struct Step {
   float* memory;
-  const float *query, *key, *value, *decay, *beta;
+  const StridedRows &query, &key, &value;
+  const float *decay, *beta;
   float* out;
   int64_t S, Hk, Hv, dk, dv;
 };
@@ -33,9 +34,9 @@ void run_heads(const Step& s, int64_t first, int64_t last) {
     for (int64_t t = 0; t < s.S; ++t) {
       const int64_t bt = b * s.S + t;
       const float decay = s.decay[bt * s.Hv + h], beta = s.beta[bt * s.Hv + h];
-      const float* k = s.key + (bt * s.Hk + hk) * dk;
-      const float* q = s.query + (bt * s.Hk + hk) * dk;
-      const float* v = s.value + (bt * s.Hv + h) * dv;
+      const float* k = s.key.row(b, t, hk);
+      const float* q = s.query.row(b, t, hk);
+      const float* v = s.value.row(b, t, h);
       std::fill(acc, acc + dv, 0.0f);
       for (int64_t i = 0; i < dk; ++i) {  // forget, and read what the memory holds under k
         float* m = M + i * dv;
@@ -62,9 +63,9 @@ void run_heads(const Step& s, int64_t first, int64_t last) {
 
 }  // namespace
 
-void recurrent_delta_rule(float* memory, const float* query, const float* key, const float* value,
-                          const float* decay, const float* beta, float* out, int64_t B, int64_t S,
-                          int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int threads) {
+void recurrent_delta_rule(float* memory, const StridedRows& query, const StridedRows& key,
+                          const StridedRows& value, const float* decay, const float* beta, float* out,
+                          int64_t B, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int threads) {
   const Step s{memory, query, key, value, decay, beta, out, S, Hk, Hv, dk, dv};
   const int64_t heads = B * Hv;
   if (heads == 0 || S == 0) return;

@@ -45,6 +45,20 @@ def test_matches_the_tensor_ops(B, S, Hk, Hv, dk, dv):
                                rtol=1e-5, atol=1e-5 * scale)
 
 
+def test_strided_views_are_read_in_place():
+    """query, key and value as a layer hands them (strided views, not copies) give the values of
+    their contiguous copies."""
+    memory, q, k, v, g, beta = step_inputs(4, 2, 2, 4, 8, 16, seed=5)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    results = []
+    for views in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
+        state, out = memory.clone(), torch.empty(4, 2, 4, 16)
+        _engine.recurrent_delta_rule(state.numpy(), *(t.numpy() for t in views), g.exp().numpy(), beta.numpy(),
+                                     out.numpy())
+        results.append((state, out))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_threads_split_heads_without_changing_a_value():
     """A state large enough for several threads (64 rows x 8 heads x 64 x 64 floats: 8 MB):
     the same bits on one thread and on four."""
@@ -72,6 +86,8 @@ def test_refuses_what_it_would_misread():
         ("value", np.zeros((B, S, 3, dv), np.float32), "multiple of key heads"),
         ("out", np.zeros((B, S, Hv, dv), np.float32)[..., ::-1], "out must be"),
         ("beta", np.zeros((B, S, Hv), np.float32).T.copy().T, "beta must be"),
+        ("value", np.zeros((B, S, Hv, 2 * dv), np.float32)[..., ::2], "contiguous rows"),  # strided rows
+        ("key", ok["key"].tolist(), "key must be"),  # not an array: nothing to read in place
     ]:
         with pytest.raises(ValueError, match=message):
             _engine.recurrent_delta_rule(**{**ok, name: bad})

@@ -127,8 +127,9 @@ def recurrent_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: 
     B, S, Hk, dk = key.shape
     Hv, dv = value.shape[2:]
     out = memory.new_empty(B, S, Hv, dv)
-    inputs = (as_float(t).contiguous().numpy() for t in (query, key, value, g.exp(), beta))
-    _engine.recurrent_delta_rule(memory.numpy(), *inputs, out.numpy(), torch.get_num_threads())
+    rows = (as_float(t).numpy() for t in (query, key, value))  # read in place, strided as they come
+    gates = (as_float(t).contiguous().numpy() for t in (g.exp(), beta))
+    _engine.recurrent_delta_rule(memory.numpy(), *rows, *gates, out.numpy(), torch.get_num_threads())
     return out
 
 
