@@ -12,9 +12,12 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "causal_attention.hpp"
+#include "cpu_parallel.hpp"
 #include "delta_rule.hpp"
 #include "planner.hpp"
 #include "prefix_index.hpp"
@@ -384,21 +387,27 @@ py::array_t<float> float32_shaped(const py::handle& obj, const std::string& name
   return py::reinterpret_borrow<py::array_t<float>>(arr);
 }
 
-// A float32 [B, S, heads, dim] numpy array read in place: any strides over its first three
-// dimensions (a layer's views), contiguous rows; ValueError otherwise. Only an array itself is
-// taken (the caller's argument keeps its memory alive for the call), never a converted copy.
-fastjudge::StridedRows float32_rows(const py::handle& obj, const std::string& name,
-                                    const std::vector<int64_t>& shape) {
+// A [B, S, heads, dim] numpy array of T (float32; bfloat16 as 16-bit integers) read in place:
+// any strides over its first three dimensions (a layer's views), contiguous rows; ValueError
+// otherwise. Only an array itself is taken (the caller's argument keeps its memory alive for the
+// call), never a converted copy.
+template <typename T>
+fastjudge::StridedRows<T> strided_rows(const py::handle& obj, const std::string& name,
+                                       const std::vector<int64_t>& shape) {
+  constexpr int64_t size = sizeof(T);
+  constexpr bool floats = std::is_floating_point_v<T>;
   py::array arr = py::isinstance<py::array>(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array();
-  bool ok = arr && arr.dtype().kind() == 'f' && arr.itemsize() == 4 && arr.ndim() == 4 &&
-            (arr.shape(3) <= 1 || arr.strides(3) == 4);
-  for (int i = 0; ok && i < 4; ++i) ok = arr.shape(i) == shape[i] && arr.strides(i) % 4 == 0;
+  const char kind = arr ? arr.dtype().kind() : '\0';
+  bool ok = arr && (floats ? kind == 'f' : kind == 'i' || kind == 'u') && arr.itemsize() == size &&
+            arr.ndim() == 4 && (arr.shape(3) <= 1 || arr.strides(3) == size);
+  for (int i = 0; ok && i < 4; ++i) ok = arr.shape(i) == shape[i] && arr.strides(i) % size == 0;
   if (!ok) {
-    throw py::value_error(name + " must be a float32 array of shape [" + std::to_string(shape[0]) + ", " +
-                          std::to_string(shape[1]) + ", " + std::to_string(shape[2]) + ", " +
-                          std::to_string(shape[3]) + "] with contiguous rows");
+    throw py::value_error(name + " must be " + (floats ? "a float32" : "a 16-bit integer (bfloat16 bits)") +
+                          " array of shape [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) +
+                          ", " + std::to_string(shape[2]) + ", " + std::to_string(shape[3]) +
+                          "] with contiguous rows");
   }
-  return {static_cast<const float*>(arr.data()), arr.strides(0) / 4, arr.strides(1) / 4, arr.strides(2) / 4};
+  return {static_cast<const T*>(arr.data()), arr.strides(0) / size, arr.strides(1) / size, arr.strides(2) / size};
 }
 
 void recurrent_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
@@ -412,9 +421,9 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   const int64_t Hv = values.shape(2), dv = values.shape(3);
   if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
   auto state = float32_shaped(memory, "memory", {B, Hv, dk, dv});
-  const fastjudge::StridedRows q = float32_rows(query, "query", {B, S, Hk, dk});
-  const fastjudge::StridedRows k = float32_rows(key, "key", {B, S, Hk, dk});
-  const fastjudge::StridedRows v = float32_rows(value, "value", {B, S, Hv, dv});
+  const auto q = strided_rows<float>(query, "query", {B, S, Hk, dk});
+  const auto k = strided_rows<float>(key, "key", {B, S, Hk, dk});
+  const auto v = strided_rows<float>(value, "value", {B, S, Hv, dv});
   auto d = float32_shaped(decay, "decay", {B, S, Hv});
   auto b = float32_shaped(beta, "beta", {B, S, Hv});
   auto o = float32_shaped(out, "out", {B, S, Hv, dv});
@@ -438,12 +447,89 @@ threads: at most this many threads, used only for large states. Raises ValueErro
 another dtype, layout or shape.)doc");
 }
 
+// ---------------------------------------------------------------------------------------
+// causal attention over prompts
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+void causal_attention_typed(const py::array& query, const py::handle& key, const py::handle& value,
+                            const py::handle& out, float scale, const py::handle& offsets, int threads) {
+  const int64_t B = query.shape(0), S = query.shape(1), H = query.shape(2), dim = query.shape(3);
+  py::array keys = py::array::ensure(key);
+  if (!keys || keys.ndim() != 4) throw py::value_error("key must be a 4-D array [B, W, kv_heads, dim]");
+  const int64_t W = keys.shape(1), Hkv = keys.shape(2);
+  if (Hkv == 0 || H % Hkv != 0) throw py::value_error("query heads must be a multiple of key heads");
+  Int64Array starts;  // (a default array_t is an empty array, not a null one)
+  const bool cached = !offsets.is_none();
+  if (!cached) {
+    if (W != S) throw py::value_error("without offsets, key must have the query's tokens");
+  } else {
+    starts = as_int64_vector(offsets, "offsets");
+    if (starts.shape(0) != B) throw py::value_error("offsets must have one entry per row");
+    if (W < S) throw py::value_error("key must have at least the query's tokens");
+    for (int64_t b = 0; b < B; ++b) {
+      if (starts.at(b) < 0) throw py::value_error("offsets must not be negative");
+    }
+  }
+  const auto q = strided_rows<T>(query, "query", {B, S, H, dim});
+  const auto k = strided_rows<T>(key, "key", {B, W, Hkv, dim});
+  const auto v = strided_rows<T>(value, "value", {B, W, Hkv, dim});
+  py::array res = py::array::ensure(out);
+  bool ok = res && res.dtype().is(query.dtype()) && (res.flags() & py::array::c_style) && res.ndim() == 4;
+  for (int i = 0; ok && i < 4; ++i) ok = res.shape(i) == query.shape(i);
+  if (!ok) throw py::value_error("out must be a C-contiguous array of the query's dtype and shape");
+  if (!res.writeable()) throw py::value_error("out must be writable");
+  const fastjudge::CausalProblem problem{B, S, W, H, Hkv, dim, scale, cached ? starts.data() : nullptr};
+  T* dst = static_cast<T*>(res.mutable_data());
+  py::gil_scoped_release release;
+  fastjudge::causal_attention(problem, q, k, v, dst, threads);
+}
+
+void causal_attention(const py::handle& query, const py::handle& key, const py::handle& value,
+                      const py::handle& out, float scale, const py::handle& offsets, int threads) {
+  py::array q = py::isinstance<py::array>(query) ? py::reinterpret_borrow<py::array>(query) : py::array();
+  if (!q || q.ndim() != 4) throw py::value_error("query must be a 4-D array [B, S, heads, dim]");
+  if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
+  if (q.dtype().kind() == 'f' && q.itemsize() == 4) {
+    causal_attention_typed<float>(q, key, value, out, scale, offsets, threads);
+  } else if ((q.dtype().kind() == 'i' || q.dtype().kind() == 'u') && q.itemsize() == 2) {
+    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, threads);
+  } else {
+    throw py::value_error("query must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
+void bind_cpu_threads(py::module_& m) {
+  m.def(
+      "cpu_thread_pool", [] { return fastjudge::process_openmp().parallel ? "openmp" : "threads"; },
+      R"doc(Where the CPU kernels' threads come from: "openmp" (the OpenMP runtime already loaded in
+this process, torch's, shared with its ops) or "threads" (threads of the engine's own, where no
+OpenMP runtime is loaded).)doc");
+}
+
+void bind_causal_attention(py::module_& m) {
+  m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
+        py::arg("scale"), py::arg("offsets") = py::none(), py::arg("threads") = 1,
+        R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]
+(query head h reads key head h // (H // kv_heads)), written into out [B, S, H, dim]:
+out[b, t, h] = sum over visible j of softmax_j(scale * q[b, t, h] . k[b, j]) v[b, j], where
+query token t of row b sees the keys j <= min(offsets[b] + t, W - 1). offsets (int64 [B], each
+row's cached keys before its new tokens) may be None: then W must be S (a prompt's own keys).
+Arrays are all float32, or all bfloat16 passed as 16-bit integer arrays of their bits (torch's
+tensor.view(torch.int16)); arithmetic runs in float32 and a bfloat16 output is rounded to nearest
+even. query, key and value are read in place with any strides but contiguous rows; out is
+C-contiguous, of the query's dtype. threads: at most this many threads, used only where the work
+pays for them. Raises ValueError on arrays of another dtype, layout or shape.)doc");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
-  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, delta-rule kernels.";
+  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, delta-rule and attention kernels.";
   bind_planner(m);
   bind_prefix_index(m);
   bind_triangular(m);
   bind_delta_rule(m);
+  bind_causal_attention(m);
+  bind_cpu_threads(m);
 }

@@ -14,7 +14,7 @@ constexpr int64_t kFloatsPerThread = 1 << 20;
 
 struct Step {
   float* memory;
-  const StridedRows &query, &key, &value;
+  const StridedRows<float>& query, &key, &value;
   const float *decay, *beta;
   float* out;
   int64_t S, Hk, Hv, dk, dv;
@@ -63,8 +63,8 @@ void run_heads(const Step& s, int64_t first, int64_t last) {
 
 }  // namespace
 
-void recurrent_delta_rule(float* memory, const StridedRows& query, const StridedRows& key,
-                          const StridedRows& value, const float* decay, const float* beta, float* out,
+void recurrent_delta_rule(float* memory, const StridedRows<float>& query, const StridedRows<float>& key,
+                          const StridedRows<float>& value, const float* decay, const float* beta, float* out,
                           int64_t B, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int threads) {
   const Step s{memory, query, key, value, decay, beta, out, S, Hk, Hv, dk, dv};
   const int64_t heads = B * Hv;

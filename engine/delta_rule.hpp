@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "strided_rows.hpp"
+
 namespace fastjudge {
 
 // For each row b < B, value head h < Hv (served by key head h / (Hv / Hk)) and token t < S in
@@ -18,18 +20,11 @@ namespace fastjudge {
 //   M <- M + k u^T;  out[b, t, h] = M^T q[b, t, hk]
 // memory [B, Hv, dk, dv], query and key [B, S, Hk, dk] (queries scaled, both normalised by the
 // caller), value [B, S, Hv, dv], decay and beta [B, S, Hv], out [B, S, Hv, dv], all float32;
-// query, key and value strided (StridedRows: a layer's views, read in place), the rest
-// contiguous. Sums over dk run in increasing order, in float32. threads > 1 splits the B x Hv
-// heads among threads when the state is large enough to pay for them.
-struct StridedRows {
-  const float* data;
-  int64_t batch, token, head;  // strides in floats; each row (the last dimension) contiguous
-
-  const float* row(int64_t b, int64_t t, int64_t h) const { return data + b * batch + t * token + h * head; }
-};
-
-void recurrent_delta_rule(float* memory, const StridedRows& query, const StridedRows& key,
-                          const StridedRows& value, const float* decay, const float* beta, float* out,
+// query, key and value strided (a layer's views, read in place), the rest contiguous. Sums over
+// dk run in increasing order, in float32. threads > 1 splits the B x Hv heads among threads
+// when the state is large enough to pay for them.
+void recurrent_delta_rule(float* memory, const StridedRows<float>& query, const StridedRows<float>& key,
+                          const StridedRows<float>& value, const float* decay, const float* beta, float* out,
                           int64_t B, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int threads);
 
 }  // namespace fastjudge

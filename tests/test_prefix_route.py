@@ -9,7 +9,7 @@ import torch
 from conftest import TEST_DEVICE
 
 from fastjudge.backends.qwen.backend import TorchQwenBackend
-from fastjudge.backends.qwen.routing import route
+from fastjudge.backends.qwen.routing import route, share_common_prefixes
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 from fastjudge.runtime.prefix_cache import PrefixCache
@@ -166,3 +166,103 @@ def test_cached_or_kept_prefixes_take_the_prefix_route():
     kept = [Request(0, np.concatenate([prefix, [7]]), Choice(CANDS), prefix_len=30),
             Request(2, np.concatenate([prefix, [8]]), Choice(CANDS), prefix_len=30, keep_prefix=True)]
     assert [r.prefix_len for r in route(kept, key_of, PrefixCache(1 << 20), 64)] == [30, 30]  # one asks to keep it
+
+
+def test_common_beginnings_run_once(backend, qwen35_dir):
+    """Requests that begin alike without saying so (VisExMEM's verification prompts: one intro,
+    then each caption's own prefix that nobody else shares): the common beginning runs once as a
+    prefix (cached), every row continues from it, each equal to transformers' forward on its
+    whole prompt and to the same request run whole."""
+    rng = np.random.default_rng(7)
+    intro = rng.integers(5, 900, size=70)
+    reqs = []
+    for i in range(5):
+        own = rng.integers(5, 900, size=20 + 3 * i)  # a caption of its own, declared as prefix
+        ids = np.concatenate([intro, own, rng.integers(5, 900, size=6)])
+        reqs.append(Request(i, ids, Choice(CANDS), prefix_len=70 + len(own)))
+    routed = backend.route(reqs)
+    assert [r.prefix_len for r in routed] == [70] * 5
+    outs, batches = by_index(backend, reqs)
+    assert batches == 1 and len(backend.prefix_cache) == 1
+    alone = backend.run([Request(0, reqs[3].prompt_ids, Choice(CANDS))])[0]
+    np.testing.assert_allclose(outs[3].probs, alone.probs, rtol=1e-5)
+    for r, ref in zip(reqs, hf_probs(qwen35_dir, reqs)):
+        np.testing.assert_allclose(outs[r.index].probs, ref, rtol=1e-4, atol=1e-6)
+
+
+def begin_alike(groups: list[tuple[int, int]], seed: int = 0) -> list[Request]:
+    """For each (count, length): ``count`` requests beginning with the same ``length`` tokens,
+    then 5 of their own; families differ from their first token."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for family, (count, length) in enumerate(groups):
+        start = np.concatenate([[1000 + family], rng.integers(5, 900, size=length - 1)])
+        reqs += [Request(len(reqs) + i, np.concatenate([start, rng.integers(5, 900, size=5)]), Choice(CANDS))
+                 for i in range(count)]
+    return reqs
+
+
+def everything(r: Request) -> int:
+    return len(r.prompt_ids)
+
+
+@pytest.mark.parametrize("groups, pass_tokens, shared", [
+    ([(4, 50), (3, 30), (1, 80)], 64, [50] * 4 + [0] * 3 + [0]),  # 3 x 50 pays for a pass, 2 x 30 does not
+    ([(3, 32)], 64, [32] * 3),                                      # 2 x 32 = 64: it pays, just
+    ([(2, 40)], 2048, [0, 0]),                                      # a device whose pass costs more
+])
+def test_common_beginnings_are_shared_where_it_pays(groups, pass_tokens, shared):
+    reqs = begin_alike(groups)
+    got = share_common_prefixes(reqs, everything, pass_tokens)
+    assert [r.prefix_len for r in got] == shared
+    assert [r.index for r in got] == [r.index for r in reqs]
+    assert all(np.array_equal(a.prompt_ids, b.prompt_ids) for a, b in zip(got, reqs))
+
+
+def test_nested_beginnings_share_where_they_save_most():
+    """Six requests begin with 20 common tokens, two threes of them with 100: the threes share
+    their 100 (2 x (2 x 100 - 64) saved, against 5 x 20 - 64); eight that begin with 100 common
+    tokens, in pairs with 110, share the 100 (7 x 100 - 64 against 4 x (110 - 64))."""
+    rng = np.random.default_rng(4)
+    common = rng.integers(5, 900, size=20)
+    reqs = []
+    for family in range(2):
+        head = np.concatenate([common, [1000 + family], rng.integers(5, 900, size=79)])
+        reqs += [Request(len(reqs), np.concatenate([head, rng.integers(5, 900, size=4)]), Choice(CANDS))
+                 for _ in range(3)]
+    assert [r.prefix_len for r in share_common_prefixes(reqs, everything, 64)] == [100] * 6
+    common = rng.integers(5, 900, size=100)
+    reqs = []
+    for pair in range(4):
+        head = np.concatenate([common, [1000 + pair], rng.integers(5, 900, size=9)])
+        reqs += [Request(len(reqs), np.concatenate([head, rng.integers(5, 900, size=3)]), Choice(CANDS))
+                 for _ in range(2)]
+    assert [r.prefix_len for r in share_common_prefixes(reqs, everything, 64)] == [100] * 8
+
+
+def test_what_may_not_be_a_common_prefix():
+    """A declared prefix is left as it is (and its request out of the groups); a prefix leaves at
+    least one token of the prompt; none reaches a request's first image."""
+    start = np.arange(5, 105)
+    reqs = [Request(0, start.copy(), Choice(CANDS)),  # the whole common beginning: 99 may be shared
+            Request(1, np.concatenate([start, [7, 8]]), Choice(CANDS)),
+            Request(2, np.concatenate([start, [9]]), Choice(CANDS)),
+            Request(3, np.concatenate([start, [9, 9]]), Choice(CANDS), prefix_len=101)]
+    assert [r.prefix_len for r in share_common_prefixes(reqs, everything, 64)] == [99, 99, 99, 101]
+    before_image = {0: 100, 1: 60, 2: 100, 3: 100}
+    got = share_common_prefixes(reqs, lambda r: before_image[r.index], 64)
+    assert [r.prefix_len for r in got] == [60, 60, 60, 101]
+
+
+def test_text_before_the_first_image():
+    """``TorchQwenBackend._text_before_images``: the tokens before the first image token; all of
+    a prompt without images."""
+    from fastjudge.runtime.requests import Image
+
+    class Stub:
+        image_token_id = 77
+
+    ids = np.array([3, 4, 5, 77, 77, 6, 77, 8])
+    image = Image(pixel_values=None, grid_thw=(1, 2, 2), key=b"a")
+    assert TorchQwenBackend._text_before_images(Stub(), Request(0, ids, Choice(CANDS), images=(image, image))) == 3
+    assert TorchQwenBackend._text_before_images(Stub(), Request(0, ids, Choice(CANDS))) == 8

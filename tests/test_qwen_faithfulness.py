@@ -212,17 +212,19 @@ def test_cached_attention_folds_query_heads_exactly(dtype, new_tokens):
 
 @pytest.mark.parametrize("tokens", [64, 65, 130, 512])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_causal_attention_in_query_blocks_exactly(tokens, kv_heads):
-    """``attend_causal`` (query blocks over the keys up to their last row, for prompts SDPA's
-    CPU kernel would not skip) against transformers' ``eager_attention_forward``
+@pytest.mark.parametrize("form", ["attend_causal", "attend_causal_sdpa"])
+def test_causal_attention_exactly(tokens, kv_heads, form):
+    """Both forms of causal attention over a prompt (the engine's kernel, and SDPA in query
+    blocks over the keys up to their last row, for prompts SDPA's CPU kernel would not skip)
+    against transformers' ``eager_attention_forward``
     (``transformers/models/qwen3/modeling_qwen3.py``) under a causal additive mask, float32."""
-    from fastjudge.backends.qwen.attention import attend_causal
+    from fastjudge.backends.qwen import attention
 
     gen = torch.Generator().manual_seed(tokens)
     B, H, hd = 2, 4, 16
     q = torch.randn(B, H, tokens, hd, generator=gen)
     k, v = (torch.randn(B, kv_heads, tokens, hd, generator=gen) for _ in range(2))
-    got = attend_causal(q, k, v, gqa=kv_heads != H)
+    got = getattr(attention, form)(q, k, v, gqa=kv_heads != H)
     causal = torch.full((tokens, tokens), float("-inf")).triu_(1)[None, None]
     want = eager_attention(q, k, v, causal)
     torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-5)

@@ -42,7 +42,7 @@ from .decode import decode_greedy
 from .model import QwenModel, run_step
 from .pool import PrefixState, StatePool, pool_bytes
 from .positions import mrope_positions
-from .routing import PASS_TOKENS, route
+from .routing import PASS_TOKENS, route, share_common_prefixes
 from .shape import QwenShape
 
 log = logging.getLogger("fastjudge")
@@ -120,11 +120,19 @@ class TorchQwenBackend:
     def route(self, requests: Sequence[Request]) -> list[Request]:
         """The requests as they will run: those whose shared prefix is cheaper to run as part
         of the whole prompt (nobody else in the call shares it, it is not cached) with their
-        prefix dropped (``routing``)."""
+        prefix dropped, and those without a prefix that begin like others with that beginning
+        as their prefix where running it once pays (``routing``)."""
         def key(r: Request) -> bytes:
             return np.asarray(prefix_cache_key(*self._prefix_of(r)), dtype=np.int64).tobytes()
 
-        return route(requests, key, self.prefix_cache, self.pass_tokens)
+        routed = route(requests, key, self.prefix_cache, self.pass_tokens)
+        return share_common_prefixes(routed, self._text_before_images, self.pass_tokens)
+
+    def _text_before_images(self, request: Request) -> int:
+        """How many of a request's first tokens come before its first image."""
+        if not request.images:
+            return len(request.prompt_ids)
+        return int(np.argmax(np.asarray(request.prompt_ids) == self.image_token_id))
 
     def cost(self, request: Request) -> int:
         return request.num_tokens - request.prefix_len

@@ -122,7 +122,7 @@ def recurrent_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: 
     each head's state read and written once a token, where the four tensor ops of
     :func:`recurrent_gated_delta_rule_ops` stream it four times; 64 rows of 16 heads of 128 x
     128, a layer: 13-14 -> 3-5 ms, two threads); elsewhere those ops."""
-    if not _engine_takes(memory) or not memory.is_contiguous():
+    if not engine_takes(memory) or not memory.is_contiguous():
         return recurrent_gated_delta_rule_ops(memory, query, key, value, g, beta)
     B, S, Hk, dk = key.shape
     Hv, dv = value.shape[2:]
@@ -153,8 +153,9 @@ def recurrent_gated_delta_rule_ops(memory: torch.Tensor, query: torch.Tensor, ke
     return (out[0] if S == 1 else torch.stack(out, 1)).view(B, S, Hv, dv)
 
 
-def _engine_takes(x: torch.Tensor) -> bool:
-    # the engine's kernels work on host memory, outside torch: CPU tensors in eager code only
+def engine_takes(x: torch.Tensor) -> bool:
+    """Whether the engine's CPU kernels can take ``x``: they work on host memory, outside torch,
+    so CPU tensors in eager code only (a traced graph keeps the tensor ops)."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
@@ -171,7 +172,7 @@ def unit_lower_inverse(system: torch.Tensor) -> torch.Tensor:
     row loop's recurrence, 16 matrices a vector op; 64 systems of 51 x 51, two threads:
     0.8-1.5 ms -> 0.17 ms); anything else :func:`unit_lower_inverse_blocks`."""
     C = system.shape[-1]
-    if not _engine_takes(system) or system.dtype != torch.float32 or C > _engine.unit_lower_inverse_max_size:
+    if not engine_takes(system) or system.dtype != torch.float32 or C > _engine.unit_lower_inverse_max_size:
         return unit_lower_inverse_blocks(system)
     system = system.contiguous()
     out = torch.empty_like(system, memory_format=torch.contiguous_format)

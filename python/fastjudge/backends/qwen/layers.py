@@ -45,8 +45,10 @@ class Step:
     windows [B * (kernel - 1 + k), conv_dim] are the rows' new conv states,
     :class:`DeltaNetLayer`; None without DeltaNet layers),
     ``fresh``: every row starts empty (causal attention over the new tokens, no state read;
-    right padding follows a row's real tokens, so they never see it), and ``shared``: the K/V
-    columns rows share by snapshot, read once per snapshot (:func:`attend_cached`), or None."""
+    right padding follows a row's real tokens, so they never see it), ``shared``: the K/V
+    columns rows share by snapshot, read once per snapshot (:func:`attend_cached`), or None, and
+    ``offsets`` [B]: each row's keys before this step's tokens (its new token ``t`` sees keys up
+    to ``offsets[b] + t``: the mask's rule for real tokens), or None."""
 
     rope: tuple[torch.Tensor, torch.Tensor, int]
     counts: torch.Tensor
@@ -58,6 +60,7 @@ class Step:
     real: torch.Tensor
     conv_keep: torch.Tensor | None
     shared: SharedPrefix | None = None
+    offsets: torch.Tensor | None = None
 
 
 def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,7 +170,8 @@ class AttentionLayer(QwenLayer):
         if step.fresh:  # causal attention over the new tokens alone
             o = attend_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa)
         else:
-            o = attend_cached(q, keys[:, :, :step.width], values[:, :, :step.width], step.mask, step.shared)
+            o = attend_cached(q, keys[:, :, :step.width], values[:, :, :step.width], step.mask, step.shared,
+                              step.offsets)
         o = o.transpose(1, 2)  # [B, S, H, hd]
         o = (o if gate is None else o * torch.sigmoid(gate)).reshape(B, S, H * hd)
         return self.o(o)

@@ -118,7 +118,7 @@ class QwenModel(torch.nn.Module):
             keep = ((torch.arange(B, device=device) * (K - 1 + k) + counts)[:, None]
                     + torch.arange(K - 1, device=device)).view(-1)
         step = Step(rope, counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
-                    mask, width, fresh, real[..., None], keep, shared)
+                    mask, width, fresh, real[..., None], keep, shared, lengths)
         for layer, (a, b) in zip(self.layers, state.layers):
             if a.shape[0] != B:  # a pool wider than the rows (compiled buckets); a view is exact
                 a, b = a[:B], b[:B]

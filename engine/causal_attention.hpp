@@ -1,0 +1,39 @@
+// Causal softmax attention of many new tokens a row (a prefill's or a suffix pass's attention
+// layers), on the CPU.
+//
+// Standard library only, like the rest of the engine. Each (row, key head) pair packs its keys
+// (transposed) and values once in float32, then every query tile of its grouped query heads
+// takes scores against the keys up to its last token, an exact softmax over each query's
+// visible keys and the weighted sum of values: two small products per tile through one
+// register-blocked micro-kernel, no work above the causal diagonal past one tile, and nothing
+// for torch's SDPA to split into blocks (its CPU kernel skips only whole 512-key blocks).
+#pragma once
+
+#include <cstdint>
+
+#include "strided_rows.hpp"
+
+namespace fastjudge {
+
+// Query token t of row b sees the keys j <= min(offset_b + t, W - 1): its row's cached keys
+// (offset_b of them: a prefix snapshot) and the new ones up to its own. offsets null: none
+// cached, W = S (causal attention over a prompt).
+struct CausalProblem {
+  int64_t B, S, W, H, Hkv, dim;
+  float scale;
+  const int64_t* offsets;
+
+  int64_t last_key(int64_t offset, int64_t t) const { return t + offset < W ? t + offset : W - 1; }
+};
+
+// out[b, t, h] = sum over visible j of softmax_j(scale * q[b, t, h] . k[b, j, hk]) v[b, j, hk] with
+// hk = h / (H / Hkv): query [B, S, H, dim], key and value [B, W, Hkv, dim], out [B, S, H, dim]
+// (C-contiguous, written), all float32 or all bfloat16 (as uint16 bits; arithmetic in float32,
+// the output rounded to nearest even). threads > 1 splits the B x Hkv pairs among threads.
+void causal_attention(const CausalProblem& problem, const StridedRows<float>& query, const StridedRows<float>& key,
+                      const StridedRows<float>& value, float* out, int threads);
+void causal_attention(const CausalProblem& problem, const StridedRows<uint16_t>& query,
+                      const StridedRows<uint16_t>& key, const StridedRows<uint16_t>& value, uint16_t* out,
+                      int threads);
+
+}  // namespace fastjudge

@@ -1,0 +1,222 @@
+"""The engine's causal attention over prompts (``fastjudge._engine.causal_attention``,
+engine/causal_attention.cpp) against transformers' ``eager_attention_forward``
+(transformers/models/qwen3/modeling_qwen3.py: ``repeat_kv``, a causal additive mask, softmax in
+float32), in float32 and bfloat16, on the layouts a layer hands it; its thread split (the
+process's OpenMP team, or threads of its own without one); the arrays it refuses; and the
+dispatch in ``attention.attend_causal`` that uses it. The layer built on it is held against
+whole transformers models in tests/test_qwen_faithfulness.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastjudge import _engine
+from fastjudge.backends.qwen.attention import attend_cached, attend_causal, attend_causal_sdpa, engine_array
+
+
+def eager_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """transformers' attention of ``q`` [B, S, H, hd] over ``k``, ``v`` [B, S, kv_heads, hd]
+    under a causal mask, in float32: [B, S, H, hd]."""
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    S = q.shape[1]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q.shape[2] // k.shape[2], False
+    mask = torch.full((S, S), float("-inf")).triu_(1)[None, None]
+    out, _ = eager_attention_forward(module, *(t.transpose(1, 2).float() for t in (q, k, v)), mask,
+                                     scaling=q.shape[-1] ** -0.5)
+    return out
+
+
+def layer_inputs(B, S, H, kv_heads, hd, dtype=torch.float32, seed=0):
+    """Queries and keys as views into one fused projection's output, values a view into a
+    wider tensor: strided, as a layer hands them over."""
+    gen = torch.Generator().manual_seed(seed)
+    qk = torch.randn(B, S, H + kv_heads, hd, generator=gen).to(dtype)
+    v = torch.randn(B, S, kv_heads, hd + 8, generator=gen).to(dtype)[..., 8:]
+    return qk[:, :, :H], qk[:, :, H:], v
+
+
+def engine_attention(q, k, v, threads=1) -> torch.Tensor:
+    B, S, H, hd = q.shape
+    out = torch.full((B, S, H, hd), float("nan"), dtype=q.dtype)  # every entry must be written
+    _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), hd ** -0.5,
+                             threads=threads)
+    return out
+
+
+@pytest.mark.parametrize("B,S,H,kv_heads,hd", [
+    (1, 1, 1, 1, 8),       # one token: its own value
+    (2, 15, 4, 2, 16),     # less than a tile of queries, less than a block of keys
+    (3, 16, 2, 2, 64),     # one whole tile
+    (2, 33, 4, 1, 80),     # a tile and a bit; a head size that is not a multiple of the key blocks
+    (2, 100, 8, 2, 128),
+    (1, 257, 4, 4, 32),
+])
+def test_matches_transformers_in_float32(B, S, H, kv_heads, hd):
+    q, k, v = layer_inputs(B, S, H, kv_heads, hd, seed=S)
+    assert B * S == 1 or not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    torch.testing.assert_close(engine_attention(q, k, v), eager_reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def masked_reference(q, keys, values, offsets):
+    """transformers' attention of ``q`` [B, S, H, hd] over the pool's ``keys``/``values`` [B,
+    kv_heads, W, hd] under the additive mask the model builds for a suffix pass (token ``t`` of
+    row ``b`` sees keys up to ``offsets[b] + t``), in float32: [B, S, H, hd]."""
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    S, W = q.shape[1], keys.shape[2]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q.shape[2] // keys.shape[1], False
+    hidden = torch.arange(W)[None, None, :] > (offsets[:, None] + torch.arange(S)[None, :])[..., None]
+    mask = torch.zeros(len(offsets), 1, S, W).masked_fill_(hidden[:, None], float("-inf"))
+    out, _ = eager_attention_forward(module, q.transpose(1, 2).float(), keys.float(), values.float(), mask,
+                                     scaling=q.shape[-1] ** -0.5)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,offsets", [(5, [0, 3, 40]), (40, [17, 0, 94]), (70, [100, 30, 1])])
+def test_new_tokens_after_cached_keys(dtype, S, offsets):
+    """A suffix pass: each row's new tokens after its own number of cached keys (its prefix
+    snapshot), read from the pool's [B, kv_heads, capacity, hd] buffers in place; a row whose
+    padded tokens would reach past the keys sees them all."""
+    gen = torch.Generator().manual_seed(S)
+    B, H, kv_heads, hd = 3, 4, 2, 32
+    offsets = torch.tensor(offsets)
+    W = int((offsets + S).max()) - 3  # the longest row's last tokens are padding past the keys
+    pool = torch.randn(2, B, kv_heads, W + 9, hd, generator=gen).to(dtype)
+    keys, values = pool[0, :, :, :W], pool[1, :, :, :W]
+    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
+    out = torch.full((B, S, H, hd), float("nan"), dtype=dtype)
+    _engine.causal_attention(engine_array(q), engine_array(keys.transpose(1, 2)), engine_array(values.transpose(1, 2)),
+                             engine_array(out), hd ** -0.5, offsets.numpy(), threads=2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), masked_reference(q, keys, values, offsets), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("S,hd", [(37, 64), (233, 64), (130, 128)])
+def test_bfloat16_is_at_least_as_close_to_float32_as_sdpa(S, hd):
+    """In bfloat16 the softmax weights stay float32 and the output is rounded once: its error
+    against the float32 reference is no larger than SDPA's own bfloat16 kernel's (which rounds
+    the weights to bfloat16, as transformers' eager bfloat16 path does)."""
+    q, k, v = layer_inputs(4, S, 4, 2, hd, dtype=torch.bfloat16, seed=hd)
+    want = eager_reference(q, k, v)
+    ours = engine_attention(q, k, v)
+    assert ours.dtype == torch.bfloat16
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                                            enable_gqa=True).transpose(1, 2)
+    ours_error = float((ours.float() - want).abs().max())
+    assert ours_error <= float((sdpa.float() - want).abs().max())
+    assert ours_error <= 2e-2
+
+
+def test_the_masked_half_is_never_read():
+    """A query's weights cover its own and earlier tokens only: later keys and values poisoned
+    with NaN leave earlier tokens' outputs as they were."""
+    q, k, v = layer_inputs(2, 40, 4, 2, 16, seed=1)
+    clean = engine_attention(q, k, v)
+    k, v = k.clone(), v.clone()
+    k[:, 20:], v[:, 20:] = float("nan"), float("nan")
+    poisoned = engine_attention(q, k, v)
+    assert torch.equal(poisoned[:, :20], clean[:, :20])
+    assert poisoned[:, 20:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_same_bits_on_any_number_of_threads(dtype):
+    """Each (row, key head) pair is computed alone, so the split over threads changes nothing."""
+    q, k, v = layer_inputs(5, 150, 4, 2, 64, dtype=dtype, seed=7)
+    one = engine_attention(q, k, v, threads=1)
+    for threads in (2, 3, 8):
+        assert torch.equal(engine_attention(q, k, v, threads=threads), one)
+    assert _engine.cpu_thread_pool() == "openmp"  # torch's runtime is loaded: the kernels share its team
+
+
+def test_threads_of_its_own_without_an_openmp_runtime(tmp_path):
+    """In a process without torch (no OpenMP runtime loaded) the kernels split their work over
+    threads of their own, with the same bits as on one thread."""
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import sys\n"
+        "import numpy as np\n"
+        "from fastjudge import _engine\n"
+        "assert 'torch' not in sys.modules\n"
+        "rng = np.random.default_rng(0)\n"
+        "qk = rng.standard_normal((4, 120, 6, 32), dtype=np.float32)\n"
+        "q, k = qk[:, :, :4], qk[:, :, 4:]\n"
+        "v = np.ascontiguousarray(rng.standard_normal((4, 120, 2, 32), dtype=np.float32))\n"
+        "outs = [np.empty((4, 120, 4, 32), np.float32) for _ in range(2)]\n"
+        "for out, threads in zip(outs, (1, 2)):\n"
+        "    _engine.causal_attention(q, k, v, out, 32 ** -0.5, threads=threads)\n"
+        "assert np.array_equal(outs[0], outs[1])\n"
+        "print(_engine.cpu_thread_pool())\n")
+    package_root = Path(_engine.__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(package_root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "threads"
+
+
+def test_refuses_arrays_it_cannot_read_or_write():
+    q, k, v = (t.contiguous() for t in layer_inputs(2, 9, 4, 2, 8))
+    out = torch.empty(2, 9, 4, 8)
+    good = dict(query=q.numpy(), key=k.numpy(), value=v.numpy(), out=out.numpy(), scale=0.5)
+    _engine.causal_attention(**good)
+    bad = [
+        dict(query=q.double().numpy()),                           # float64
+        dict(query=q.numpy()[..., 0]),                            # not 4-D
+        dict(key=k.numpy()[:, :8]),                               # keys of another length
+        dict(key=torch.randn(2, 9, 3, 8).numpy(), value=torch.randn(2, 9, 3, 8).numpy()),  # 4 heads on 3
+        dict(value=v.numpy()[..., :4]),                           # values of another size
+        dict(key=k.transpose(2, 3).contiguous().transpose(2, 3).numpy()),  # rows not contiguous
+        dict(key=k.to(torch.bfloat16).view(torch.int16).numpy()),  # dtypes mixed
+        dict(out=torch.empty(2, 9, 4, 8, dtype=torch.float64).numpy()),
+        dict(out=torch.empty(2, 4, 9, 8).transpose(1, 2).numpy()),  # out not C-contiguous
+        dict(scale=0.0),
+        dict(offsets=np.array([0])),                               # not one per row
+        dict(offsets=np.array([0, -1])),                           # negative
+        dict(offsets=np.array([0.0, 1.0])),                        # not integers
+        dict(key=torch.randn(2, 12, 2, 8).numpy(), value=torch.randn(2, 12, 2, 8).numpy()),  # W != S, no offsets
+        dict(query=[[[[1.0]]]]),                                  # not an array
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            _engine.causal_attention(**{**good, **change})
+    frozen = out.numpy().copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError):
+        _engine.causal_attention(**{**good, "out": frozen})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_takes_the_engine_on_the_cpu(dtype, monkeypatch):
+    """``attend_causal`` hands float32 and bfloat16 CPU prompts to the engine (the same values
+    as calling it directly) and returns the [B, H, S, hd] view the layer transposes back;
+    float16 keeps SDPA."""
+    q, k, v = layer_inputs(2, 70, 4, 2, 16, dtype=dtype, seed=3)
+    got = attend_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa=True)
+    assert got.shape == (2, 4, 70, 16) and got.transpose(1, 2).is_contiguous()
+    assert torch.equal(got.transpose(1, 2), engine_attention(q, k, v, threads=torch.get_num_threads()))
+    # a suffix pass (more than FOLD_QUERY_STEPS new tokens, offsets given) takes it too, under
+    # the mask's rule; without offsets (a compiled step's) SDPA under the mask
+    keys, values = k.transpose(1, 2), v.transpose(1, 2)
+    offsets = torch.zeros(2, dtype=torch.long)
+    mask = torch.full((70, 70), float("-inf")).triu_(1).expand(2, 1, 70, 70).to(dtype)
+    assert torch.equal(attend_cached(q, keys, values, mask, offsets=offsets), got)
+    sdpa = attend_cached(q, keys, values, mask)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(sdpa, got, rtol=tol, atol=tol)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was called")
+
+    monkeypatch.setattr(_engine, "causal_attention", refuse)
+    half = [t.transpose(1, 2).half() for t in (q, k, v)]
+    torch.testing.assert_close(attend_causal(*half, gqa=True), attend_causal_sdpa(*half, gqa=True))
