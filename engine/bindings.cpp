@@ -434,6 +434,78 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   fastjudge::recurrent_delta_rule(mem, q, k, v, d.data(), b.data(), dst, B, S, Hk, Hv, dk, dv, threads);
 }
 
+// An array of T (float32; bfloat16 as 16-bit integers) of the given shape, C-contiguous, or
+// ValueError; writable when asked
+template <typename T>
+T* typed_array(const py::handle& obj, const std::string& name, const std::vector<int64_t>& shape,
+               bool writable = false) {
+  constexpr bool floats = std::is_floating_point_v<T>;
+  py::array arr = py::isinstance<py::array>(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array();
+  const char kind = arr ? arr.dtype().kind() : '\0';
+  bool ok = arr && (floats ? kind == 'f' : kind == 'i' || kind == 'u') && arr.itemsize() == sizeof(T) &&
+            (arr.flags() & py::array::c_style) && arr.ndim() == static_cast<py::ssize_t>(shape.size());
+  for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = arr.shape(i) == shape[i];
+  if (!ok) {
+    std::string want;
+    for (int64_t n : shape) want += (want.empty() ? "" : ", ") + std::to_string(n);
+    throw py::value_error(name + " must be a C-contiguous " +
+                          (floats ? "float32" : "16-bit integer (bfloat16 bits)") + " array of shape [" + want + "]");
+  }
+  if (writable && !arr.writeable()) throw py::value_error(name + " must be writable");
+  return static_cast<T*>(arr.mutable_data());
+}
+
+template <typename T>
+void deltanet_step_typed(const py::array& projected, const py::handle& conv_state, const py::handle& taps,
+                         const py::handle& memory, const py::handle& counts, const py::handle& dt_bias,
+                         const py::handle& neg_A, const py::handle& gated_norm, const py::handle& out,
+                         int64_t key_heads, int64_t key_dim, float eps, float l2_eps, bool fresh, int threads) {
+  py::array kernel = py::array::ensure(taps), bias = py::array::ensure(dt_bias), norm = py::array::ensure(gated_norm);
+  if (!kernel || kernel.ndim() != 2 || !bias || bias.ndim() != 1 || !norm || norm.ndim() != 1) {
+    throw py::value_error("taps must be [K, C], dt_bias [value heads] and gated_norm [value dim]");
+  }
+  const int64_t B = projected.shape(0), S = projected.shape(1), width = projected.shape(2);
+  const int64_t K = kernel.shape(0), C = kernel.shape(1), Hv = bias.shape(0), dv = norm.shape(0);
+  const int64_t Hk = key_heads, dk = key_dim;
+  if (K < 1 || Hk < 1 || dk < 1 || Hv % Hk != 0 || C != 2 * Hk * dk + Hv * dv || width != C + Hv * dv + 2 * Hv) {
+    throw py::value_error("projected [B, S, C + Hv dv + 2 Hv] and taps [K, C] must fit C = 2 Hk dk + Hv dv, "
+                          "with value heads a multiple of key heads");
+  }
+  Int64Array rows = as_int64_vector(counts, "counts");
+  if (rows.shape(0) != B) throw py::value_error("counts must have one entry per row");
+  for (int64_t b = 0; b < B; ++b) {
+    if (rows.at(b) < 0 || rows.at(b) > S) throw py::value_error("counts must lie in [0, S]");
+  }
+  const fastjudge::DeltaNetStep step{B, S, K, Hk, Hv, dk, dv, eps, l2_eps, fresh, rows.data(),
+                                     typed_array<float>(dt_bias, "dt_bias", {Hv}),
+                                     typed_array<float>(neg_A, "neg_A", {Hv}),
+                                     typed_array<float>(gated_norm, "gated_norm", {dv})};
+  const T* in = typed_array<T>(projected, "projected", {B, S, width});
+  T* conv = typed_array<T>(conv_state, "conv_state", {B, K - 1, C}, true);
+  const T* w = typed_array<T>(taps, "taps", {K, C});
+  float* state = typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true);
+  T* dst = typed_array<T>(out, "out", {B, S, Hv * dv}, true);
+  py::gil_scoped_release release;
+  fastjudge::deltanet_step(step, in, conv, w, state, dst, threads);
+}
+
+void deltanet_step(const py::handle& projected, const py::handle& conv_state, const py::handle& taps,
+                   const py::handle& memory, const py::handle& counts, const py::handle& dt_bias,
+                   const py::handle& neg_A, const py::handle& gated_norm, const py::handle& out, int64_t key_heads,
+                   int64_t key_dim, float eps, float l2_eps, bool fresh, int threads) {
+  py::array p = py::isinstance<py::array>(projected) ? py::reinterpret_borrow<py::array>(projected) : py::array();
+  if (!p || p.ndim() != 3) throw py::value_error("projected must be a 3-D array [B, S, width]");
+  if (p.dtype().kind() == 'f' && p.itemsize() == 4) {
+    deltanet_step_typed<float>(p, conv_state, taps, memory, counts, dt_bias, neg_A, gated_norm, out, key_heads,
+                               key_dim, eps, l2_eps, fresh, threads);
+  } else if ((p.dtype().kind() == 'i' || p.dtype().kind() == 'u') && p.itemsize() == 2) {
+    deltanet_step_typed<uint16_t>(p, conv_state, taps, memory, counts, dt_bias, neg_A, gated_norm, out, key_heads,
+                                  key_dim, eps, l2_eps, fresh, threads);
+  } else {
+    throw py::value_error("projected must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
 void bind_delta_rule(py::module_& m) {
   m.def("recurrent_delta_rule", &recurrent_delta_rule, py::arg("memory"), py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("decay"), py::arg("beta"), py::arg("out"), py::arg("threads") = 1,
@@ -445,6 +517,22 @@ scaled), value [B, S, Hv, dv], decay (exp of the log-decays) and beta [B, S, Hv]
 contiguous rows, the rest C-contiguous. Value head h reads key head h // (Hv // Hk).
 threads: at most this many threads, used only for large states. Raises ValueError on arrays of
 another dtype, layout or shape.)doc");
+  m.def("deltanet_step", &deltanet_step, py::arg("projected"), py::arg("conv_state"), py::arg("taps"),
+        py::arg("memory"), py::arg("counts"), py::arg("dt_bias"), py::arg("neg_A"), py::arg("gated_norm"),
+        py::arg("out"), py::arg("key_heads"), py::arg("key_dim"), py::arg("eps"), py::arg("l2_eps"),
+        py::arg("fresh") = false, py::arg("threads") = 1,
+        R"doc(A Gated DeltaNet layer's few-token step between its input and output projections.
+
+projected [B, S, C + Hv dv + 2 Hv] (the input projection: conv inputs, z, b, a; C = 2 Hk dk +
+Hv dv), conv_state [B, K - 1, C] (updated: each row's last K - 1 real inputs), taps [K, C] (the
+depthwise conv), out [B, S, Hv dv] (written: the gated RMSNorm of the rule's output, what the
+output projection reads): all float32, or all bfloat16 as 16-bit integer arrays of their bits.
+memory [B, Hv, dk, dv] (float32, the recurrent state, updated; zeroed first when fresh),
+counts (int64 [B], each row's real tokens: later ones are padding and leave the state as it
+is), dt_bias and neg_A [Hv], gated_norm [dv]: float32. key_heads (Hk) and key_dim (dk) give
+the split of C; eps: the gated norm's; l2_eps: the query/key L2 norm's (inside the root, before
+dividing by dk). fresh: every row starts empty. All arrays C-contiguous. Raises ValueError on
+arrays of another dtype, layout or shape.)doc");
 }
 
 // ---------------------------------------------------------------------------------------

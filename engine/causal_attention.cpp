@@ -6,16 +6,10 @@
 #include <vector>
 
 #include "cpu_parallel.hpp"
+#include "vector_math.hpp"
 
 namespace fastjudge {
 namespace {
-
-// 16 float32 lanes: one 512-bit register (two 256-bit ones in the AVX2 clone). The helpers that
-// take and return them are inlined into each clone, so no call passes them by the ABI GCC warns of.
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float Floats __attribute__((vector_size(64)));
-typedef int32_t Ints __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
 
 // A register block of the micro-kernel: kRows rows of kCols columns (16 accumulators), and the
 // query tokens a tile takes (two blocks of rows).
@@ -26,40 +20,7 @@ constexpr int kTile = 2 * kRows;
 // One thread for each 4 MFLOP of attention: below that a thread's start costs more than its share.
 constexpr double kFlopsPerThread = 4e6;
 
-inline Floats load(const float* p) {
-  Floats v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
-
-inline Floats splat(float x) { return Floats{} + x; }
-
 inline int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step * step; }
-
-inline float to_float(float x) { return x; }
-
-inline float to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &wide, sizeof x);
-  return x;
-}
-
-inline void from_float(float x, float* out) { *out = x; }
-
-// round to nearest even; a NaN stays a (quiet) NaN
-inline void from_float(float x, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *out = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
 
 // c[r][w] = sum over k < depth of a[r * lda + k] * b[k * ldb + w] for r < kRows, w < kCols, in
 // increasing k: the query-key scores (a = queries, b = keys transposed) and the weighted values
@@ -79,26 +40,6 @@ __attribute__((always_inline)) inline void block_product(const float* a, int64_t
     store(c + r * ldc, acc[r][0]);
     store(c + r * ldc + kLanes, acc[r][1]);
   }
-}
-
-// exp(x) for x <= 0, to about one float32 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
-// Taylor polynomial to degree 7 (error below 6e-9), 2^n from the exponent bits. Below -87 it
-// returns exp(-87) ~ 1.6e-38 in place of a subnormal: nothing a sum that holds 1 can tell.
-inline Floats exp_nonpositive(Floats x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const Floats round = splat(12582912.0f);  // 1.5 x 2^23: adding it rounds to an integer
-  const Floats n = (x * 1.44269504088896341f + round) - round;
-  const Floats r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  Floats p = splat(1.0f / 5040);
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-  return p * reinterpret_cast<Floats>(bits);
 }
 
 // softmax weights of one query row over its visible keys j <= last, in place on scale x scores,

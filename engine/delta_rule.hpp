@@ -27,4 +27,30 @@ void recurrent_delta_rule(float* memory, const StridedRows<float>& query, const 
                           const StridedRows<float>& value, const float* decay, const float* beta, float* out,
                           int64_t B, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int threads);
 
+// A Gated DeltaNet layer's few-token step between its two projections, for each row b < B and
+// token t < S in order (what the layer's tensor ops compute there, each value held in the model's
+// element type T where they hold it):
+//   the input projection's row [conv inputs C | z (Hv x dv) | b (Hv) | a (Hv)], C = 2 Hk dk + Hv dv;
+//   causal depthwise conv over the row's last K - 1 inputs (the conv state; zeros when fresh) and
+//   the new ones, SiLU; queries and keys L2-normalised, queries scaled by 1 / dk and keys by
+//   1 / sqrt(dk) in all; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) (both 0 on a
+//   padding token, t >= counts[b]: the state is left as it is); the gated delta rule on the
+//   recurrent state (memory, float32, zeroed first when fresh); the gated RMSNorm of its output
+//   (eps), scaled by gated_norm and multiplied by silu(z): out [B, S, Hv x dv];
+//   the conv state [B, K - 1, C] then holds each row's last K - 1 real inputs.
+// taps [K, C]; dt_bias, neg_A [Hv], gated_norm [dv] float32 (their values in the model's type
+// where the model holds them so); projected [B, S, width] contiguous.
+struct DeltaNetStep {
+  int64_t B, S, K, Hk, Hv, dk, dv;
+  float eps, l2_eps;
+  bool fresh;
+  const int64_t* counts;
+  const float *dt_bias, *neg_A, *gated_norm;
+};
+
+void deltanet_step(const DeltaNetStep& step, const float* projected, float* conv_state, const float* taps,
+                   float* memory, float* out, int threads);
+void deltanet_step(const DeltaNetStep& step, const uint16_t* projected, uint16_t* conv_state, const uint16_t* taps,
+                   float* memory, uint16_t* out, int threads);
+
 }  // namespace fastjudge

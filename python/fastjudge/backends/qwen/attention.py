@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ... import _engine
-from .gated_delta import as_float, engine_takes
+from .cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
+from .gated_delta import as_float
 from .pool import SharedPrefix
 
 FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend as query rows
@@ -27,7 +28,6 @@ SHARED_PREFIX_MIN_ROWS = 16
 # last row instead (see attend_causal_sdpa)
 CAUSAL_BLOCK = 64
 CAUSAL_SPLIT_TOKENS = 1024
-ENGINE_DTYPES = (torch.float32, torch.bfloat16)  # what the engine's causal attention takes
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
@@ -63,12 +63,6 @@ def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     starts = None if offsets is None else offsets.numpy()
     _engine.causal_attention(*rows, engine_array(out), hd ** -0.5, starts, torch.get_num_threads())
     return out.transpose(1, 2)
-
-
-def engine_array(t: torch.Tensor):
-    """``t`` as the engine reads it: a numpy view of the same memory (bfloat16, which numpy
-    lacks, as its 16-bit patterns)."""
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def attend_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:

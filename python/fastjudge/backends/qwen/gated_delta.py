@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import _engine
+from .cpu_engine import engine_takes
 
 L2_EPS = 1e-6  # inside the square root, as the reference kernels normalise keys and queries
 # Decays are exponentials of sums of log-decays, which strong-forgetting heads drive far below
@@ -151,12 +152,6 @@ def recurrent_gated_delta_rule_ops(memory: torch.Tensor, query: torch.Tensor, ke
         mem.addcmul_(k[t].transpose(-1, -2), u)  # write it under the key
         out.append(q[t] @ mem)  # read: [B, Hk, G, 1, dv]
     return (out[0] if S == 1 else torch.stack(out, 1)).view(B, S, Hv, dv)
-
-
-def engine_takes(x: torch.Tensor) -> bool:
-    """Whether the engine's CPU kernels can take ``x``: they work on host memory, outside torch,
-    so CPU tensors in eager code only (a traced graph keeps the tensor ops)."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _tokens(x: torch.Tensor, *shape: int) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:

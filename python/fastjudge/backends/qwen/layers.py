@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ... import _engine
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
 from .attention import attend_cached, attend_causal
+from .cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
 from .gated_delta import L2_EPS, as_float, chunk_gated_delta_rule_, recurrent_gated_delta_rule_
 from .pool import SharedPrefix
 from .shape import QwenShape
@@ -199,10 +201,15 @@ class DeltaNetLayer(QwenLayer):
         d = shape.lin_k_dim
         self.register_buffer("qk_scale", torch.tensor([1.0 / d, d ** -0.5], device=dt_bias.device)
                              .view(2, 1, 1), persistent=False)
+        # the engine's few-token step reads its parameters in float32
+        self.register_buffer("dt_bias_f32", dt_bias.float(), persistent=False)
+        self.register_buffer("gated_norm_f32", gated_norm.float(), persistent=False)
 
     def mix(self, h, step: Step, state) -> torch.Tensor:
         s = self.s
         B, S, _ = h.shape
+        if S <= RECURRENT_STEPS and engine_takes(h) and h.dtype in ENGINE_DTYPES:
+            return self.out(self._engine_step(h, step, state))
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
         conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
         mixed, z, b, a = self.in_proj(h).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
@@ -243,6 +250,23 @@ class DeltaNetLayer(QwenLayer):
             normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * self.gated_norm
             gated = (normed.float() * F.silu(z.float())).to(h.dtype)
         return self.out(gated.view(B, S, val_dim))
+
+    def _engine_step(self, h, step: Step, state) -> torch.Tensor:
+        """Everything between the two projections of a few-token step (decoding, jump-forward
+        runs) as one engine call on the CPU (``_engine.deltanet_step``: the conv step, gates,
+        query/key norms, the delta rule on the pool's state and the gated norm, each value
+        rounded where the tensor ops below round it), in place of some forty dispatched ops:
+        the input [B, S, value heads x dim] of the output projection."""
+        s = self.s
+        B, S, _ = h.shape
+        projected = self.in_proj(h).contiguous()
+        conv_state, memory = state
+        out = h.new_empty(B, S, s.lin_v_heads * s.lin_v_dim)
+        _engine.deltanet_step(engine_array(projected), engine_array(conv_state), engine_array(self.taps),
+                              memory.numpy(), step.counts.numpy(), self.dt_bias_f32.numpy(), self.neg_A.numpy(),
+                              self.gated_norm_f32.numpy(), engine_array(out), s.lin_k_heads, s.lin_k_dim, s.eps,
+                              L2_EPS, step.fresh, torch.get_num_threads())
+        return out
 
     def _recurrent(self, conv, g, beta, memory, fresh: bool) -> torch.Tensor:
         """:func:`gated_delta.recurrent_gated_delta_rule_` (in place on the pool's ``memory``) of

@@ -1,0 +1,104 @@
+// What the engine's CPU kernels compute with: 16-lane float32 vectors (GCC/Clang vector
+// extensions, built for each ISA clone), a vectorised exp, and bfloat16 <-> float32.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// The helpers that take and return vectors are inlined into each clone, so no call passes them
+// by the ABI GCC warns of.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace fastjudge {
+
+// 16 float32 lanes: one 512-bit register (two 256-bit ones in the AVX2 clone)
+typedef float Floats __attribute__((vector_size(64)));
+typedef int32_t Ints __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline Floats load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
+
+inline Floats splat(float x) { return Floats{} + x; }
+
+// exp(x) for x <= 0, to about one float32 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// Taylor polynomial to degree 7 (error below 6e-9), 2^n from the exponent bits. Below -87 it
+// returns exp(-87) ~ 1.6e-38 in place of a subnormal: nothing a sum that holds 1 can tell.
+inline Floats exp_nonpositive(Floats x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const Floats round = splat(12582912.0f);  // 1.5 x 2^23: adding it rounds to an integer
+  const Floats n = (x * 1.44269504088896341f + round) - round;
+  const Floats r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  Floats p = splat(1.0f / 5040);
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  return p * reinterpret_cast<Floats>(bits);
+}
+
+// x / (1 + exp(-x)) (SiLU) and 1 / (1 + exp(-x)) (the logistic sigmoid), through exp of -|x|
+inline Floats sigmoid(Floats x) {
+  const Floats e = exp_nonpositive(x < splat(0.0f) ? x : -x);
+  return (x < splat(0.0f) ? e : splat(1.0f)) / (1.0f + e);
+}
+
+inline Floats silu(Floats x) { return x * sigmoid(x); }
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+inline void from_float(float x, float* out) { *out = x; }
+
+// round to nearest even; a NaN stays a (quiet) NaN
+inline void from_float(float x, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *out = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+// x as the element type T holds it (float32: itself; bfloat16: rounded to nearest even)
+template <typename T>
+inline float rounded(float x) {
+  T held;
+  from_float(x, &held);
+  return to_float(held);
+}
+
+typedef uint32_t Bits __attribute__((vector_size(64)));
+
+// rounded() of 16 lanes at once: bfloat16's rounding on the bit patterns (a NaN stays a quiet NaN)
+template <typename T>
+inline Floats rounded(Floats x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const Bits bits = reinterpret_cast<Bits>(x);
+    const Bits nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const Bits quiet = (bits | 0x400000u) & 0xffff0000u;
+    return reinterpret_cast<Floats>((bits & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
+  }
+}
+
+}  // namespace fastjudge

@@ -1,0 +1,112 @@
+"""The engine's few-token Gated DeltaNet step (``fastjudge._engine.deltanet_step``,
+engine/delta_rule.cpp, called by ``DeltaNetLayer._engine_step``) against the layer's tensor ops
+(``DeltaNetLayer.mix`` with the engine out of reach: the causal conv step, gates, the query/key
+norms, ``recurrent_gated_delta_rule_``, the gated norm), run side by side on every DeltaNet layer
+of a real forward: fresh rows, cached rows, one to three new tokens, padding tokens; float32 and
+bfloat16. The tensor ops themselves are held against transformers in
+tests/test_gated_delta.py and, with this step in the model, whole models in
+tests/test_qwen_faithfulness.py and tests/test_prefix_route.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fastjudge import _engine
+from fastjudge.backends.qwen import layers
+from fastjudge.backends.qwen.backend import TorchQwenBackend
+from fastjudge.backends.qwen.model import run_step
+from fastjudge.checkpoints import build_random_qwen
+from fastjudge.demo import tokenizer_corpus
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    return build_random_qwen(tmp_path_factory.mktemp("qwen3_5_step"), tokenizer_corpus(), seed=9)
+
+
+class SideBySide:
+    """Wraps ``DeltaNetLayer.mix``: the engine on the pool's state, the tensor ops on copies of
+    it; records the largest differences of outputs and states."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.out, self.conv, self.memory = 0, [], [], []
+        original = layers.DeltaNetLayer.mix
+
+        def both(layer, h, step, state):
+            conv, memory = state
+            copies = (conv.clone(), memory.clone())
+            ours = original(layer, h, step, state)
+            if h.shape[1] <= layers.RECURRENT_STEPS:
+                with monkeypatch.context() as m:
+                    m.setattr(layers, "engine_takes", lambda x: False)
+                    theirs = original(layer, h, step, copies)
+                self.calls += 1
+                real = step.real[..., 0]  # padding tokens' outputs are never read
+                self.out.append((ours[real].float(), theirs[real].float()))
+                self.conv.append(torch.equal(conv, copies[0]))
+                self.memory.append((memory.clone(), copies[1]))
+            return ours
+
+        monkeypatch.setattr(layers.DeltaNetLayer, "mix", both)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_step_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
+    backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype=dtype)
+    pool = backend._pool(64)
+    seen = SideBySide(monkeypatch)
+    rng = np.random.default_rng(0)
+
+    def step(counts, width):
+        tokens = torch.from_numpy(rng.integers(5, 900, size=(len(counts), width)))
+        run_step(backend.model, pool, 0, tokens, counts)
+
+    pool.load_rows(0, [None] * 3)
+    step([3, 2, 1], 3)             # fresh rows of up to three tokens, padded
+    step([1, 1, 1], 1)             # one-token decoding steps on cached rows
+    step([2, 3, 0], 3)             # jump-forward runs, a row with nothing new
+    step([40, 20, 33], 40)         # a longer pass (the chunked rule on both sides)
+    step([1, 1, 1], 1)
+    assert seen.calls == 4 * sum(isinstance(layer, layers.DeltaNetLayer) for layer in backend.model.layers)
+    assert all(seen.conv)  # the conv state holds each row's last real inputs, bit for bit
+    for ours, theirs in seen.out:
+        scale = float(theirs.abs().max())
+        if dtype == "float32":
+            assert float((ours - theirs).abs().max()) <= 1e-5 * scale
+        else:  # the same roundings; a value may land one bfloat16 step away after a different sum order
+            assert float((ours - theirs).abs().max()) <= 2 ** -6 * scale
+            assert float((ours == theirs).float().mean()) >= 0.97
+    for ours, theirs in seen.memory:
+        assert float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
+def test_refuses_arrays_that_do_not_fit():
+    B, S, K, Hk, Hv, dk, dv = 2, 1, 4, 2, 4, 8, 8
+    C = 2 * Hk * dk + Hv * dv
+    good = dict(projected=np.zeros((B, S, C + Hv * dv + 2 * Hv), np.float32),
+                conv_state=np.zeros((B, K - 1, C), np.float32), taps=np.zeros((K, C), np.float32),
+                memory=np.zeros((B, Hv, dk, dv), np.float32), counts=np.ones(B, np.int64),
+                dt_bias=np.zeros(Hv, np.float32), neg_A=-np.ones(Hv, np.float32),
+                gated_norm=np.ones(dv, np.float32), out=np.zeros((B, S, Hv * dv), np.float32),
+                key_heads=Hk, key_dim=dk, eps=1e-6, l2_eps=1e-6)
+    _engine.deltanet_step(**good)
+    bad = [
+        dict(projected=np.zeros((B, S, C + Hv * dv + 2 * Hv + 1), np.float32)),  # width does not fit
+        dict(key_dim=dk + 1),                                                    # nor does the split of C
+        dict(conv_state=np.zeros((B, K, C), np.float32)),
+        dict(memory=np.zeros((B, Hv, dk, dv), np.float64)),
+        dict(out=np.zeros((B, S, Hv * dv), np.int16)),                           # dtypes mixed
+        dict(counts=np.array([1, 2])),                                           # more than S
+        dict(counts=np.array([1])),
+        dict(gated_norm=np.ones(dv + 1, np.float32)),
+        dict(taps=np.zeros((K, C), np.float32).T),                               # not C-contiguous
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            _engine.deltanet_step(**{**good, **change})
+    frozen = good["memory"].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError):
+        _engine.deltanet_step(**{**good, "memory": frozen})
