@@ -83,13 +83,20 @@ def masked_reference(q, keys, values, offsets):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,offsets", [(5, [0, 3, 40]), (40, [17, 0, 94]), (70, [100, 30, 1])])
-def test_new_tokens_after_cached_keys(dtype, S, offsets):
-    """A suffix pass: each row's new tokens after its own number of cached keys (its prefix
-    snapshot), read from the pool's [B, kv_heads, capacity, hd] buffers in place; a row whose
-    padded tokens would reach past the keys sees them all."""
+@pytest.mark.parametrize("S,offsets,H", [
+    (1, [0, 5, 200], 4),     # one token a row, two query heads a key head
+    (1, [9, 50, 3], 16),     # eight query heads a key head
+    (3, [17, 0, 94], 4),     # a jump-forward run of three tokens
+    (5, [0, 3, 40], 4),      # a suffix pass
+    (40, [17, 0, 94], 4),
+    (70, [100, 30, 1], 4),
+])
+def test_new_tokens_after_cached_keys(dtype, S, offsets, H):
+    """A suffix pass or a decoding step: each row's new tokens after its own number of cached
+    keys (its prefix snapshot), read from the pool's [B, kv_heads, capacity, hd] buffers in place;
+    a row whose padded tokens would reach past the keys sees them all."""
     gen = torch.Generator().manual_seed(S)
-    B, H, kv_heads, hd = 3, 4, 2, 32
+    B, kv_heads, hd = 3, 2, 32
     offsets = torch.tensor(offsets)
     W = int((offsets + S).max()) - 3  # the longest row's last tokens are padding past the keys
     pool = torch.randn(2, B, kv_heads, W + 9, hd, generator=gen).to(dtype)
