@@ -541,7 +541,8 @@ arrays of another dtype, layout or shape.)doc");
 
 template <typename T>
 void causal_attention_typed(const py::array& query, const py::handle& key, const py::handle& value,
-                            const py::handle& out, float scale, const py::handle& offsets, int threads) {
+                            const py::handle& out, float scale, const py::handle& offsets, const py::handle& counts,
+                            int threads) {
   const int64_t B = query.shape(0), S = query.shape(1), H = query.shape(2), dim = query.shape(3);
   py::array keys = py::array::ensure(key);
   if (!keys || keys.ndim() != 4) throw py::value_error("key must be a 4-D array [B, W, kv_heads, dim]");
@@ -559,6 +560,15 @@ void causal_attention_typed(const py::array& query, const py::handle& key, const
       if (starts.at(b) < 0) throw py::value_error("offsets must not be negative");
     }
   }
+  Int64Array real;
+  const bool padded = !counts.is_none();
+  if (padded) {
+    real = as_int64_vector(counts, "counts");
+    if (real.shape(0) != B) throw py::value_error("counts must have one entry per row");
+    for (int64_t b = 0; b < B; ++b) {
+      if (real.at(b) < 0 || real.at(b) > S) throw py::value_error("counts must lie in [0, S]");
+    }
+  }
   const auto q = strided_rows<T>(query, "query", {B, S, H, dim});
   const auto k = strided_rows<T>(key, "key", {B, W, Hkv, dim});
   const auto v = strided_rows<T>(value, "value", {B, W, Hkv, dim});
@@ -567,21 +577,23 @@ void causal_attention_typed(const py::array& query, const py::handle& key, const
   for (int i = 0; ok && i < 4; ++i) ok = res.shape(i) == query.shape(i);
   if (!ok) throw py::value_error("out must be a C-contiguous array of the query's dtype and shape");
   if (!res.writeable()) throw py::value_error("out must be writable");
-  const fastjudge::CausalProblem problem{B, S, W, H, Hkv, dim, scale, cached ? starts.data() : nullptr};
+  const fastjudge::CausalProblem problem{B, S, W, H, Hkv, dim, scale, cached ? starts.data() : nullptr,
+                                         padded ? real.data() : nullptr};
   T* dst = static_cast<T*>(res.mutable_data());
   py::gil_scoped_release release;
   fastjudge::causal_attention(problem, q, k, v, dst, threads);
 }
 
 void causal_attention(const py::handle& query, const py::handle& key, const py::handle& value,
-                      const py::handle& out, float scale, const py::handle& offsets, int threads) {
+                      const py::handle& out, float scale, const py::handle& offsets, const py::handle& counts,
+                      int threads) {
   py::array q = py::isinstance<py::array>(query) ? py::reinterpret_borrow<py::array>(query) : py::array();
   if (!q || q.ndim() != 4) throw py::value_error("query must be a 4-D array [B, S, heads, dim]");
   if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
   if (q.dtype().kind() == 'f' && q.itemsize() == 4) {
-    causal_attention_typed<float>(q, key, value, out, scale, offsets, threads);
+    causal_attention_typed<float>(q, key, value, out, scale, offsets, counts, threads);
   } else if ((q.dtype().kind() == 'i' || q.dtype().kind() == 'u') && q.itemsize() == 2) {
-    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, threads);
+    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, counts, threads);
   } else {
     throw py::value_error("query must be float32, or bfloat16 as 16-bit integers");
   }
@@ -597,12 +609,14 @@ OpenMP runtime is loaded).)doc");
 
 void bind_causal_attention(py::module_& m) {
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
-        py::arg("scale"), py::arg("offsets") = py::none(), py::arg("threads") = 1,
+        py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]
 (query head h reads key head h // (H // kv_heads)), written into out [B, S, H, dim]:
 out[b, t, h] = sum over visible j of softmax_j(scale * q[b, t, h] . k[b, j]) v[b, j], where
 query token t of row b sees the keys j <= min(offsets[b] + t, W - 1). offsets (int64 [B], each
 row's cached keys before its new tokens) may be None: then W must be S (a prompt's own keys).
+counts (int64 [B], each row's real tokens; None: all S): later tokens are padding, their
+outputs written as zeros and nothing computed for them.
 Arrays are all float32, or all bfloat16 passed as 16-bit integer arrays of their bits (torch's
 tensor.view(torch.int16)); arithmetic runs in float32 and a bfloat16 output is rounded to nearest
 even. query, key and value are read in place with any strides but contiguous rows; out is

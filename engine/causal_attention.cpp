@@ -87,7 +87,11 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
   for (int64_t pair = first; pair < last; ++pair) {
     const int64_t b = pair / p.Hkv, hk = pair % p.Hkv;
     const int64_t offset = p.offsets ? p.offsets[b] : 0;
-    const int64_t seen = p.last_key(offset, S - 1) + 1;  // the keys any of the row's queries sees
+    const int64_t real = p.counts ? p.counts[b] : S;  // the row's real tokens; padding outputs are zeros
+    for (int64_t t = real; t < S; ++t)
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) std::fill_n(out + ((b * S + t) * p.H + h) * dim, dim, T{});
+    if (real == 0) continue;
+    const int64_t seen = p.last_key(offset, real - 1) + 1;  // the keys any of the row's queries sees
     for (int64_t j = 0; j < seen; ++j) {
       const T* k = key.row(b, j, hk);
       const T* v = value.row(b, j, hk);
@@ -95,8 +99,8 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
       for (int64_t d = 0; d < dim; ++d) values[j * ldv + d] = to_float(v[d]);
     }
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t t0 = 0; t0 < S; t0 += kTile) {
-        const int64_t rows = std::min<int64_t>(kTile, S - t0);
+      for (int64_t t0 = 0; t0 < real; t0 += kTile) {
+        const int64_t rows = std::min<int64_t>(kTile, real - t0);
         const int64_t width = round_up(p.last_key(offset, t0 + rows - 1) + 1, kCols);
         for (int64_t r = 0; r < rows; ++r) {
           const T* q = query.row(b, t0 + r, h);

@@ -17,11 +17,13 @@ namespace fastjudge {
 
 // Query token t of row b sees the keys j <= min(offset_b + t, W - 1): its row's cached keys
 // (offset_b of them: a prefix snapshot) and the new ones up to its own. offsets null: none
-// cached, W = S (causal attention over a prompt).
+// cached, W = S (causal attention over a prompt). counts: each row's real tokens (later ones
+// are padding, their outputs zeros, nothing computed for them); null: all S.
 struct CausalProblem {
   int64_t B, S, W, H, Hkv, dim;
   float scale;
   const int64_t* offsets;
+  const int64_t* counts;
 
   int64_t last_key(int64_t offset, int64_t t) const { return t + offset < W ? t + offset : W - 1; }
 };

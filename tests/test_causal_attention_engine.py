@@ -109,6 +109,26 @@ def test_new_tokens_after_cached_keys(dtype, S, offsets, H):
     torch.testing.assert_close(out.float(), masked_reference(q, keys, values, offsets), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("offsets", [None, [30, 0, 7]])
+def test_padding_tokens_are_skipped(offsets):
+    """Tokens past a row's real count are padding: their outputs are zeros (a row with none real
+    is all zeros), and the real tokens' outputs are those of the unpadded call."""
+    gen = torch.Generator().manual_seed(11)
+    B, S, H, kv_heads, hd = 3, 20, 4, 2, 16
+    cached = 0 if offsets is None else max(offsets)
+    keys, values = torch.randn(2, B, cached + S, kv_heads, hd, generator=gen)
+    q = torch.randn(B, S, H, hd, generator=gen)
+    starts = None if offsets is None else np.array(offsets)
+    full, padded = torch.empty(B, S, H, hd), torch.full((B, S, H, hd), float("nan"))
+    counts = np.array([20, 13, 0])
+    for out, real in ((full, None), (padded, counts)):
+        _engine.causal_attention(q.numpy(), keys.numpy(), values.numpy(), out.numpy(), hd ** -0.5, offsets=starts,
+                                 counts=real, threads=2)
+    for b, n in enumerate(counts):
+        assert torch.equal(padded[b, :n], full[b, :n])
+        assert torch.equal(padded[b, n:], torch.zeros_like(padded[b, n:]))
+
+
 @pytest.mark.parametrize("S,hd", [(37, 64), (233, 64), (130, 128)])
 def test_bfloat16_is_at_least_as_close_to_float32_as_sdpa(S, hd):
     """In bfloat16 the softmax weights stay float32 and the output is rounded once: its error
@@ -191,6 +211,8 @@ def test_refuses_arrays_it_cannot_read_or_write():
         dict(offsets=np.array([0])),                               # not one per row
         dict(offsets=np.array([0, -1])),                           # negative
         dict(offsets=np.array([0.0, 1.0])),                        # not integers
+        dict(counts=np.array([9, 10])),                            # more than S
+        dict(counts=np.array([9])),                                # not one per row
         dict(key=torch.randn(2, 12, 2, 8).numpy(), value=torch.randn(2, 12, 2, 8).numpy()),  # W != S, no offsets
         dict(query=[[[[1.0]]]]),                                  # not an array
     ]

@@ -266,3 +266,27 @@ def test_text_before_the_first_image():
     image = Image(pixel_values=None, grid_thw=(1, 2, 2), key=b"a")
     assert TorchQwenBackend._text_before_images(Stub(), Request(0, ids, Choice(CANDS), images=(image, image))) == 3
     assert TorchQwenBackend._text_before_images(Stub(), Request(0, ids, Choice(CANDS))) == 8
+
+
+def test_mlps_run_on_real_tokens_only(backend, monkeypatch):
+    """Rows of very different suffix lengths in one pass (most of the padded batch is padding):
+    the MLPs run on the real tokens alone (``model.packed_tokens``), with the results of the
+    padded run (float32, 1e-6)."""
+    from fastjudge.backends.qwen import model
+
+    real = torch.tensor([[True] * 5 + [False] * 3, [True] * 8])
+    assert model.packed_tokens(real).tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert model.packed_tokens(torch.ones(2, 8, dtype=torch.bool)) is None  # nothing to leave out
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(5, 900, size=40)
+    reqs = [Request(i, np.concatenate([prefix, rng.integers(5, 900, size=n)]), Choice(CANDS), prefix_len=40)
+            for i, n in enumerate((3, 30, 7, 2))]
+    calls = []
+    monkeypatch.setattr(model, "packed_tokens", lambda r, f=model.packed_tokens: calls.append(f(r)) or calls[-1])
+    packed, _ = by_index(backend, reqs)
+    assert any(c is not None for c in calls)
+    monkeypatch.setattr(model, "PACK_MIN_PADDING", 1.1)  # never pack
+    backend.prefix_cache = PrefixCache(1 << 26)
+    padded, _ = by_index(backend, reqs)
+    for r in reqs:
+        np.testing.assert_allclose(packed[r.index].probs, padded[r.index].probs, rtol=1e-6)

@@ -30,10 +30,12 @@ CAUSAL_BLOCK = 64
 CAUSAL_SPLIT_TOKENS = 1024
 
 
-def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``q`` [B, H, S, hd] over ``k``, ``v`` [B, kv_heads, S, hd]; returns
     [B, H, S, hd] (a transposed view of a contiguous [B, S, H, hd]: what the layer's output
-    projection reads, so transposing back costs nothing).
+    projection reads, so transposing back costs nothing). ``counts`` [B]: each row's real
+    tokens, where the engine computes nothing for the padding after them (zeros; never read).
 
     On the CPU in eager code, float32 or bfloat16, the engine runs it
     (``_engine.causal_attention``: each row's keys and values packed once per key head, tiles of
@@ -42,7 +44,7 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) 
     :func:`attend_causal_sdpa`."""
     if not engine_attends(q, k):
         return attend_causal_sdpa(q, k, v, gqa)
-    return attend_in_engine(q.transpose(1, 2), k, v)
+    return attend_in_engine(q.transpose(1, 2), k, v, counts=counts)
 
 
 def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -52,16 +54,17 @@ def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     offsets: torch.Tensor | None = None) -> torch.Tensor:
+                     offsets: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """``_engine.causal_attention`` of ``q`` [B, S, H, hd] over ``keys``/``values`` [B, kv_heads,
     W, hd] (query token ``t`` of row ``b`` sees keys up to ``offsets[b] + t``; without
-    ``offsets``, W = S and up to ``t``), every array read in place; returns [B, H, S, hd], a
-    transposed view of a contiguous [B, S, H, hd]."""
+    ``offsets``, W = S and up to ``t``; tokens past ``counts[b]`` are padding: zeros), every
+    array read in place; returns [B, H, S, hd], a transposed view of a contiguous [B, S, H, hd]."""
     B, S, H, hd = q.shape
     out = q.new_empty(B, S, H, hd)
     rows = [engine_array(t) for t in (q, keys.transpose(1, 2), values.transpose(1, 2))]  # [B, tokens, heads, hd]
-    starts = None if offsets is None else offsets.numpy()
-    _engine.causal_attention(*rows, engine_array(out), hd ** -0.5, starts, torch.get_num_threads())
+    _engine.causal_attention(*rows, engine_array(out), hd ** -0.5,
+                             offsets=None if offsets is None else offsets.numpy(),
+                             counts=None if counts is None else counts.numpy(), threads=torch.get_num_threads())
     return out.transpose(1, 2)
 
 
@@ -91,13 +94,15 @@ def attend_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: b
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  shared: SharedPrefix | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
+                  shared: SharedPrefix | None = None, offsets: torch.Tensor | None = None,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens' queries ``q`` [B, S, H, hd] against the rows' keys and values
     [B, kv_heads, W, hd] under the additive ``mask`` [B, 1, S, W]; returns [B, H, S, hd].
 
     More than ``FOLD_QUERY_STEPS`` new tokens a row (a suffix pass) on the CPU, given each row's
     cached key count ``offsets`` [B] (the mask is then each real token seeing its row's keys up to
-    itself), take the engine's causal attention with those offsets (:func:`attend_in_engine`;
+    itself), take the engine's causal attention with those offsets and the rows' real token
+    ``counts`` (nothing computed for padding) (:func:`attend_in_engine`;
     a layer, mini's heads, two threads: 16 rows of 130 tokens after 94 cached, SDPA under the mask
     4.2-4.7 ms, the engine 2.3 ms; 64 rows of 40 after 450: 12.6-13.5 -> 8.2-9.0 ms).
 
@@ -113,7 +118,7 @@ def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     kv_heads = keys.shape[1]
     g = H // kv_heads
     if S > FOLD_QUERY_STEPS and offsets is not None and engine_attends(q, keys):
-        return attend_in_engine(q, keys, values, offsets)
+        return attend_in_engine(q, keys, values, offsets, counts)
     if S > FOLD_QUERY_STEPS or (g == 1 and shared is None):
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=g > 1)
     # query rows in (head, token) order, the mask's token rows repeated for each head (a

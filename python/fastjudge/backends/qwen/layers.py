@@ -50,7 +50,8 @@ class Step:
     right padding follows a row's real tokens, so they never see it), ``shared``: the K/V
     columns rows share by snapshot, read once per snapshot (:func:`attend_cached`), or None, and
     ``offsets`` [B]: each row's keys before this step's tokens (its new token ``t`` sees keys up
-    to ``offsets[b] + t``: the mask's rule for real tokens), or None."""
+    to ``offsets[b] + t``: the mask's rule for real tokens), or None, and ``packed``: the flat
+    indices (into B x k) of the real tokens where the MLPs run on those alone, or None."""
 
     rope: tuple[torch.Tensor, torch.Tensor, int]
     counts: torch.Tensor
@@ -63,6 +64,7 @@ class Step:
     conv_keep: torch.Tensor | None
     shared: SharedPrefix | None = None
     offsets: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
 
 def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,7 +114,11 @@ class QwenLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.mix(rms(x, self.in_norm, self.s.eps), step, state)
-        return self.mlp(x)
+        if step.packed is None:
+            return self.mlp(x)
+        # the MLP on the real tokens only (it is per token): padding rows keep their input
+        flat = x.view(-1, x.shape[-1])
+        return flat.index_copy_(0, step.packed, self.mlp(flat.index_select(0, step.packed))).view_as(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """``x + down(silu(gate) * up)`` of ``rms(x)`` (:meth:`dense.Dense.gated_product`)."""
@@ -170,10 +176,10 @@ class AttentionLayer(QwenLayer):
         torch.ops.aten.index_put_(values, [step.rows, None, step.where], v)
         gqa = Hkv != H
         if step.fresh:  # causal attention over the new tokens alone
-            o = attend_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa)
+            o = attend_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa, step.counts)
         else:
             o = attend_cached(q, keys[:, :, :step.width], values[:, :, :step.width], step.mask, step.shared,
-                              step.offsets)
+                              step.offsets, step.counts)
         o = o.transpose(1, 2)  # [B, S, H, hd]
         o = (o if gate is None else o * torch.sigmoid(gate)).reshape(B, S, H * hd)
         return self.o(o)

@@ -25,6 +25,10 @@ from .layers import Step, as_float, build_layers, rms
 from .pool import SharedPrefix, StatePool, StateView
 from .shape import QwenShape
 
+# a forward's MLPs run on its real tokens alone (gathered, then scattered back) when at least this
+# share of its B x k tokens is padding: suffixes of different lengths in one pass
+PACK_MIN_PADDING = 0.1
+
 
 class QwenModel(torch.nn.Module):
     """The language model as a module: parameters and buffers registered (``state_dict``,
@@ -118,7 +122,7 @@ class QwenModel(torch.nn.Module):
             keep = ((torch.arange(B, device=device) * (K - 1 + k) + counts)[:, None]
                     + torch.arange(K - 1, device=device)).view(-1)
         step = Step(rope, counts, where, torch.arange(B, device=device)[:, None].expand(B, k),
-                    mask, width, fresh, real[..., None], keep, shared, lengths)
+                    mask, width, fresh, real[..., None], keep, shared, lengths, packed_tokens(real))
         for layer, (a, b) in zip(self.layers, state.layers):
             if a.shape[0] != B:  # a pool wider than the rows (compiled buckets); a view is exact
                 a, b = a[:B], b[:B]
@@ -137,6 +141,17 @@ class QwenModel(torch.nn.Module):
         if rows is not None:
             return choice_logits(hidden, self.final_norm, self.lm_head, rows, eps=self.s.eps)
         return as_float(F.linear(rms(hidden, self.final_norm, self.s.eps), self.lm_head))
+
+
+def packed_tokens(real: torch.Tensor) -> torch.Tensor | None:
+    """The flat indices of ``real`` [B, k]'s true entries where at least ``PACK_MIN_PADDING`` of
+    the tokens are padding, on the CPU in eager code (``nonzero`` would wait for the device, and
+    its size is not static for a traced graph); else None: every token runs."""
+    if real.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    flat = real.view(-1)
+    packed = flat.nonzero().squeeze(1)
+    return packed if len(packed) <= (1 - PACK_MIN_PADDING) * len(flat) else None
 
 
 def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor, counts: Sequence[int],
