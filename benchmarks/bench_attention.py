@@ -10,17 +10,25 @@ each query's visible keys) and its share of the same run's GEMM peak for the dty
     python benchmarks/bench_attention.py --heads 16 --kv-heads 4 --head-dim 128 --repeats 20
 
 Every pair of paths is checked to agree (float32 within 1e-5, bfloat16 within 2e-2).
+
+A last table times a decoding step's attention over a prefix its rows share (one token a row,
+bfloat16): SDPA over each row's own copy against ``attend_shared_prefix`` (the prefix read once
+for all rows), with the caches warm from the previous call and flushed before each (as a model's
+step finds them): the measurement behind ``SHARED_PREFIX_MIN_ROWS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from fastjudge.backends.qwen import attention
+from fastjudge.backends.qwen.pool import SharedPrefix
 from fastjudge.bench.roofline import peak_gemm_rate
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -62,6 +70,39 @@ def paths(rows, new, cached, args, dtype):
             "SDPA (mask)": lambda: attention.attend_cached(q, keys, values, mask)}
 
 
+def shared_prefix_table(args) -> None:
+    """Decoding over a shared prefix: each row's copy against the prefix read once, warm and cold."""
+    flush = torch.empty(64 << 20, dtype=torch.uint8)  # larger than the last-level cache
+    H, Hkv, hd = args.heads, args.kv_heads, args.head_dim
+    print("| rows | shared / keys | caches | own copies ms | read once ms | ratio |")
+    print("|---:|---|---|---:|---:|---:|")
+    for rows in (4, 8, 16):
+        P, W = 700, 900
+        gen = torch.Generator().manual_seed(rows)
+        pool = torch.randn(2, rows, Hkv, W + 8, hd, generator=gen).to(torch.bfloat16)
+        pool[:, :, :, :P] = pool[:, :1, :, :P].clone()  # every row holds the same prefix
+        keys, values = pool[0][:, :, :W], pool[1][:, :, :W]
+        q = torch.randn(rows, 1, H, hd, generator=gen).to(torch.bfloat16)
+        mask = torch.zeros(rows, 1, 1, W, dtype=torch.bfloat16)
+        shared = SharedPrefix(P, [(0, None)])
+        for cold in (False, True):
+            def timed(fn):
+                fn()
+                times = []
+                for _ in range(args.repeats):
+                    if cold:
+                        flush.add_(1)
+                    start = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - start)
+                return 1e3 * statistics.median(times)
+
+            own = timed(lambda: attention.attend_cached(q, keys, values, mask))
+            once = timed(lambda: attention.attend_cached(q, keys, values, mask, shared))
+            caches = "flushed" if cold else "warm"
+            print(f"| {rows} | {P} / {W} | {caches} | {own:.3f} | {once:.3f} | {own / once:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=4)
@@ -94,6 +135,7 @@ def main() -> None:
                 print(f"| {case} | {str(dtype).replace('torch.', '')} | {name} | {ms:.2f} | {rate / 1e9:.0f} | "
                       f"{rate / peak:.0%} | {sdpa / ms:.2f}x |")
         print(f"(GEMM peak, {str(dtype).replace('torch.', '')}: {peak / 1e9:.0f} GFLOP/s)")
+    shared_prefix_table(args)
 
 
 if __name__ == "__main__":

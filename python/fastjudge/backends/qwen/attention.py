@@ -18,11 +18,13 @@ from .pool import SharedPrefix
 FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend as query rows
 # rows that share at least this many prefix K/V columns, this many rows per snapshot, read them once
 # per snapshot in a decoding step (attend_cached); below either the extra calls and conversions
-# cost more than the reads they save (bfloat16, 700 shared of 900 keys, a layer: 4 rows 0.15 ->
-# 0.22 ms, 8 rows 0.28 -> 0.39, 16 rows 0.54 -> 0.41, 64 rows 2.9 -> 1.6; 16 rows, 400 of 500
-# keys: 0.30 -> 0.36)
+# cost more than the reads they save. The layer alone (benchmarks/bench_attention.py, bfloat16,
+# 700 shared of 900 keys, caches warm / flushed): 4 rows 0.67x / 0.80x, 8 rows 0.98x / 0.98x, 16
+# rows 1.30x / 1.33x; whole calls gain from 8 rows: LAVE rationales, 16 items in two snapshots
+# of 6 and 10 rows (mini, bfloat16, in-process alternation, two runs), Qwen3 -11.7 % / -6.7 %,
+# Qwen3.5 -8.3 % / -2.3 % against a threshold of 16
 SHARED_PREFIX_MIN_KEYS = 512
-SHARED_PREFIX_MIN_ROWS = 16
+SHARED_PREFIX_MIN_ROWS = 8
 # SDPA's CPU kernel skips only whole 512-key blocks above the causal diagonal: up to
 # CAUSAL_SPLIT_TOKENS new tokens, query blocks of CAUSAL_BLOCK rows attend to the keys up to their
 # last row instead (see attend_causal_sdpa)
