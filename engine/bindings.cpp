@@ -608,6 +608,16 @@ OpenMP runtime is loaded).)doc");
 }
 
 void bind_causal_attention(py::module_& m) {
+  m.def(
+      "bf16_dot_products",
+      [](const py::object& wanted) {
+        return wanted.is_none() ? fastjudge::bf16_dot_products() : fastjudge::bf16_dot_products(wanted.cast<bool>());
+      },
+      py::arg("wanted") = py::none(),
+      R"doc(Whether bfloat16 causal attention runs on bfloat16 dot products (AVX512-BF16, where the
+CPU has it: the softmax weights rounded to bfloat16 before the weighted sum, as transformers'
+eager path and SDPA round them) rather than the portable float32 path (float32 weights).
+wanted: True (the default) or False sets the choice for the process; returns what is in use.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]

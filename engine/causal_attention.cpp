@@ -1,12 +1,17 @@
 #include "causal_attention.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.hpp"
 #include "vector_math.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 namespace fastjudge {
 namespace {
@@ -152,6 +157,134 @@ void attend_pairs_bf16(const CausalProblem& p, const StridedRows<uint16_t>& quer
   attend_pairs(p, query, key, value, out, first, last);
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FASTJUDGE_BF16_DOT 1
+// bfloat16 inputs on CPUs with AVX512-BF16: both products as bfloat16 dot products (vdpbf16ps:
+// pairs of bfloat16 products summed into float32 lanes, twice the multiply-adds of a float32
+// FMA). Scores take the exact bfloat16 queries and keys; the weighted values take the softmax
+// weights normalised and rounded to bfloat16, as transformers' eager path and SDPA round them
+// (softmax in float32, then the query's dtype), not the float32 weights of the portable path.
+#define FASTJUDGE_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
+
+// c[r][0 .. 32) = sum over pairs k < depth of the two-element dot products of a[r * lda + k]
+// (two bfloat16 in 32 bits) with b[k * ldb + w] (ditto), r < kRows, in increasing k
+FASTJUDGE_BF16_TARGET inline void block_dot(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                                            int64_t depth, float* c, int64_t ldc) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * ldb);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + k * ldb + kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + k]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm512_storeu_ps(c + r * ldc + kLanes, acc[r][1]);
+  }
+}
+
+inline uint32_t bf16_pair(uint16_t low, uint16_t high) { return low | static_cast<uint32_t>(high) << 16; }
+
+typedef uint64_t Wide __attribute__((vector_size(64)));    // 16 float32 lanes seen as 8 pairs
+typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat16
+
+// attend_pairs for bfloat16 by dot products: keys packed [dim / 2][ldk] as pairs of consecutive
+// dims, values [W / 2][ldv] as pairs of consecutive keys, queries and weights as pairs too
+FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const StridedRows<uint16_t>& query,
+                                            const StridedRows<uint16_t>& key, const StridedRows<uint16_t>& value,
+                                            uint16_t* out, int64_t first, int64_t last) {
+  const int64_t S = p.S, dim = p.dim, group = p.H / p.Hkv, half = (dim + 1) / 2;
+  int64_t ldk = round_up(p.W, kCols);
+  if ((ldk / kCols) % 2 == 0) ldk += kCols;
+  const int64_t ldv = round_up(dim, kCols);
+  std::vector<uint32_t> keys(static_cast<std::size_t>(half * ldk), 0u);
+  std::vector<uint32_t> values(static_cast<std::size_t>((p.W + 1) / 2 * ldv), 0u);
+  std::vector<uint32_t> queries(static_cast<std::size_t>(kTile * half), 0u);
+  std::vector<uint32_t> pairs(static_cast<std::size_t>(kTile * ldk / 2 + kTile), 0u);
+  std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
+  std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
+  const int64_t ldp = ldk / 2 + 1;  // weight pairs a row
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t b = pair / p.Hkv, hk = pair % p.Hkv;
+    const int64_t offset = p.offsets ? p.offsets[b] : 0;
+    const int64_t real = p.counts ? p.counts[b] : S;
+    for (int64_t t = real; t < S; ++t)
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) std::fill_n(out + ((b * S + t) * p.H + h) * dim, dim, 0);
+    if (real == 0) continue;
+    const int64_t seen = p.last_key(offset, real - 1) + 1;
+    for (int64_t j = 0; j < seen; ++j) {
+      const uint16_t* k = key.row(b, j, hk);
+      for (int64_t d = 0; d < half; ++d) keys[d * ldk + j] = bf16_pair(k[2 * d], 2 * d + 1 < dim ? k[2 * d + 1] : 0);
+    }
+    for (int64_t j = 0; j < seen; j += 2) {
+      const uint16_t* v0 = value.row(b, j, hk);
+      const uint16_t* v1 = j + 1 < seen ? value.row(b, j + 1, hk) : nullptr;
+      uint32_t* row = values.data() + (j / 2) * ldv;
+      for (int64_t d = 0; d < dim; ++d) row[d] = bf16_pair(v0[d], v1 ? v1[d] : 0);
+    }
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t t0 = 0; t0 < real; t0 += kTile) {
+        const int64_t rows = std::min<int64_t>(kTile, real - t0);
+        const int64_t width = round_up(p.last_key(offset, t0 + rows - 1) + 1, kCols);
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint16_t* q = query.row(b, t0 + r, h);
+          for (int64_t d = 0; d < half; ++d) queries[r * half + d] = bf16_pair(q[2 * d], 2 * d + 1 < dim ? q[2 * d + 1] : 0);
+        }
+        float* scores = weights.data();
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+          for (int64_t j0 = 0; j0 < width; j0 += kCols)
+            block_dot(queries.data() + r0 * half, half, keys.data() + j0, ldk, half, scores + r0 * ldk + j0, ldk);
+        for (int64_t r = 0; r < rows; ++r) {  // weights normalised, then rounded to bfloat16 in pairs
+          float* w = scores + r * ldk;
+          const float inverse = softmax_row(w, p.last_key(offset, t0 + r), width, p.scale);
+          uint32_t* wp = pairs.data() + r * ldp;
+          for (int64_t j = 0; j < width; j += kLanes) {
+            // 16 weights rounded; lanes 2i and 2i + 1 give pair i: their high halves
+            const Wide x = reinterpret_cast<Wide>(rounded<uint16_t>(load(w + j) * inverse));
+            const Narrow packed = __builtin_convertvector(((x >> 16) & 0xffffu) | ((x >> 32) & 0xffff0000u), Narrow);
+            std::memcpy(wp + j / 2, &packed, sizeof packed);
+          }
+        }
+        for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+          // the key pairs every row of the block sees, as one product (key offset + t0 + r0 and
+          // those before it: visible to all of the block's rows); then each row's remaining keys
+          const int64_t common = std::min(offset + t0 + r0 + 1, p.W) / 2;
+          for (int64_t d0 = 0; d0 < dim; d0 += kCols)
+            block_dot(pairs.data() + r0 * ldp, ldp, values.data() + d0, ldv, common, sums.data() + r0 * ldv + d0, ldv);
+          for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
+            float* o = sums.data() + r * ldv;
+            const uint32_t* wp = pairs.data() + r * ldp;
+            for (int64_t j = 2 * common; j <= p.last_key(offset, t0 + r); ++j) {
+              const float w = to_float(static_cast<uint16_t>(j % 2 ? wp[j / 2] >> 16 : wp[j / 2] & 0xffffu));
+              const uint16_t* vj = value.row(b, j, hk);
+              for (int64_t d = 0; d < dim; ++d) o[d] += w * to_float(vj[d]);
+            }
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          uint16_t* o = out + ((b * S + t0 + r) * p.H + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) from_float(sums[r * ldv + d], o + d);
+        }
+      }
+    }
+  }
+}
+
+bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#else
+bool cpu_has_bf16_dot() { return false; }
+#endif
+
+std::atomic<bool> bf16_dot_wanted{true};
+
 template <typename T>
 void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRows<T>& key,
             const StridedRows<T>& value, T* out, int threads) {
@@ -160,16 +293,30 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   // two products, each query over its visible keys (at most W, the causal half past the offset)
   const double flops = 4.0 * p.B * p.H * p.S * p.dim * std::max<double>(1.0, p.W - p.S / 2.0);
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
+  [[maybe_unused]] const bool dot = bf16_dot_products();
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<T, float>) {
       attend_pairs_f32(p, query, key, value, out, first, last);
     } else {
+#ifdef FASTJUDGE_BF16_DOT
+      if (dot) {
+        attend_pairs_dot(p, query, key, value, out, first, last);
+        return;
+      }
+#endif
       attend_pairs_bf16(p, query, key, value, out, first, last);
     }
   });
 }
 
 }  // namespace
+
+bool bf16_dot_products() { return bf16_dot_wanted.load() && cpu_has_bf16_dot(); }
+
+bool bf16_dot_products(bool wanted) {
+  bf16_dot_wanted.store(wanted);
+  return bf16_dot_products();
+}
 
 void causal_attention(const CausalProblem& problem, const StridedRows<float>& query, const StridedRows<float>& key,
                       const StridedRows<float>& value, float* out, int threads) {

@@ -38,4 +38,11 @@ void causal_attention(const CausalProblem& problem, const StridedRows<uint16_t>&
                       const StridedRows<uint16_t>& key, const StridedRows<uint16_t>& value, uint16_t* out,
                       int threads);
 
+// Whether bfloat16 attention takes bfloat16 dot products (AVX512-BF16, where the CPU has it:
+// weights rounded to bfloat16 before the weighted sum, as transformers' eager path rounds them)
+// or the portable float32 path (float32 weights); the second form sets the wish and returns the
+// outcome.
+bool bf16_dot_products();
+bool bf16_dot_products(bool wanted);
+
 }  // namespace fastjudge
