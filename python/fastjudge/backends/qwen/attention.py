@@ -19,10 +19,10 @@ FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend a
 # rows that share at least this many prefix K/V columns, this many rows per snapshot, read them once
 # per snapshot in a decoding step (attend_cached); below either the extra calls and conversions
 # cost more than the reads they save. The layer alone (benchmarks/bench_attention.py, bfloat16,
-# 700 shared of 900 keys, caches warm / flushed): 4 rows 0.67x / 0.80x, 8 rows 0.98x / 0.98x, 16
-# rows 1.30x / 1.33x; whole calls gain from 8 rows: LAVE rationales, 16 items in two snapshots
-# of 6 and 10 rows (mini, bfloat16, in-process alternation, two runs), Qwen3 -11.7 % / -6.7 %,
-# Qwen3.5 -8.3 % / -2.3 % against a threshold of 16
+# 700 shared of 900 keys, caches warm / flushed, two runs): 4 rows 0.67-0.75x / 0.71-0.80x, 8 rows
+# 0.98-1.11x / 0.91-0.98x, 16 rows 1.30-1.54x / 1.27-1.33x; whole calls gain from 8 rows: LAVE
+# rationales, 16 items in two snapshots of 6 and 10 rows (mini, bfloat16, in-process
+# alternation, two runs), Qwen3 -11.7 % / -6.7 %, Qwen3.5 -8.3 % / -2.3 % against a threshold of 16
 SHARED_PREFIX_MIN_KEYS = 512
 SHARED_PREFIX_MIN_ROWS = 8
 # SDPA's CPU kernel skips only whole 512-key blocks above the causal diagonal: up to

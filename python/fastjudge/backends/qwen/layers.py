@@ -47,10 +47,10 @@ class Step:
     windows [B * (kernel - 1 + k), conv_dim] are the rows' new conv states,
     :class:`DeltaNetLayer`; None without DeltaNet layers),
     ``fresh``: every row starts empty (causal attention over the new tokens, no state read;
-    right padding follows a row's real tokens, so they never see it), ``shared``: the K/V
-    columns rows share by snapshot, read once per snapshot (:func:`attend_cached`), or None, and
+    right padding follows a row's real tokens, so they never see it); ``shared``: the K/V
+    columns rows share by snapshot, read once per snapshot (:func:`attend_cached`), or None;
     ``offsets`` [B]: each row's keys before this step's tokens (its new token ``t`` sees keys up
-    to ``offsets[b] + t``: the mask's rule for real tokens), or None, and ``packed``: the flat
+    to ``offsets[b] + t``: the mask's rule for real tokens), or None; ``packed``: the flat
     indices (into B x k) of the real tokens where the MLPs run on those alone, or None."""
 
     rope: tuple[torch.Tensor, torch.Tensor, int]
