@@ -73,12 +73,41 @@ inline float softmax_row(float* row, int64_t last, int64_t width, float scale) {
   return 1.0f / sum;
 }
 
+// One (row, key head) pair: its row b and key head hk, its cached keys, its real tokens and the
+// keys any of its queries sees (none when it has no real token)
+struct Pair {
+  int64_t b, hk, offset, real, seen;
+};
+
+// the pair's bookkeeping, with the outputs of its padding tokens written as zeros
+template <typename T>
+Pair start_pair(const CausalProblem& p, int64_t pair, T* out) {
+  const int64_t b = pair / p.Hkv, hk = pair % p.Hkv, group = p.H / p.Hkv;
+  const int64_t offset = p.offsets ? p.offsets[b] : 0, real = p.counts ? p.counts[b] : p.S;
+  for (int64_t t = real; t < p.S; ++t)
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) std::fill_n(out + ((b * p.S + t) * p.H + h) * p.dim, p.dim, T{});
+  return {b, hk, offset, real, real ? p.last_key(offset, real - 1) + 1 : 0};
+}
+
+// tile(h, t0, rows, width) for each tile of kTile query tokens (rows of them) of each of the pair's
+// query heads h; width: the tile's keys, whole register blocks
+template <typename Tile>
+__attribute__((always_inline)) inline void for_each_tile(const CausalProblem& p, const Pair& pr, Tile tile) {
+  const int64_t group = p.H / p.Hkv;
+  for (int64_t h = pr.hk * group; h < (pr.hk + 1) * group; ++h) {
+    for (int64_t t0 = 0; t0 < pr.real; t0 += kTile) {
+      const int64_t rows = std::min<int64_t>(kTile, pr.real - t0);
+      tile(h, t0, rows, round_up(p.last_key(pr.offset, t0 + rows - 1) + 1, kCols));
+    }
+  }
+}
+
 // (row, key head) pairs [first, last): their keys and values packed once in float32, then every
 // tile of kTile query tokens of each of the grouped query heads
 template <typename T>
 __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, const StridedRows<T>& query, const StridedRows<T>& key,
                                    const StridedRows<T>& value, T* out, int64_t first, int64_t last) {
-  const int64_t S = p.S, dim = p.dim, group = p.H / p.Hkv;
+  const int64_t S = p.S, dim = p.dim;
   // keys transposed [dim][ldk], ldk an odd number of register blocks: rows a multiple of 256
   // bytes apart would fall into a few cache sets as the product walks down them
   int64_t ldk = round_up(p.W, kCols);
@@ -90,57 +119,50 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
   std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
   std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
   for (int64_t pair = first; pair < last; ++pair) {
-    const int64_t b = pair / p.Hkv, hk = pair % p.Hkv;
-    const int64_t offset = p.offsets ? p.offsets[b] : 0;
-    const int64_t real = p.counts ? p.counts[b] : S;  // the row's real tokens; padding outputs are zeros
-    for (int64_t t = real; t < S; ++t)
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) std::fill_n(out + ((b * S + t) * p.H + h) * dim, dim, T{});
-    if (real == 0) continue;
-    const int64_t seen = p.last_key(offset, real - 1) + 1;  // the keys any of the row's queries sees
-    for (int64_t j = 0; j < seen; ++j) {
+    const Pair pr = start_pair(p, pair, out);
+    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset;
+    for (int64_t j = 0; j < pr.seen; ++j) {
       const T* k = key.row(b, j, hk);
       const T* v = value.row(b, j, hk);
       for (int64_t d = 0; d < dim; ++d) keys[d * ldk + j] = to_float(k[d]);
       for (int64_t d = 0; d < dim; ++d) values[j * ldv + d] = to_float(v[d]);
     }
-    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t t0 = 0; t0 < real; t0 += kTile) {
-        const int64_t rows = std::min<int64_t>(kTile, real - t0);
-        const int64_t width = round_up(p.last_key(offset, t0 + rows - 1) + 1, kCols);
-        for (int64_t r = 0; r < rows; ++r) {
-          const T* q = query.row(b, t0 + r, h);
-          for (int64_t d = 0; d < dim; ++d) queries[r * dim + d] = to_float(q[d]);
-        }
-        float* scores = weights.data();
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows)
-          for (int64_t j0 = 0; j0 < width; j0 += kCols)
-            block_product(queries.data() + r0 * dim, dim, keys.data() + j0, ldk, dim, scores + r0 * ldk + j0, ldk);
-        float inverse[kTile];
-        for (int64_t r = 0; r < rows; ++r)
-          inverse[r] = softmax_row(scores + r * ldk, p.last_key(offset, t0 + r), width, p.scale);
-        for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-          // the keys every row of the block sees, as one product; then each row's share of the
-          // block's own diagonal, so no value past a row's last key is ever read for it (a zero
-          // weight times a NaN would still be NaN)
-          const int64_t before = std::min(offset + t0 + r0, p.W);
-          for (int64_t d0 = 0; d0 < dim; d0 += kCols)
-            block_product(scores + r0 * ldk, ldk, values.data() + d0, ldv, before, sums.data() + r0 * ldv + d0, ldv);
-          for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
-            float* o = sums.data() + r * ldv;
-            for (int64_t j = before; j <= p.last_key(offset, t0 + r); ++j) {
-              const float w = scores[r * ldk + j];
-              const float* vj = values.data() + j * ldv;
-              for (int64_t d = 0; d < ldv; ++d) o[d] += w * vj[d];
-            }
+    // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
+    for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
+                             __attribute__((always_inline)) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* q = query.row(b, t0 + r, h);
+        for (int64_t d = 0; d < dim; ++d) queries[r * dim + d] = to_float(q[d]);
+      }
+      float* scores = weights.data();
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+        for (int64_t j0 = 0; j0 < width; j0 += kCols)
+          block_product(queries.data() + r0 * dim, dim, keys.data() + j0, ldk, dim, scores + r0 * ldk + j0, ldk);
+      float inverse[kTile];
+      for (int64_t r = 0; r < rows; ++r)
+        inverse[r] = softmax_row(scores + r * ldk, p.last_key(offset, t0 + r), width, p.scale);
+      for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        // the keys every row of the block sees, as one product; then each row's share of the
+        // block's own diagonal, so no value past a row's last key is ever read for it (a zero
+        // weight times a NaN would still be NaN)
+        const int64_t before = std::min(offset + t0 + r0, p.W);
+        for (int64_t d0 = 0; d0 < dim; d0 += kCols)
+          block_product(scores + r0 * ldk, ldk, values.data() + d0, ldv, before, sums.data() + r0 * ldv + d0, ldv);
+        for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
+          float* o = sums.data() + r * ldv;
+          for (int64_t j = before; j <= p.last_key(offset, t0 + r); ++j) {
+            const float w = scores[r * ldk + j];
+            const float* vj = values.data() + j * ldv;
+            for (int64_t d = 0; d < ldv; ++d) o[d] += w * vj[d];
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          T* o = out + ((b * S + t0 + r) * p.H + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) from_float(sums[r * ldv + d] * inverse[r], o + d);
-        }
       }
-    }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = out + ((b * S + t0 + r) * p.H + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) from_float(sums[r * ldv + d] * inverse[r], o + d);
+      }
+    });
   }
 }
 
@@ -197,7 +219,7 @@ typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat1
 FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const StridedRows<uint16_t>& query,
                                             const StridedRows<uint16_t>& key, const StridedRows<uint16_t>& value,
                                             uint16_t* out, int64_t first, int64_t last) {
-  const int64_t S = p.S, dim = p.dim, group = p.H / p.Hkv, half = (dim + 1) / 2;
+  const int64_t S = p.S, dim = p.dim, half = (dim + 1) / 2;
   int64_t ldk = round_up(p.W, kCols);
   if ((ldk / kCols) % 2 == 0) ldk += kCols;
   const int64_t ldv = round_up(dim, kCols);
@@ -209,13 +231,8 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
   std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
   const int64_t ldp = ldk / 2 + 1;  // weight pairs a row
   for (int64_t pair = first; pair < last; ++pair) {
-    const int64_t b = pair / p.Hkv, hk = pair % p.Hkv;
-    const int64_t offset = p.offsets ? p.offsets[b] : 0;
-    const int64_t real = p.counts ? p.counts[b] : S;
-    for (int64_t t = real; t < S; ++t)
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) std::fill_n(out + ((b * S + t) * p.H + h) * dim, dim, 0);
-    if (real == 0) continue;
-    const int64_t seen = p.last_key(offset, real - 1) + 1;
+    const Pair pr = start_pair(p, pair, out);
+    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, seen = pr.seen;
     for (int64_t j = 0; j < seen; ++j) {
       const uint16_t* k = key.row(b, j, hk);
       for (int64_t d = 0; d < half; ++d) keys[d * ldk + j] = bf16_pair(k[2 * d], 2 * d + 1 < dim ? k[2 * d + 1] : 0);
@@ -226,52 +243,50 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
       uint32_t* row = values.data() + (j / 2) * ldv;
       for (int64_t d = 0; d < dim; ++d) row[d] = bf16_pair(v0[d], v1 ? v1[d] : 0);
     }
-    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t t0 = 0; t0 < real; t0 += kTile) {
-        const int64_t rows = std::min<int64_t>(kTile, real - t0);
-        const int64_t width = round_up(p.last_key(offset, t0 + rows - 1) + 1, kCols);
-        for (int64_t r = 0; r < rows; ++r) {
-          const uint16_t* q = query.row(b, t0 + r, h);
-          for (int64_t d = 0; d < half; ++d) queries[r * half + d] = bf16_pair(q[2 * d], 2 * d + 1 < dim ? q[2 * d + 1] : 0);
-        }
-        float* scores = weights.data();
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows)
-          for (int64_t j0 = 0; j0 < width; j0 += kCols)
-            block_dot(queries.data() + r0 * half, half, keys.data() + j0, ldk, half, scores + r0 * ldk + j0, ldk);
-        for (int64_t r = 0; r < rows; ++r) {  // weights normalised, then rounded to bfloat16 in pairs
-          float* w = scores + r * ldk;
-          const float inverse = softmax_row(w, p.last_key(offset, t0 + r), width, p.scale);
-          uint32_t* wp = pairs.data() + r * ldp;
-          for (int64_t j = 0; j < width; j += kLanes) {
-            // 16 weights rounded; lanes 2i and 2i + 1 give pair i: their high halves
-            const Wide x = reinterpret_cast<Wide>(rounded<uint16_t>(load(w + j) * inverse));
-            const Narrow packed = __builtin_convertvector(((x >> 16) & 0xffffu) | ((x >> 32) & 0xffff0000u), Narrow);
-            std::memcpy(wp + j / 2, &packed, sizeof packed);
-          }
-        }
-        for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-          // the key pairs every row of the block sees, as one product (key offset + t0 + r0 and
-          // those before it: visible to all of the block's rows); then each row's remaining keys
-          const int64_t common = std::min(offset + t0 + r0 + 1, p.W) / 2;
-          for (int64_t d0 = 0; d0 < dim; d0 += kCols)
-            block_dot(pairs.data() + r0 * ldp, ldp, values.data() + d0, ldv, common, sums.data() + r0 * ldv + d0, ldv);
-          for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
-            float* o = sums.data() + r * ldv;
-            const uint32_t* wp = pairs.data() + r * ldp;
-            for (int64_t j = 2 * common; j <= p.last_key(offset, t0 + r); ++j) {
-              const float w = to_float(static_cast<uint16_t>(j % 2 ? wp[j / 2] >> 16 : wp[j / 2] & 0xffffu));
-              const uint16_t* vj = value.row(b, j, hk);
-              for (int64_t d = 0; d < dim; ++d) o[d] += w * to_float(vj[d]);
-            }
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          uint16_t* o = out + ((b * S + t0 + r) * p.H + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) from_float(sums[r * ldv + d], o + d);
+    // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
+    for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
+                             __attribute__((always_inline)) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* q = query.row(b, t0 + r, h);
+        for (int64_t d = 0; d < half; ++d) queries[r * half + d] = bf16_pair(q[2 * d], 2 * d + 1 < dim ? q[2 * d + 1] : 0);
+      }
+      float* scores = weights.data();
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows)
+        for (int64_t j0 = 0; j0 < width; j0 += kCols)
+          block_dot(queries.data() + r0 * half, half, keys.data() + j0, ldk, half, scores + r0 * ldk + j0, ldk);
+      for (int64_t r = 0; r < rows; ++r) {  // weights normalised, then rounded to bfloat16 in pairs
+        float* w = scores + r * ldk;
+        const float inverse = softmax_row(w, p.last_key(offset, t0 + r), width, p.scale);
+        uint32_t* wp = pairs.data() + r * ldp;
+        for (int64_t j = 0; j < width; j += kLanes) {
+          // 16 weights rounded; lanes 2i and 2i + 1 give pair i: their high halves
+          const Wide x = reinterpret_cast<Wide>(rounded<uint16_t>(load(w + j) * inverse));
+          const Narrow packed = __builtin_convertvector(((x >> 16) & 0xffffu) | ((x >> 32) & 0xffff0000u), Narrow);
+          std::memcpy(wp + j / 2, &packed, sizeof packed);
         }
       }
-    }
+      for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        // the key pairs every row of the block sees, as one product (key offset + t0 + r0 and
+        // those before it: visible to all of the block's rows); then each row's remaining keys
+        const int64_t common = std::min(offset + t0 + r0 + 1, p.W) / 2;
+        for (int64_t d0 = 0; d0 < dim; d0 += kCols)
+          block_dot(pairs.data() + r0 * ldp, ldp, values.data() + d0, ldv, common, sums.data() + r0 * ldv + d0, ldv);
+        for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
+          float* o = sums.data() + r * ldv;
+          const uint32_t* wp = pairs.data() + r * ldp;
+          for (int64_t j = 2 * common; j <= p.last_key(offset, t0 + r); ++j) {
+            const float w = to_float(static_cast<uint16_t>(j % 2 ? wp[j / 2] >> 16 : wp[j / 2] & 0xffffu));
+            const uint16_t* vj = value.row(b, j, hk);
+            for (int64_t d = 0; d < dim; ++d) o[d] += w * to_float(vj[d]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* o = out + ((b * S + t0 + r) * p.H + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) from_float(sums[r * ldv + d], o + d);
+      }
+    });
   }
 }
 

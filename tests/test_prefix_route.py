@@ -224,20 +224,19 @@ def test_nested_beginnings_share_where_they_save_most():
     their 100 (2 x (2 x 100 - 64) saved, against 5 x 20 - 64); eight that begin with 100 common
     tokens, in pairs with 110, share the 100 (7 x 100 - 64 against 4 x (110 - 64))."""
     rng = np.random.default_rng(4)
-    common = rng.integers(5, 900, size=20)
-    reqs = []
-    for family in range(2):
-        head = np.concatenate([common, [1000 + family], rng.integers(5, 900, size=79)])
-        reqs += [Request(len(reqs), np.concatenate([head, rng.integers(5, 900, size=4)]), Choice(CANDS))
-                 for _ in range(3)]
-    assert [r.prefix_len for r in share_common_prefixes(reqs, everything, 64)] == [100] * 6
-    common = rng.integers(5, 900, size=100)
-    reqs = []
-    for pair in range(4):
-        head = np.concatenate([common, [1000 + pair], rng.integers(5, 900, size=9)])
-        reqs += [Request(len(reqs), np.concatenate([head, rng.integers(5, 900, size=3)]), Choice(CANDS))
-                 for _ in range(2)]
-    assert [r.prefix_len for r in share_common_prefixes(reqs, everything, 64)] == [100] * 8
+
+    def nested(common: int, groups: int, each: int, inner: int) -> list[Request]:
+        """``groups`` groups of ``each`` requests: all begin with the same ``common`` tokens, a
+        group's with the same ``inner`` tokens in all."""
+        start, reqs = rng.integers(5, 900, size=common), []
+        for group in range(groups):
+            head = np.concatenate([start, [1000 + group], rng.integers(5, 900, size=inner - common - 1)])
+            reqs += [Request(len(reqs), np.concatenate([head, rng.integers(5, 900, size=4)]), Choice(CANDS))
+                     for _ in range(each)]
+        return reqs
+
+    assert [r.prefix_len for r in share_common_prefixes(nested(20, 2, 3, 100), everything, 64)] == [100] * 6
+    assert [r.prefix_len for r in share_common_prefixes(nested(100, 4, 2, 110), everything, 64)] == [100] * 8
 
 
 def test_what_may_not_be_a_common_prefix():
