@@ -49,10 +49,20 @@ def test_shared_prefix_attention_matches_transformers(dtype, new_tokens, snapsho
     else:
         groups = [(s, torch.nonzero(owner == s).flatten()) for s in range(snapshots)]
 
-    got = attention.attend_cached(q, keys, values, mask, SharedPrefix(P, groups)).transpose(1, 2)
+    shared = SharedPrefix(P, groups)
+    got = attention.attend_cached(q, keys, values, mask, shared).transpose(1, 2)
     want = eager_attention(q.transpose(1, 2), keys, values, mask)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # the next step with the same rows: the prefix columns' float32 copies are reused (one per
+    # snapshot), and the rows' own later keys, which do change, are read afresh
+    copies = dict(shared._float)
+    assert len(copies) == snapshots
+    keys[:, :, P:] = torch.randn(B, kv_heads, width - P, hd, generator=gen).to(dtype)
+    again = attention.attend_cached(q, keys, values, mask, shared).transpose(1, 2)
+    assert all(shared._float[k][0] is copies[k][0] for k in copies)
+    want = eager_attention(q.transpose(1, 2), keys, values, mask)
+    torch.testing.assert_close(again.float(), want, rtol=tol, atol=tol)
 
 
 def test_pool_groups_rows_by_snapshot(qwen3_dir):

@@ -160,8 +160,8 @@ def attend_shared_prefix(rows: torch.Tensor, keys: torch.Tensor, values: torch.T
         part = rows if members is None else rows.index_select(0, members)
         n = part.shape[0]
         # the group's queries as one [1, kv_heads, n x R] problem over one copy of the prefix
-        o, lse = flash(part.transpose(0, 1).reshape(1, kv_heads, n * R, hd), as_float(keys[first:first + 1, :, :P]),
-                       as_float(values[first:first + 1, :, :P]), 0.0, False)[:2]
+        o, lse = flash(part.transpose(0, 1).reshape(1, kv_heads, n * R, hd), *shared.float_columns(keys, values, first),
+                       0.0, False)[:2]
         o, lse = o.view(kv_heads, n, R, hd).transpose(0, 1), lse.view(kv_heads, n, R).transpose(0, 1)
         if members is None:
             pre.copy_(o), pre_lse.copy_(lse)

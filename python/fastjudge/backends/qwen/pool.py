@@ -200,7 +200,21 @@ class StatePool(torch.nn.Module):
 
 class SharedPrefix:
     """The first ``columns`` K/V columns of a step's rows, by snapshot: ``groups`` lists, per
-    snapshot, one row holding its columns and the rows that share them (None: every row)."""
+    snapshot, one row holding its columns and the rows that share them (None: every row).
+
+    The same object serves every step while the rows stay (``StatePool.shared_prefix``), and
+    those columns do not change meanwhile (decoding writes past them), so their float32 copies
+    are made once per layer (:meth:`float_columns`), not once per step."""
 
     def __init__(self, columns: int, groups: list[tuple[int, torch.Tensor | None]]):
         self.columns, self.groups = columns, groups
+        self._float: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def float_columns(self, keys: torch.Tensor, values: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s shared K/V columns of one layer's buffers ([B, kv_heads, W, hd]) as
+        [1, kv_heads, columns, hd] float32, converted on the first step that asks."""
+        key = (keys.data_ptr(), row)
+        pair = self._float.get(key)
+        if pair is None:
+            pair = self._float[key] = tuple(t[row:row + 1, :, :self.columns].float() for t in (keys, values))
+        return pair
