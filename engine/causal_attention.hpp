@@ -1,12 +1,14 @@
 // Causal softmax attention of many new tokens a row (a prefill's or a suffix pass's attention
 // layers), on the CPU.
 //
-// Standard library only, like the rest of the engine. Each (row, key head) pair packs its keys
-// (transposed) and values once in float32, then every query tile of its grouped query heads
-// takes scores against the keys up to its last token, an exact softmax over each query's
-// visible keys and the weighted sum of values: two small products per tile through one
-// register-blocked micro-kernel, no work above the causal diagonal past one tile, and nothing
-// for torch's SDPA to split into blocks (its CPU kernel skips only whole 512-key blocks).
+// Standard library and compiler intrinsics only, like the rest of the engine. Each (row, key
+// head) pair packs its keys (transposed) and values once, then every query tile of its grouped
+// query heads takes scores against the keys up to its last token, an exact softmax in float32
+// over each query's visible keys and the weighted sum of values: two small products per tile
+// through one register-blocked micro-kernel, no work above the causal diagonal past one tile,
+// and nothing for torch's SDPA to split into blocks (its CPU kernel skips only whole 512-key
+// blocks). Float32 products by default; bfloat16 inputs on CPUs with AVX512-BF16 take bfloat16
+// dot products, keys and values packed as bfloat16 pairs (bf16_dot_products below).
 #pragma once
 
 #include <cstdint>
