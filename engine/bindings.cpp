@@ -373,18 +373,45 @@ unit_lower_inverse_max_size.)doc");
 // the gated delta rule's one-token steps
 // ---------------------------------------------------------------------------------------
 
-// float32_array of the given shape, or ValueError
-py::array_t<float> float32_shaped(const py::handle& obj, const std::string& name,
-                                  const std::vector<int64_t>& shape) {
-  py::array arr = float32_array(obj);
-  bool ok = arr && arr.ndim() == static_cast<py::ssize_t>(shape.size());
+// obj as a numpy array of T's elements (float32; bfloat16 as 16-bit integers), else an empty handle
+template <typename T>
+py::array element_array(const py::handle& obj) {
+  py::array arr = py::isinstance<py::array>(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array();
+  const char kind = arr ? arr.dtype().kind() : '\0';
+  const bool ok = arr && (std::is_floating_point_v<T> ? kind == 'f' : kind == 'i' || kind == 'u') &&
+                  arr.itemsize() == static_cast<py::ssize_t>(sizeof(T));
+  return ok ? arr : py::array();
+}
+
+template <typename T>
+std::string element_name() {
+  return std::is_floating_point_v<T> ? "float32" : "16-bit integer (bfloat16 bits)";
+}
+
+// An array of T of the given shape, C-contiguous, or ValueError; writable when asked
+template <typename T>
+T* typed_array(const py::handle& obj, const std::string& name, const std::vector<int64_t>& shape,
+               bool writable = false) {
+  py::array arr = element_array<T>(obj);
+  bool ok = arr && (arr.flags() & py::array::c_style) && arr.ndim() == static_cast<py::ssize_t>(shape.size());
   for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = arr.shape(i) == shape[i];
   if (!ok) {
     std::string want;
     for (int64_t n : shape) want += (want.empty() ? "" : ", ") + std::to_string(n);
-    throw py::value_error(name + " must be a C-contiguous float32 array of shape [" + want + "]");
+    throw py::value_error(name + " must be a C-contiguous " + element_name<T>() + " array of shape [" + want + "]");
   }
-  return py::reinterpret_borrow<py::array_t<float>>(arr);
+  if (writable && !arr.writeable()) throw py::value_error(name + " must be writable");
+  return static_cast<T*>(arr.mutable_data());
+}
+
+// Each of B rows' real token count, in [0, S], as int64, or ValueError
+Int64Array row_counts(const py::handle& counts, int64_t B, int64_t S) {
+  Int64Array rows = as_int64_vector(counts, "counts");
+  if (rows.shape(0) != B) throw py::value_error("counts must have one entry per row");
+  for (int64_t b = 0; b < B; ++b) {
+    if (rows.at(b) < 0 || rows.at(b) > S) throw py::value_error("counts must lie in [0, S]");
+  }
+  return rows;
 }
 
 // A [B, S, heads, dim] numpy array of T (float32; bfloat16 as 16-bit integers) read in place:
@@ -395,14 +422,11 @@ template <typename T>
 fastjudge::StridedRows<T> strided_rows(const py::handle& obj, const std::string& name,
                                        const std::vector<int64_t>& shape) {
   constexpr int64_t size = sizeof(T);
-  constexpr bool floats = std::is_floating_point_v<T>;
-  py::array arr = py::isinstance<py::array>(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array();
-  const char kind = arr ? arr.dtype().kind() : '\0';
-  bool ok = arr && (floats ? kind == 'f' : kind == 'i' || kind == 'u') && arr.itemsize() == size &&
-            arr.ndim() == 4 && (arr.shape(3) <= 1 || arr.strides(3) == size);
+  py::array arr = element_array<T>(obj);
+  bool ok = arr && arr.ndim() == 4 && (arr.shape(3) <= 1 || arr.strides(3) == size);
   for (int i = 0; ok && i < 4; ++i) ok = arr.shape(i) == shape[i] && arr.strides(i) % size == 0;
   if (!ok) {
-    throw py::value_error(name + " must be " + (floats ? "a float32" : "a 16-bit integer (bfloat16 bits)") +
+    throw py::value_error(name + " must be a " + element_name<T>() +
                           " array of shape [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) +
                           ", " + std::to_string(shape[2]) + ", " + std::to_string(shape[3]) +
                           "] with contiguous rows");
@@ -420,39 +444,15 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   const int64_t B = keys.shape(0), S = keys.shape(1), Hk = keys.shape(2), dk = keys.shape(3);
   const int64_t Hv = values.shape(2), dv = values.shape(3);
   if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
-  auto state = float32_shaped(memory, "memory", {B, Hv, dk, dv});
+  float* mem = typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true);
   const auto q = strided_rows<float>(query, "query", {B, S, Hk, dk});
   const auto k = strided_rows<float>(key, "key", {B, S, Hk, dk});
   const auto v = strided_rows<float>(value, "value", {B, S, Hv, dv});
-  auto d = float32_shaped(decay, "decay", {B, S, Hv});
-  auto b = float32_shaped(beta, "beta", {B, S, Hv});
-  auto o = float32_shaped(out, "out", {B, S, Hv, dv});
-  if (!state.writeable() || !o.writeable()) throw py::value_error("memory and out must be writable");
-  float* mem = state.mutable_data();
-  float* dst = o.mutable_data();
+  const float* d = typed_array<float>(decay, "decay", {B, S, Hv});
+  const float* b = typed_array<float>(beta, "beta", {B, S, Hv});
+  float* dst = typed_array<float>(out, "out", {B, S, Hv, dv}, true);
   py::gil_scoped_release release;
-  fastjudge::recurrent_delta_rule(mem, q, k, v, d.data(), b.data(), dst, B, S, Hk, Hv, dk, dv, threads);
-}
-
-// An array of T (float32; bfloat16 as 16-bit integers) of the given shape, C-contiguous, or
-// ValueError; writable when asked
-template <typename T>
-T* typed_array(const py::handle& obj, const std::string& name, const std::vector<int64_t>& shape,
-               bool writable = false) {
-  constexpr bool floats = std::is_floating_point_v<T>;
-  py::array arr = py::isinstance<py::array>(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array();
-  const char kind = arr ? arr.dtype().kind() : '\0';
-  bool ok = arr && (floats ? kind == 'f' : kind == 'i' || kind == 'u') && arr.itemsize() == sizeof(T) &&
-            (arr.flags() & py::array::c_style) && arr.ndim() == static_cast<py::ssize_t>(shape.size());
-  for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = arr.shape(i) == shape[i];
-  if (!ok) {
-    std::string want;
-    for (int64_t n : shape) want += (want.empty() ? "" : ", ") + std::to_string(n);
-    throw py::value_error(name + " must be a C-contiguous " +
-                          (floats ? "float32" : "16-bit integer (bfloat16 bits)") + " array of shape [" + want + "]");
-  }
-  if (writable && !arr.writeable()) throw py::value_error(name + " must be writable");
-  return static_cast<T*>(arr.mutable_data());
+  fastjudge::recurrent_delta_rule(mem, q, k, v, d, b, dst, B, S, Hk, Hv, dk, dv, threads);
 }
 
 template <typename T>
@@ -471,11 +471,7 @@ void deltanet_step_typed(const py::array& projected, const py::handle& conv_stat
     throw py::value_error("projected [B, S, C + Hv dv + 2 Hv] and taps [K, C] must fit C = 2 Hk dk + Hv dv, "
                           "with value heads a multiple of key heads");
   }
-  Int64Array rows = as_int64_vector(counts, "counts");
-  if (rows.shape(0) != B) throw py::value_error("counts must have one entry per row");
-  for (int64_t b = 0; b < B; ++b) {
-    if (rows.at(b) < 0 || rows.at(b) > S) throw py::value_error("counts must lie in [0, S]");
-  }
+  const Int64Array rows = row_counts(counts, B, S);
   const fastjudge::DeltaNetStep step{B, S, K, Hk, Hv, dk, dv, eps, l2_eps, fresh, rows.data(),
                                      typed_array<float>(dt_bias, "dt_bias", {Hv}),
                                      typed_array<float>(neg_A, "neg_A", {Hv}),
@@ -560,26 +556,14 @@ void causal_attention_typed(const py::array& query, const py::handle& key, const
       if (starts.at(b) < 0) throw py::value_error("offsets must not be negative");
     }
   }
-  Int64Array real;
   const bool padded = !counts.is_none();
-  if (padded) {
-    real = as_int64_vector(counts, "counts");
-    if (real.shape(0) != B) throw py::value_error("counts must have one entry per row");
-    for (int64_t b = 0; b < B; ++b) {
-      if (real.at(b) < 0 || real.at(b) > S) throw py::value_error("counts must lie in [0, S]");
-    }
-  }
+  const Int64Array real = padded ? row_counts(counts, B, S) : Int64Array();
   const auto q = strided_rows<T>(query, "query", {B, S, H, dim});
   const auto k = strided_rows<T>(key, "key", {B, W, Hkv, dim});
   const auto v = strided_rows<T>(value, "value", {B, W, Hkv, dim});
-  py::array res = py::array::ensure(out);
-  bool ok = res && res.dtype().is(query.dtype()) && (res.flags() & py::array::c_style) && res.ndim() == 4;
-  for (int i = 0; ok && i < 4; ++i) ok = res.shape(i) == query.shape(i);
-  if (!ok) throw py::value_error("out must be a C-contiguous array of the query's dtype and shape");
-  if (!res.writeable()) throw py::value_error("out must be writable");
+  T* dst = typed_array<T>(out, "out", {B, S, H, dim}, true);
   const fastjudge::CausalProblem problem{B, S, W, H, Hkv, dim, scale, cached ? starts.data() : nullptr,
                                          padded ? real.data() : nullptr};
-  T* dst = static_cast<T*>(res.mutable_data());
   py::gil_scoped_release release;
   fastjudge::causal_attention(problem, q, k, v, dst, threads);
 }

@@ -146,8 +146,10 @@ class QwenModel(torch.nn.Module):
 def packed_tokens(real: torch.Tensor) -> torch.Tensor | None:
     """The flat indices of ``real`` [B, k]'s true entries where at least ``PACK_MIN_PADDING`` of
     the tokens are padding, on the CPU in eager code (``nonzero`` would wait for the device, and
-    its size is not static for a traced graph); else None: every token runs."""
-    if real.device.type != "cpu" or torch.compiler.is_compiling():
+    its size is not static for a traced graph), for steps of more than one token a row (a
+    decoding step's gather and scatter would cost more than its padding); else None: every token
+    runs."""
+    if real.shape[1] == 1 or real.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     flat = real.view(-1)
     packed = flat.nonzero().squeeze(1)
