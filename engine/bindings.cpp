@@ -455,6 +455,32 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   fastjudge::recurrent_delta_rule(mem, q, k, v, d, b, dst, B, S, Hk, Hv, dk, dv, threads);
 }
 
+void chunked_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
+                        const py::handle& value, const py::handle& g, const py::handle& beta, const py::handle& out,
+                        int64_t chunk, bool fresh, bool normalise, float l2_eps, float exp_floor, int threads) {
+  py::array keys = py::array::ensure(key), values = py::array::ensure(value);
+  if (!keys || keys.ndim() != 4 || !values || values.ndim() != 4) {
+    throw py::value_error("key and value must be 4-D arrays [B, S, heads, dim]");
+  }
+  const int64_t B = keys.shape(0), S = keys.shape(1), Hk = keys.shape(2), dk = keys.shape(3);
+  const int64_t Hv = values.shape(2), dv = values.shape(3);
+  if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
+  if (dv % 16 != 0) throw py::value_error("the value head size must be a multiple of 16");
+  if (chunk < 1 || chunk > fastjudge::kMaxChunk) {
+    throw py::value_error("chunk must lie in [1, " + std::to_string(fastjudge::kMaxChunk) + "]");
+  }
+  float* mem = typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true);
+  const auto q = strided_rows<float>(query, "query", {B, S, Hk, dk});
+  const auto k = strided_rows<float>(key, "key", {B, S, Hk, dk});
+  const auto v = strided_rows<float>(value, "value", {B, S, Hv, dv});
+  const float* decays = typed_array<float>(g, "g", {B, S, Hv});
+  const float* b = typed_array<float>(beta, "beta", {B, S, Hv});
+  float* dst = typed_array<float>(out, "out", {B, S, Hv, dv}, true);
+  py::gil_scoped_release release;
+  fastjudge::chunked_delta_rule(mem, q, k, v, decays, b, dst, B, S, Hk, Hv, dk, dv, chunk, fresh, normalise, l2_eps,
+                                exp_floor, threads);
+}
+
 template <typename T>
 void deltanet_step_typed(const py::array& projected, const py::handle& conv_state, const py::handle& taps,
                          const py::handle& memory, const py::handle& counts, const py::handle& dt_bias,
@@ -513,6 +539,20 @@ scaled), value [B, S, Hv, dv], decay (exp of the log-decays) and beta [B, S, Hv]
 contiguous rows, the rest C-contiguous. Value head h reads key head h // (Hv // Hk).
 threads: at most this many threads, used only for large states. Raises ValueError on arrays of
 another dtype, layout or shape.)doc");
+  m.def("chunked_delta_rule", &chunked_delta_rule, py::arg("memory"), py::arg("query"), py::arg("key"),
+        py::arg("value"), py::arg("g"), py::arg("beta"), py::arg("out"), py::arg("chunk"), py::arg("fresh"),
+        py::arg("normalise"), py::arg("l2_eps"), py::arg("exp_floor"), py::arg("threads") = 1,
+        R"doc(The gated delta rule over many tokens, chunk tokens at a time, in place on memory.
+
+memory [B, Hv, dk, dv] (the start state, updated to the final one; not read and zeroed when
+fresh), query and key [B, S, Hk, dk] (L2-normalised here when normalise, with l2_eps under the
+root; queries scaled by 1 / sqrt(dk)), value [B, S, Hv, dv], g (log-decays) and beta [B, S, Hv],
+out [B, S, Hv, dv] (written): float32; query, key and value read in place with any strides but
+contiguous rows, the rest C-contiguous. Value head h reads key head h // (Hv // Hk); dv a
+multiple of 16; chunk in [1, chunked_delta_rule_max_chunk]. Decay exponents are clamped below at
+exp_floor. threads: at most this many threads. Raises ValueError on arrays of another dtype,
+layout or shape.)doc");
+  m.attr("chunked_delta_rule_max_chunk") = fastjudge::kMaxChunk;
   m.def("deltanet_step", &deltanet_step, py::arg("projected"), py::arg("conv_state"), py::arg("taps"),
         py::arg("memory"), py::arg("counts"), py::arg("dt_bias"), py::arg("neg_A"), py::arg("gated_norm"),
         py::arg("out"), py::arg("key_heads"), py::arg("key_dim"), py::arg("eps"), py::arg("l2_eps"),

@@ -27,6 +27,29 @@ void recurrent_delta_rule(float* memory, const StridedRows<float>& query, const 
                           const StridedRows<float>& value, const float* decay, const float* beta, float* out,
                           int64_t B, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int threads);
 
+// The gated delta rule over a prompt (prefill, suffix passes of many tokens), chunk tokens at a
+// time, in place on the state: the result of recurrent_delta_rule over the same tokens, each
+// chunk's tokens at once. For a chunk of n tokens from state M0, with G_i the running sum of
+// the log-decays g inside it (decay from token j to token i: exp(G_i - G_j)), the corrections
+// U solve the unit lower-triangular system
+//   U_i + sum_{j<i} beta_i exp(G_i - G_j) (k_i . k_j) U_j = beta_i (v_i - exp(G_i) M0^T k_i),
+// (forward substitution, row blocks of earlier rows as one product), then
+//   out_i = exp(G_i) M0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) U_j,
+//   M = exp(G_{n-1}) M0 + sum_j exp(G_{n-1} - G_j) k_j U_j^T.
+// Every product runs on a thread's chunk held in cache (the key head's queries and keys, its
+// value heads' states one after another), register-blocked. Decay exponents are clamped below
+// at exp_floor (and differences above at 0), as the tensor-op form clamps them.
+// memory [B, Hv, dk, dv] (the start state, not read and zeroed when fresh), query and key
+// [B, S, Hk, dk] (raw when normalise: L2-normalised here with l2_eps under the root; queries
+// also scaled by 1 / sqrt(dk)), value [B, S, Hv, dv], g (log-decays) and beta [B, S, Hv], out
+// [B, S, Hv, dv]: float32; query, key and value strided (read in place), the rest contiguous.
+// dv a multiple of 16, chunk in [1, kMaxChunk].
+constexpr int64_t kMaxChunk = 256;
+void chunked_delta_rule(float* memory, const StridedRows<float>& query, const StridedRows<float>& key,
+                        const StridedRows<float>& value, const float* g, const float* beta, float* out, int64_t B,
+                        int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t chunk, bool fresh,
+                        bool normalise, float l2_eps, float exp_floor, int threads);
+
 // A Gated DeltaNet layer's few-token step between its two projections, for each row b < B and
 // token t < S in order (what the layer's tensor ops compute there, each value held in the model's
 // element type T where they hold it):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from fastjudge.backends.qwen.gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_,
+    chunk_gated_delta_rule_ops,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_,
     recurrent_gated_delta_rule_ops,
@@ -214,37 +215,43 @@ def test_chunked_with_repeated_keys_matches_reference(chunk):
     assert_same(chunk_gated_delta_rule(**x, **kw), reference.torch_chunk_gated_delta_rule(**x, **kw), True)
 
 
-@pytest.mark.parametrize("S,chunk", [(16, 16), (37, 16), (64, 32)])
+# the layers' in-place chunked rule by the engine (what a CPU state takes; value heads of a
+# multiple of 16) and as tensor ops (elsewhere)
+CHUNK_FORMS = {"engine": chunk_gated_delta_rule_, "ops": chunk_gated_delta_rule_ops}
+
+
+@pytest.mark.parametrize("how", sorted(CHUNK_FORMS))
+@pytest.mark.parametrize("S,chunk", [(16, 16), (37, 16), (64, 32), (130, 32)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_in_place_chunked_matches_reference(S, chunk, fresh):
-    """The layers' in-place chunked rule (``chunk_gated_delta_rule_``: the state updated where it
-    lies, one chunk or several) against transformers' ``torch_chunk_gated_delta_rule``
+def test_in_place_chunked_matches_reference(S, chunk, fresh, how):
+    """The layers' in-place chunked rule (the state updated where it lies, one chunk or several),
+    by the engine and as tensor ops, against transformers' ``torch_chunk_gated_delta_rule``
     (transformers/models/qwen3_5/modeling_qwen3_5.py, transformers 5.x). A fresh start does not
     read the state buffer at all: filled with NaN, it still gives the zero-state result."""
-    x = inputs(S=S, seed=S + chunk, state=not fresh)
+    x = inputs(S=S, dv=32, seed=S + chunk, state=not fresh)
     out, final = reference.torch_chunk_gated_delta_rule(**x, chunk_size=chunk, output_final_state=True,
                                                         use_qk_l2norm_in_kernel=True)
     memory = torch.full_like(final, float("nan")) if fresh else x["initial_state"].clone()
-    ours = chunk_gated_delta_rule_(memory, x["query"], x["key"], x["value"], x["g"], x["beta"], chunk,
-                                   fresh=fresh)
+    ours = CHUNK_FORMS[how](memory, x["query"], x["key"], x["value"], x["g"], x["beta"], chunk, fresh=fresh)
     assert relative_error(ours, out) <= TOLERANCE
     assert relative_error(memory, final) <= TOLERANCE
 
 
+@pytest.mark.parametrize("how", sorted(CHUNK_FORMS))
 @pytest.mark.parametrize("fresh", [False, True])
-def test_strong_decays_match_reference(fresh):
+def test_strong_decays_match_reference(fresh, how):
     """Heads that forget fast: log-decays of -5 to -15 a token, so the decays inside a chunk of
     32 fall far below exp(-87), where float32 has only denormals and 0 and the chunked rule
     clamps its exponents (``EXP_FLOOR``). Against transformers' ``torch_chunk_gated_delta_rule``
     (transformers/models/qwen3_5/modeling_qwen3_5.py): the same outputs and final state."""
     from fastjudge.backends.qwen.gated_delta import EXP_FLOOR
 
-    x = inputs(S=64, seed=11, state=not fresh)
+    x = inputs(S=64, dv=16, seed=11, state=not fresh)
     x["g"] = -5.0 - 10.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(3))
     assert float(x["g"][:, :32].sum(1).min()) < 2 * EXP_FLOOR  # the clamp binds
     out, final = reference.torch_chunk_gated_delta_rule(**x, chunk_size=32, output_final_state=True,
                                                         use_qk_l2norm_in_kernel=True)
     memory = torch.zeros_like(final) if fresh else x["initial_state"].clone()
-    ours = chunk_gated_delta_rule_(memory, x["query"], x["key"], x["value"], x["g"], x["beta"], 32, fresh=fresh)
+    ours = CHUNK_FORMS[how](memory, x["query"], x["key"], x["value"], x["g"], x["beta"], 32, fresh=fresh)
     assert relative_error(ours, out) <= TOLERANCE
     assert relative_error(memory, final) <= TOLERANCE

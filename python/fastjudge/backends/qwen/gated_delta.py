@@ -236,9 +236,30 @@ def chunk_gated_delta_rule_(memory: torch.Tensor, query: torch.Tensor, key: torc
     read), and the final state on return. Returns the outputs [B, S, Hv, dv] in float32.
     ``normalise``: L2-normalise queries and keys here (transformers' ``use_qk_l2norm_in_kernel``).
 
-    The sequence is right-padded to whole chunks with ``beta = 0``, ``g = 0`` steps, which leave
-    the state unchanged, and the padded outputs are dropped. Layout: chunk-major ``[n, B, Hk,
-    G, C, ...]`` (G value heads per key head), so that a chunk's tensors are contiguous for the
+    On the CPU, outside a traced graph, the engine runs it (``_engine.chunked_delta_rule``: each
+    key head's chunk held in cache by one thread, its products register-blocked, the corrections
+    by forward substitution; a layer of 4 x 512 tokens, 4 value heads of 64, two threads: 7.3-7.6
+    -> 1.9-2.1 ms); elsewhere :func:`chunk_gated_delta_rule_ops`."""
+    B, S, Hk, dk = key.shape
+    Hv, dv = value.shape[2:]
+    if (not engine_takes(memory) or not memory.is_contiguous() or dv % 16
+            or chunk_size > _engine.chunked_delta_rule_max_chunk):
+        return chunk_gated_delta_rule_ops(memory, query, key, value, g, beta, chunk_size, fresh, normalise)
+    out = memory.new_empty(B, S, Hv, dv)
+    rows = (as_float(t).numpy() for t in (query, key, value))  # read in place, strided as they come
+    gates = (as_float(t).contiguous().numpy() for t in (g, beta))
+    _engine.chunked_delta_rule(memory.numpy(), *rows, *gates, out.numpy(), chunk_size, fresh, normalise, L2_EPS,
+                               EXP_FLOOR, torch.get_num_threads())
+    return out
+
+
+def chunk_gated_delta_rule_ops(memory: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               g: torch.Tensor, beta: torch.Tensor, chunk_size: int, fresh: bool,
+                               normalise: bool = True) -> torch.Tensor:
+    """:func:`chunk_gated_delta_rule_` as tensor ops (CUDA, traced graphs). The sequence is
+    right-padded to whole chunks with ``beta = 0``, ``g = 0`` steps, which leave the state
+    unchanged, and the padded outputs are dropped. Layout: chunk-major ``[n, B, Hk, G, C,
+    ...]`` (G value heads per key head), so that a chunk's tensors are contiguous for the
     sequential hand-over, the batch dims of every product fold into one, and products with keys
     or queries (the same for the G value heads of a key head) run once per key head."""
     B, S, Hk, dk = key.shape

@@ -1,0 +1,250 @@
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cpu_parallel.hpp"
+#include "delta_rule.hpp"
+#include "vector_math.hpp"
+
+namespace fastjudge {
+namespace {
+
+// One thread for each 2 MFLOP of the rule: below that a wake-up of the team costs more than
+// the share of work it takes.
+constexpr double kFlopsPerThread = 2e6;
+// Rows of a register block (with up to four vectors of columns: 16 accumulators).
+constexpr int kRows = 4;
+constexpr int kMaxVectors = 4;
+
+inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// c[r][:NV lanes] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + :], r < R, in
+// increasing k
+template <int R, int NV>
+__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                                int64_t ldc, int64_t depth, bool accumulate) {
+  Floats acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(c + r * ldc + v * kLanes) : Floats{};
+  for (int64_t k = 0; k < depth; ++k) {
+    Floats bk[NV];
+    for (int v = 0; v < NV; ++v) bk[v] = load(b + k * ldb + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float ar = a[r * lda + k];
+      for (int v = 0; v < NV; ++v) acc[r][v] += ar * bk[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+template <int R>
+__attribute__((always_inline)) inline void tile_columns(int vectors, const float* a, int64_t lda, const float* b,
+                                                        int64_t ldb, float* c, int64_t ldc, int64_t depth,
+                                                        bool accumulate) {
+  switch (vectors) {
+    case 1: return tile<R, 1>(a, lda, b, ldb, c, ldc, depth, accumulate);
+    case 2: return tile<R, 2>(a, lda, b, ldb, c, ldc, depth, accumulate);
+    case 3: return tile<R, 3>(a, lda, b, ldb, c, ldc, depth, accumulate);
+    default: return tile<R, 4>(a, lda, b, ldb, c, ldc, depth, accumulate);
+  }
+}
+
+// C (= or +=) A B for A [rows, depth] (row stride lda), B [depth, cols] (ldb), C [rows, cols]
+// (ldc), cols a multiple of kLanes. lower: A is zero right of its diagonal, so the rows from i0
+// on sum only k < i0 + kRows.
+__attribute__((always_inline)) inline void product(const float* A, int64_t lda, const float* B, int64_t ldb,
+                                                   float* C, int64_t ldc, int64_t rows, int64_t depth, int64_t cols,
+                                                   bool accumulate, bool lower = false) {
+  for (int64_t c0 = 0; c0 < cols; c0 += kMaxVectors * kLanes) {
+    const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (cols - c0) / kLanes));
+    for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
+      const int64_t r = std::min<int64_t>(kRows, rows - i0);
+      const int64_t k = lower ? std::min(depth, i0 + r) : depth;
+      const float* a = A + i0 * lda;
+      float* c = C + i0 * ldc + c0;
+      switch (r) {
+        case 1: tile_columns<1>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
+        case 2: tile_columns<2>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
+        case 3: tile_columns<3>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
+        default: tile_columns<4>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
+      }
+    }
+  }
+}
+
+struct Chunked {
+  float* memory;
+  const StridedRows<float>& query, &key, &value;
+  const float *g, *beta;
+  float* out;
+  int64_t S, Hk, Hv, dk, dv, C;
+  bool fresh, normalise;
+  float l2_eps, exp_floor;
+};
+
+// A thread's scratch for one chunk: queries and keys [C, dk], keys transposed [dk, Cw], their
+// products [C, Cw] (Cw: C in whole vectors), and per value head the triangular system, the
+// decayed scores, the corrections U, the start state's reads under keys and queries, and the
+// decayed keys that write the end state.
+struct Scratch {
+  int64_t Cw;
+  std::vector<float> q, k, kt, kk, qk, system, scores, u, reads, k_end, cum, start, to_end;
+
+  Scratch(int64_t C, int64_t dk, int64_t dv) : Cw(whole_vectors(C)) {
+    q.resize(C * dk), k.resize(C * dk), kt.assign(dk * Cw, 0.0f), k_end.assign(dk * Cw, 0.0f);
+    kk.resize(C * Cw), qk.resize(C * Cw), system.resize(C * Cw), scores.resize(C * Cw);
+    u.resize(C * dv), reads.resize(2 * C * dv), cum.resize(Cw), start.resize(C), to_end.resize(C);
+  }
+};
+
+// x[0 .. d) times scale, or L2-normalised (|x|^2 + eps under the root) and then times scale
+__attribute__((always_inline)) inline void scaled_row(const float* x, float* dst, int64_t d, float scale, bool normalise, float eps) {
+  float factor = scale;
+  if (normalise) {
+    float squares = 0.0f;
+    for (int64_t j = 0; j < d; ++j) squares += x[j] * x[j];
+    factor = scale / std::sqrt(squares + eps);
+  }
+  for (int64_t j = 0; j < d; ++j) dst[j] = x[j] * factor;
+}
+
+// One value head's chunk of n tokens from t0: the corrections, the outputs, the state's update
+// (see delta_rule.hpp for the algebra)
+__attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch& w, int64_t b, int64_t h, int64_t t0,
+                                                      int64_t n, bool from_zero) {
+  const int64_t dk = s.dk, dv = s.dv, Cw = w.Cw;
+  float* M = s.memory + (b * s.Hv + h) * dk * dv;
+  const float* g = s.g + (b * s.S + t0) * s.Hv + h;
+  const float* beta = s.beta + (b * s.S + t0) * s.Hv + h;
+  // G_i: the running log-decay inside the chunk; past n, G_{n-1} (their decays are never used)
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) w.cum[i] = total += g[i * s.Hv];
+  std::fill(w.cum.begin() + n, w.cum.end(), total);
+  for (int64_t i = 0; i < n; ++i) {
+    w.start[i] = std::exp(std::max(w.cum[i], s.exp_floor));  // how much of M token i still sees
+    w.to_end[i] = std::exp(std::max(total - w.cum[i], s.exp_floor));
+  }
+  // the unit lower-triangular system's strict lower part, negated (-beta_i decay_ij k_i.k_j,
+  // j < i), and the decayed query-key scores (j <= i); zero elsewhere
+  const Floats floor = splat(s.exp_floor), zero = splat(0.0f);
+  Ints lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  for (int64_t i = 0; i < n; ++i) {
+    const Floats gi = splat(w.cum[i]), bi = splat(-beta[i * s.Hv]);
+    for (int64_t j = 0; j < Cw; j += kLanes) {
+      Floats x = gi - load(w.cum.data() + j);
+      x = x < floor ? floor : x;
+      x = x > zero ? zero : x;
+      const Floats decay = exp_nonpositive(x);
+      const Ints col = lane + static_cast<int32_t>(j);
+      const Ints row = Ints{} + static_cast<int32_t>(i);
+      store(w.system.data() + i * Cw + j, col < row ? bi * load(w.kk.data() + i * Cw + j) * decay : zero);
+      store(w.scores.data() + i * Cw + j, col <= row ? load(w.qk.data() + i * Cw + j) * decay : zero);
+    }
+  }
+  // right-hand sides: beta_i (v_i - exp(G_i) M^T k_i); and exp(G_i) M^T q_i into the outputs
+  float* key_reads = w.reads.data();
+  float* query_reads = w.reads.data() + n * dv;
+  if (!from_zero) {
+    product(w.k.data(), dk, M, dv, key_reads, dv, n, dk, dv, false);
+    product(w.q.data(), dk, M, dv, query_reads, dv, n, dk, dv, false);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = s.value.row(b, t0 + i, h);
+    float* u = w.u.data() + i * dv;
+    float* o = s.out + ((b * s.S + t0 + i) * s.Hv + h) * dv;
+    const float bi = beta[i * s.Hv], ei = w.start[i];
+    if (from_zero) {
+      for (int64_t j = 0; j < dv; ++j) u[j] = bi * v[j];
+      std::fill(o, o + dv, 0.0f);
+    } else {
+      for (int64_t j = 0; j < dv; ++j) u[j] = bi * (v[j] - ei * key_reads[i * dv + j]);
+      for (int64_t j = 0; j < dv; ++j) o[j] = ei * query_reads[i * dv + j];
+    }
+  }
+  // forward substitution: U_i = rhs_i - sum_{j<i} beta_i decay_ij (k_i.k_j) U_j; the earlier row
+  // blocks' part as one product, then within the block row by row
+  for (int64_t i0 = 0; i0 < n; i0 += kRows) {
+    const int64_t r = std::min<int64_t>(kRows, n - i0);
+    if (i0 > 0) product(w.system.data() + i0 * Cw, Cw, w.u.data(), dv, w.u.data() + i0 * dv, dv, r, i0, dv, true);
+    for (int64_t i = i0 + 1; i < i0 + r; ++i) {
+      float* ui = w.u.data() + i * dv;
+      for (int64_t j = i0; j < i; ++j) {
+        const float a = w.system[i * Cw + j];
+        const float* uj = w.u.data() + j * dv;
+        for (int64_t c = 0; c < dv; ++c) ui[c] += a * uj[c];
+      }
+    }
+  }
+  // outputs: + sum_{j<=i} decay_ij (q_i.k_j) U_j
+  product(w.scores.data(), Cw, w.u.data(), dv, s.out + ((b * s.S + t0) * s.Hv + h) * dv, s.Hv * dv, n, n, dv, true,
+          true);
+  // the end state: exp(G_{n-1}) M + sum_j exp(G_{n-1} - G_j) k_j U_j^T
+  for (int64_t a = 0; a < dk; ++a)
+    for (int64_t j = 0; j < n; ++j) w.k_end[a * Cw + j] = w.kt[a * Cw + j] * w.to_end[j];
+  if (from_zero) {
+    product(w.k_end.data(), Cw, w.u.data(), dv, M, dv, dk, n, dv, false);
+  } else {
+    const float decay = std::exp(total);
+    for (int64_t j = 0; j < dk * dv; ++j) M[j] *= decay;
+    product(w.k_end.data(), Cw, w.u.data(), dv, M, dv, dk, n, dv, true);
+  }
+}
+
+// key heads [first, last) of the B x Hk grid, every chunk in order, the key head's value heads
+// one after another within each chunk
+FASTJUDGE_CLONES
+void run_key_heads(const Chunked& s, int64_t first, int64_t last) {
+  const int64_t dk = s.dk, G = s.Hv / s.Hk;
+  Scratch w(s.C, dk, s.dv);
+  const int64_t Cw = w.Cw;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  for (int64_t job = first; job < last; ++job) {
+    const int64_t b = job / s.Hk, hk = job % s.Hk;
+    for (int64_t t0 = 0; t0 < s.S; t0 += s.C) {
+      const int64_t n = std::min(s.C, s.S - t0);
+      for (int64_t i = 0; i < n; ++i) {
+        scaled_row(s.query.row(b, t0 + i, hk), w.q.data() + i * dk, dk, q_scale, s.normalise, s.l2_eps);
+        scaled_row(s.key.row(b, t0 + i, hk), w.k.data() + i * dk, dk, 1.0f, s.normalise, s.l2_eps);
+      }
+      for (int64_t a = 0; a < dk; ++a) {
+        for (int64_t j = 0; j < n; ++j) w.kt[a * Cw + j] = w.k[j * dk + a];
+        std::fill(w.kt.begin() + a * Cw + n, w.kt.begin() + (a + 1) * Cw, 0.0f);
+      }
+      // products with the keys, shared by the key head's value heads
+      product(w.k.data(), dk, w.kt.data(), Cw, w.kk.data(), Cw, n, dk, Cw, false);
+      product(w.q.data(), dk, w.kt.data(), Cw, w.qk.data(), Cw, n, dk, Cw, false);
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) head_chunk(s, w, b, h, t0, n, s.fresh && t0 == 0);
+    }
+  }
+}
+
+}  // namespace
+
+void chunked_delta_rule(float* memory, const StridedRows<float>& query, const StridedRows<float>& key,
+                        const StridedRows<float>& value, const float* g, const float* beta, float* out, int64_t B,
+                        int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t chunk, bool fresh,
+                        bool normalise, float l2_eps, float exp_floor, int threads) {
+  if (chunk < 1 || chunk > kMaxChunk) {
+    throw std::invalid_argument("chunked_delta_rule: chunk must lie in [1, " + std::to_string(kMaxChunk) + "]");
+  }
+  if (dv % kLanes != 0) throw std::invalid_argument("chunked_delta_rule: dv must be a multiple of 16");
+  const Chunked s{memory, query, key, value, g, beta, out, S, Hk, Hv, dk, dv, chunk, fresh, normalise, l2_eps,
+                  exp_floor};
+  const int64_t jobs = B * Hk;
+  if (jobs == 0) return;
+  if (S == 0) {
+    if (fresh) std::fill(memory, memory + B * Hv * dk * dv, 0.0f);
+    return;
+  }
+  // per token and value head: the products with keys and queries (shared), the state's reads and
+  // write, the substitution and the scores' product
+  const double flops = 2.0 * B * S * Hv * (chunk * (dk + dv) + 3.0 * dk * dv);
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
+  parallel_ranges(jobs, workers, 1, [&](int64_t first, int64_t last) { run_key_heads(s, first, last); });
+}
+
+}  // namespace fastjudge
