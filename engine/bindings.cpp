@@ -19,6 +19,7 @@
 #include "causal_attention.hpp"
 #include "cpu_parallel.hpp"
 #include "delta_rule.hpp"
+#include "dense.hpp"
 #include "planner.hpp"
 #include "prefix_index.hpp"
 #include "triangular.hpp"
@@ -528,6 +529,7 @@ void deltanet_step(const py::handle& projected, const py::handle& conv_state, co
   }
 }
 
+
 void bind_delta_rule(py::module_& m) {
   m.def("recurrent_delta_rule", &recurrent_delta_rule, py::arg("memory"), py::arg("query"), py::arg("key"),
         py::arg("value"), py::arg("decay"), py::arg("beta"), py::arg("out"), py::arg("threads") = 1,
@@ -658,14 +660,90 @@ C-contiguous, of the query's dtype. threads: at most this many threads, used onl
 pays for them. Raises ValueError on arrays of another dtype, layout or shape.)doc");
 }
 
+
+// ---------------------------------------------------------------------------------------
+// linear projections on panel-packed weights
+// ---------------------------------------------------------------------------------------
+
+// x as a [M, K] float32 matrix with contiguous rows (any row stride), or ValueError
+std::pair<const float*, int64_t> input_rows(const py::handle& obj, int64_t K) {
+  py::array arr = element_array<float>(obj);
+  const bool ok = arr && arr.ndim() == 2 && arr.shape(1) == K &&
+                  (arr.shape(0) == 0 || ((K <= 1 || arr.strides(1) == 4) && arr.strides(0) % 4 == 0 && arr.strides(0) >= 0));
+  if (!ok) throw py::value_error("x must be a float32 array [rows, " + std::to_string(K) + "] with contiguous rows");
+  return {static_cast<const float*>(arr.data()), arr.shape(0) <= 1 ? K : arr.strides(0) / 4};
+}
+
+// a panel array's [P, K, 64] shape: K, or ValueError
+int64_t panel_depth(const py::handle& panels) {
+  py::array arr = element_array<float>(panels);
+  if (!arr || arr.ndim() != 3 || arr.shape(2) != fastjudge::kPanelColumns) {
+    throw py::value_error("panels must be a float32 array [panels, K, 64]");
+  }
+  return arr.shape(1);
+}
+
+void dense_product(const py::handle& x, const py::handle& panels, const py::handle& out, int threads) {
+  py::array o = element_array<float>(out);
+  if (!o || o.ndim() != 2) throw py::value_error("out must be a float32 array [rows, N]");
+  const int64_t K = panel_depth(panels), M = o.shape(0), N = o.shape(1);
+  const int64_t P = (N + fastjudge::kPanelColumns - 1) / fastjudge::kPanelColumns;
+  const auto [rows, stride] = input_rows(x, K);
+  if (py::array::ensure(x).shape(0) != M) throw py::value_error("x and out must have the same rows");
+  const float* w = typed_array<float>(panels, "panels", {P, K, fastjudge::kPanelColumns});
+  float* dst = typed_array<float>(out, "out", {M, N}, true);
+  py::gil_scoped_release release;
+  fastjudge::dense_product(rows, stride, w, dst, M, K, N, threads);
+}
+
+void gated_dense_product(const py::handle& x, const py::handle& gate_panels, const py::handle& up_panels,
+                         const py::handle& out, const std::string& activation, int threads) {
+  static const std::pair<const char*, fastjudge::GateActivation> kNames[] = {
+      {"silu", fastjudge::GateActivation::kSilu},
+      {"gelu_tanh", fastjudge::GateActivation::kGeluTanh},
+      {"relu", fastjudge::GateActivation::kRelu}};
+  const auto named = std::find_if(std::begin(kNames), std::end(kNames),
+                                  [&](const auto& entry) { return activation == entry.first; });
+  if (named == std::end(kNames)) throw py::value_error("activation must be silu, gelu_tanh or relu");
+  py::array o = element_array<float>(out);
+  if (!o || o.ndim() != 2) throw py::value_error("out must be a float32 array [rows, N]");
+  const int64_t K = panel_depth(gate_panels), M = o.shape(0), N = o.shape(1);
+  const int64_t P = (N + fastjudge::kPanelColumns - 1) / fastjudge::kPanelColumns;
+  const auto [rows, stride] = input_rows(x, K);
+  if (py::array::ensure(x).shape(0) != M) throw py::value_error("x and out must have the same rows");
+  const float* gate = typed_array<float>(gate_panels, "gate_panels", {P, K, fastjudge::kPanelColumns});
+  const float* up = typed_array<float>(up_panels, "up_panels", {P, K, fastjudge::kPanelColumns});
+  float* dst = typed_array<float>(out, "out", {M, N}, true);
+  py::gil_scoped_release release;
+  fastjudge::gated_dense_product(rows, stride, gate, up, dst, M, K, N, named->second, threads);
+}
+
+void bind_dense(py::module_& m) {
+  m.def("dense_product", &dense_product, py::arg("x"), py::arg("panels"), py::arg("out"), py::arg("threads") = 1,
+        R"doc(out = x W^T on a weight packed into panels of 64 output columns.
+
+x [M, K] (contiguous rows, any row stride), panels [ceil(N / 64), K, 64] (panels[p, k, c] =
+W[64 p + c, k], zero past the last output), out [M, N] (C-contiguous, written): float32. Each
+output sums over k in increasing order. threads: at most this many, used only where the work
+pays for them. Raises ValueError on arrays of another dtype, layout or shape.)doc");
+  m.def("gated_dense_product", &gated_dense_product, py::arg("x"), py::arg("gate_panels"), py::arg("up_panels"),
+        py::arg("out"), py::arg("activation"), py::arg("threads") = 1,
+        R"doc(out = act(x Wg^T) * (x Wu^T) on two weights packed as dense_product packs one.
+
+activation: "silu", "gelu_tanh" (the tanh approximation, as g * sigmoid(2 y)) or "relu".
+Otherwise as dense_product.)doc");
+  m.attr("dense_panel_columns") = fastjudge::kPanelColumns;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
-  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, delta-rule and attention kernels.";
+  m.doc() = "fastjudge host-side engine (C++): batch planning, prefix index, delta-rule, attention and projection kernels.";
   bind_planner(m);
   bind_prefix_index(m);
   bind_triangular(m);
   bind_delta_rule(m);
   bind_causal_attention(m);
+  bind_dense(m);
   bind_cpu_threads(m);
 }

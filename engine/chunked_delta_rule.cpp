@@ -6,6 +6,7 @@
 
 #include "cpu_parallel.hpp"
 #include "delta_rule.hpp"
+#include "small_product.hpp"
 #include "vector_math.hpp"
 
 namespace fastjudge {
@@ -14,66 +15,8 @@ namespace {
 // One thread for each 2 MFLOP of the rule: below that a wake-up of the team costs more than
 // the share of work it takes.
 constexpr double kFlopsPerThread = 2e6;
-// Rows of a register block (with up to four vectors of columns: 16 accumulators).
-constexpr int kRows = 4;
-constexpr int kMaxVectors = 4;
 
 inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
-// c[r][:NV lanes] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + :], r < R, in
-// increasing k
-template <int R, int NV>
-__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                                                int64_t ldc, int64_t depth, bool accumulate) {
-  Floats acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(c + r * ldc + v * kLanes) : Floats{};
-  for (int64_t k = 0; k < depth; ++k) {
-    Floats bk[NV];
-    for (int v = 0; v < NV; ++v) bk[v] = load(b + k * ldb + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const float ar = a[r * lda + k];
-      for (int v = 0; v < NV; ++v) acc[r][v] += ar * bk[v];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
-}
-
-template <int R>
-__attribute__((always_inline)) inline void tile_columns(int vectors, const float* a, int64_t lda, const float* b,
-                                                        int64_t ldb, float* c, int64_t ldc, int64_t depth,
-                                                        bool accumulate) {
-  switch (vectors) {
-    case 1: return tile<R, 1>(a, lda, b, ldb, c, ldc, depth, accumulate);
-    case 2: return tile<R, 2>(a, lda, b, ldb, c, ldc, depth, accumulate);
-    case 3: return tile<R, 3>(a, lda, b, ldb, c, ldc, depth, accumulate);
-    default: return tile<R, 4>(a, lda, b, ldb, c, ldc, depth, accumulate);
-  }
-}
-
-// C (= or +=) A B for A [rows, depth] (row stride lda), B [depth, cols] (ldb), C [rows, cols]
-// (ldc), cols a multiple of kLanes. lower: A is zero right of its diagonal, so the rows from i0
-// on sum only k < i0 + kRows.
-__attribute__((always_inline)) inline void product(const float* A, int64_t lda, const float* B, int64_t ldb,
-                                                   float* C, int64_t ldc, int64_t rows, int64_t depth, int64_t cols,
-                                                   bool accumulate, bool lower = false) {
-  for (int64_t c0 = 0; c0 < cols; c0 += kMaxVectors * kLanes) {
-    const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (cols - c0) / kLanes));
-    for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-      const int64_t r = std::min<int64_t>(kRows, rows - i0);
-      const int64_t k = lower ? std::min(depth, i0 + r) : depth;
-      const float* a = A + i0 * lda;
-      float* c = C + i0 * ldc + c0;
-      switch (r) {
-        case 1: tile_columns<1>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-        case 2: tile_columns<2>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-        case 3: tile_columns<3>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-        default: tile_columns<4>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-      }
-    }
-  }
-}
 
 struct Chunked {
   float* memory;
@@ -167,8 +110,8 @@ __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch&
   }
   // forward substitution: U_i = rhs_i - sum_{j<i} beta_i decay_ij (k_i.k_j) U_j; the earlier row
   // blocks' part as one product, then within the block row by row
-  for (int64_t i0 = 0; i0 < n; i0 += kRows) {
-    const int64_t r = std::min<int64_t>(kRows, n - i0);
+  for (int64_t i0 = 0; i0 < n; i0 += kProductRows) {
+    const int64_t r = std::min<int64_t>(kProductRows, n - i0);
     if (i0 > 0) product(w.system.data() + i0 * Cw, Cw, w.u.data(), dv, w.u.data() + i0 * dv, dv, r, i0, dv, true);
     for (int64_t i = i0 + 1; i < i0 + r; ++i) {
       float* ui = w.u.data() + i * dv;

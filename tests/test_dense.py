@@ -3,17 +3,19 @@ float32 (1e-5 of the output's largest value) and to bfloat16 rounding in bfloat1
 is the one ``Fp8Weight`` runs; ``state_dict``, ``load_state_dict`` and ``.to()`` keep working.
 
 The reference is ``torch.nn.functional.linear`` itself (``y = x @ W.T``, torch 2.13.0): the
-packed path is oneDNN's ``mkldnn._linear_pointwise`` on a ``mkldnn._reorder_linear_weight``
-weight, the pair that inductor's CPU weight prepacking emits
-(torch/_inductor/fx_passes/mkldnn_fusion.py, v2.13.0).
+float32 path is the engine's ``dense_product`` on panel-packed weights; the bfloat16 path is
+oneDNN's ``mkldnn._linear_pointwise`` on a ``mkldnn._reorder_linear_weight`` weight, the pair
+that inductor's CPU weight prepacking emits (torch/_inductor/fx_passes/mkldnn_fusion.py, v2.13.0).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fastjudge import _engine
 from fastjudge.backends import dense
 from fastjudge.backends.dense import Dense, prepare_dense
 from fastjudge.backends.fp8 import Fp8Weight, e4m3_scale, fp8_linear, quantize_e4m3
@@ -41,8 +43,8 @@ def test_float32_matches_linear(out_in, rows):
     w = torch.randn(out_in, generator=g) / out_in[1] ** 0.5
     x = torch.randn(rows, out_in[1], generator=g)
     d = prepared(w)
-    big = w.numel() >= dense.PACK_MIN_ELEMENTS
-    assert d.path == ("onednn-packed" if big and PACKS else "linear")
+    big = w.numel() >= dense.PACK_MANY_ROWS_MIN_ELEMENTS and PACKS
+    assert d.path == ("engine+onednn-packed" if big else "engine")
     with torch.no_grad():
         y = d(x)
     assert y.shape == (rows, out_in[0]) and y.dtype == torch.float32
@@ -51,20 +53,20 @@ def test_float32_matches_linear(out_in, rows):
 
 @pytest.mark.skipif(not PACKS, reason="oneDNN's packed linear is not in this build")
 def test_mid_size_weights_take_the_packed_gemm_for_many_rows():
-    """A 256 x 256 weight (below PACK_MIN_ELEMENTS) is packed, but runs F.linear itself at a
-    decode step's few rows and the packed GEMM from MANY_ROWS rows on."""
+    """A 256 x 256 bfloat16 weight (below PACK_MIN_ELEMENTS) is packed, but runs F.linear itself
+    at a decode step's few rows and the packed GEMM from MANY_ROWS rows on."""
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(256, 256, generator=g) / 16
+    w = (torch.randn(256, 256, generator=g) / 16).bfloat16()
     d = prepared(w)
     assert d.path == "onednn-packed"
     with torch.no_grad():
         for rows in (1, 16, dense.MANY_ROWS - 1):
-            x = torch.randn(rows, 256, generator=g)
+            x = torch.randn(rows, 256, generator=g).bfloat16()
             assert torch.equal(d(x), F.linear(x, w))
         for rows in (dense.MANY_ROWS, 600):
-            x = torch.randn(2, rows // 2, 256, generator=g)  # rows counted over every leading dim
+            x = torch.randn(2, rows // 2, 256, generator=g).bfloat16()  # rows counted over every leading dim
             assert torch.equal(d(x), dense.packed_linear(x, d._packed))
-            assert rel_err(d(x), F.linear(x, w)) <= 1e-5
+            assert rel_err(d(x), F.linear(x, w)) <= 2 ** -8
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -91,15 +93,18 @@ def test_gated_product_is_activation_of_gate_times_up(dtype, rows, activation):
     qwen3/modeling_qwen3.py) and T5's ``T5DenseGatedActDense.forward`` (``act(wi_0(x)) *
     wi_1(x)``, gelu_new for Flan-T5; transformers/models/t5/modeling_t5.py), the activations
     from transformers' ``ACT2FN`` (activations.py) on the gate rows and the up rows of one
-    weight: packed (its halves apart, fused epilogues) within 1e-5 in float32 and to bfloat16
-    rounding; ``forward`` stays the plain product with the whole weight."""
+    weight: prepared (its halves apart; the engine's panels in float32, its activation applied to
+    each panel of both halves, or after them for the erf GELU; oneDNN's fused epilogues in
+    bfloat16) within 1e-5 in float32 and to bfloat16 rounding; ``forward`` stays the plain
+    product with the whole weight."""
     from transformers.activations import ACT2FN
 
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(2 * 768, 256, generator=g) / 16).to(dtype)
     x = (torch.randn(2, rows, 256, generator=g) * 2).to(dtype)
     d = Dense(w, gate=activation)
-    assert d.prepare() == ("onednn-packed" if PACKS else "linear")
+    assert d.prepare() == ("onednn-packed" if PACKS else "linear") if dtype == torch.bfloat16 else \
+        ("engine+onednn-packed" if PACKS else "engine")
     gate, up = w.float().chunk(2)
     want = ACT2FN[activation](F.linear(x.float(), gate)) * F.linear(x.float(), up)
     with torch.no_grad():
@@ -107,8 +112,8 @@ def test_gated_product_is_activation_of_gate_times_up(dtype, rows, activation):
         assert got.shape == (2, rows, 768) and got.dtype == dtype
         assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
         assert rel_err(d(x), F.linear(x.float(), w.float())) <= (1e-5 if dtype == torch.float32 else 2 ** -7)
-    if PACKS:
-        assert isinstance(d._packed, tuple) and len(d._packed) == 2
+    for halves in (d._panels, d._packed):
+        assert halves is None or (isinstance(halves, tuple) and len(halves) == 2)
     with pytest.raises(ValueError, match="gate=<activation>"):
         Dense(w).gated_product(x)
 
@@ -169,6 +174,7 @@ def test_to_dtype_prepares_again():
     falls back to F.linear."""
     d = prepared(torch.randn(1152, 512) / 512 ** 0.5)
     x = torch.randn(7, 512)
+    assert d.path == ("engine+onednn-packed" if PACKS else "engine")
     d.to(torch.bfloat16)
     assert d.weight.dtype == torch.bfloat16 and not d.weight.requires_grad
     assert d.path == ("onednn-packed" if PACKS else "linear")
@@ -214,12 +220,82 @@ def test_dense_compiles_in_one_graph():
 
 def test_backends_prepare_their_projections(t5_dir, vl_dir):
     """Both torch backends hold every projection as a ``Dense`` and choose its GEMM at load
-    (the test models' weights are below the packing size, so ``F.linear`` here)."""
+    (float32 on the CPU: the engine's panels)."""
     from fastjudge.backends.qwen.backend import TorchQwenBackend
     from fastjudge.backends.t5.backend import TorchT5Backend
 
     for backend in (TorchT5Backend(t5_dir, device="cpu", dtype="float32"),
                     TorchQwenBackend(vl_dir, device="cpu", dtype="float32")):
         dense = [m for m in backend.model.modules() if isinstance(m, Dense)]
-        assert dense and all(m.path in ("linear", "onednn-packed") for m in dense)
-        assert prepare_dense(backend.model) == {"linear": len(dense)}
+        assert dense and all(m.path == "engine" for m in dense)  # below oneDNN's sizes
+        assert prepare_dense(backend.model) == {"engine": len(dense)}
+        assert prepare_dense(backend.model, enabled=False) == {"linear": len(dense)}
+
+
+def engine_product(x: np.ndarray, w: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0])
+    _engine.dense_product(x, dense.pack_panels(w).numpy(), out.numpy(), threads)
+    return out
+
+
+@pytest.mark.parametrize("out_features", [1, 16, 48, 64, 100, 200])
+@pytest.mark.parametrize("rows", [0, 1, 5, 64, 130])
+def test_engine_product_any_shape(out_features, rows):
+    """The engine's projection kernel on outputs that fill no panel, part of one or several, and
+    row counts across its 64-row groups, against ``F.linear``; the inputs read with a row stride
+    of their own (a slice of wider rows)."""
+    g = torch.Generator().manual_seed(out_features + rows)
+    w = torch.randn(out_features, 37, generator=g)
+    wide = torch.randn(rows, 50, generator=g)
+    x = wide[:, 5:42]
+    assert rows <= 1 or not x.is_contiguous()
+    got = engine_product(x.numpy(), w)
+    assert got.shape == (rows, out_features)
+    if rows:
+        assert rel_err(got, F.linear(x, w)) <= 1e-5
+
+
+@pytest.mark.skipif(not PACKS, reason="oneDNN's packed linear is not in this build")
+def test_float32_rows_choose_the_engine_or_onednn():
+    """A float32 weight with both copies runs the engine's panels up to ENGINE_MAX_ROWS input
+    rows (counted over every leading dim) and oneDNN's packed GEMM above; both F.linear's
+    product within 1e-5."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(768, 256, generator=g) / 16
+    d = prepared(w)
+    assert d.path == "engine+onednn-packed"
+    with torch.no_grad():
+        for rows, how in ((1, "engine"), (dense.ENGINE_MAX_ROWS, "engine"), (dense.ENGINE_MAX_ROWS + 2, "onednn")):
+            x = torch.randn(2, rows // 2 or 1, 256, generator=g)
+            want = (engine_product(x.reshape(-1, 256).numpy(), w, torch.get_num_threads()).view(*x.shape[:-1], 768)
+                    if how == "engine" else dense.packed_linear(x, d._packed))
+            assert torch.equal(d(x), want)
+            assert rel_err(d(x), F.linear(x, w)) <= 1e-5
+
+
+def test_engine_product_same_bits_on_any_thread_count():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 96, generator=g)
+    x = torch.randn(200, 96, generator=g).numpy()
+    one = engine_product(x, w, threads=1)
+    for threads in (2, 3, 8):
+        assert torch.equal(engine_product(x, w, threads=threads), one)
+
+
+def test_engine_product_refuses_what_it_cannot_take():
+    w = dense.pack_panels(torch.randn(70, 8)).numpy()
+    x = np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match="x must be"):
+        _engine.dense_product(np.zeros((3, 9), np.float32), w, np.zeros((3, 70), np.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        _engine.dense_product(np.zeros((3, 8), np.float64), w, np.zeros((3, 70), np.float32))
+    with pytest.raises(ValueError, match="same rows"):
+        _engine.dense_product(x, w, np.zeros((4, 70), np.float32))
+    with pytest.raises(ValueError, match="panels"):
+        _engine.dense_product(x, w[:1], np.zeros((3, 70), np.float32))
+    with pytest.raises(ValueError, match="panels"):
+        _engine.dense_product(x, np.zeros((2, 8, 32), np.float32), np.zeros((3, 70), np.float32))
+    with pytest.raises(ValueError, match="activation"):
+        _engine.gated_dense_product(x, w, w, np.zeros((3, 70), np.float32), "tanh")
+    with pytest.raises(ValueError, match="out"):
+        _engine.dense_product(x, w, np.zeros((3, 140), np.float32)[:, ::2])

@@ -5,34 +5,45 @@ named ``weight``) or an :class:`~fastjudge.backends.fp8.Fp8Weight` (a submodule 
 applied as before). :func:`prepare_dense`, called once by a backend after loading, picks the
 GEMM each one runs:
 
-* CPU, float32 or bfloat16, weights of at least :data:`PACK_MIN_ELEMENTS`: oneDNN's linear on a
-  weight reordered once into its blocked layout (``mkldnn._reorder_linear_weight`` then
-  ``mkldnn._linear_pointwise``, the ops inductor's CPU weight prepacking emits). Measured with
-  torch 2.13 on a 2-core AVX-512-BF16 machine at ``[1..8192, 512] x [512, 1152]``: 1.2-1.9x
-  ``F.linear`` in float32 (which goes through MKL without prepacking), 1.0-2x in bfloat16; the
-  float32 results are within 1.1e-6 of ``F.linear`` relative to the output's largest value
-  (another summation order, same precision); in bfloat16 they are identical. The op has a fixed
-  cost of ~15 us per call, so weights below :data:`PACK_MIN_ELEMENTS` take it only for inputs of
+* CPU, float32, inputs of up to :data:`ENGINE_MAX_ROWS` rows (decoding and few-token steps),
+  and every input where oneDNN has no packed copy: the engine's projection kernel
+  (``_engine.dense_product``) on the weight packed once into panels of 64 output columns
+  (:func:`pack_panels`), each output its row's dot product over the inputs in increasing order.
+  Measured with torch 2.13 on a 2-core AVX-512-BF16 machine, two threads, against oneDNN's
+  prepacked linear (below): faster at a decoding step's few rows, where oneDNN's op costs ~15 us
+  a call before any work (256 -> 1536: 1 row 32 -> 17 us, 3 rows 33 -> 21 us, 16 rows 81 -> 63
+  us; 256 -> 256: 1 row 20 -> 7 us), and alone within 2 % of it up to 2,048 rows, but 2-4 %
+  slower in whole prompts. Within 2.4e-6 of ``F.linear`` relative to the output's largest value
+  (another summation order).
+* CPU, float32 inputs of more rows, and bfloat16, weights of at least :data:`PACK_MIN_ELEMENTS`:
+  oneDNN's linear on a weight reordered once into its blocked layout
+  (``mkldnn._reorder_linear_weight`` then ``mkldnn._linear_pointwise``, the ops inductor's CPU
+  weight prepacking emits): 1.2-1.9x ``F.linear`` in float32 (which goes through MKL without
+  prepacking), 1.0-2x in bfloat16, identical results in bfloat16. The op has a fixed cost of
+  ~15 us per call, so weights below :data:`PACK_MIN_ELEMENTS` take it only for inputs of
   :data:`MANY_ROWS` rows or more, and those below :data:`PACK_MANY_ROWS_MIN_ELEMENTS` (the test
-  models' ``64 x 48``) never.
+  models' ``64 x 48``) never (in float32 the engine runs them).
 * CUDA, and everything else: ``F.linear`` (cuBLAS picks its own kernels; nothing to prepare).
 
 A gated projection (``Dense(w, gate=name)``: the gate and up projections of a gated MLP as one
 ``[2 * inner, in]`` weight, gate rows first; ``name`` one of :data:`ACTIVATIONS`) also has
-:meth:`Dense.gated_product`, ``act(gate) * up``. Packed, its two halves are packed apart and run
-as two oneDNN linears with fused epilogues (the activation on the gate, times the gate on the up
-projection), never writing the ``[rows, 2 * inner]`` product or the activation apart (two
-threads): Qwen's SwiGLU at ``[rows, 256] x [256, 2 x 768]`` with the down projection, 2,048
-rows float32 12.9 -> 12.2 ms, 3,840 rows bfloat16 13.1 -> 11.9 ms, 256 rows 2.0 -> 1.6 ms;
-Flan-T5's gated GELU at ``[3920, 512] x [512, 2 x 1024]`` 43.2 -> 38.9 ms float32, 24.4 -> 21.1
-ms bfloat16. float32 within 1e-7 of the unfused path relative to the output's largest value;
-in bfloat16 the gate is no longer rounded before its activation.
+:meth:`Dense.gated_product`, ``act(gate) * up``. Prepared, its two halves are packed apart and
+never write the ``[rows, 2 * inner]`` product or the activation apart: the engine computes each
+panel of both halves and writes ``act(gate) * up`` (silu, the tanh GELU as ``g * sigmoid(2 y)``,
+relu; the erf GELU takes torch's activation after the engine's two products); oneDNN runs two
+linears with fused epilogues (the activation on the gate, times the gate on the up projection):
+Qwen's SwiGLU at ``[rows, 256] x [256, 2 x 768]`` with the down projection, 3,840 rows bfloat16
+13.1 -> 11.9 ms; Flan-T5's gated GELU at ``[3920, 512] x [512, 2 x 1024]`` 24.4 -> 21.1 ms
+bfloat16. float32 within 1e-5 of the unfused path; in bfloat16 the gate is no longer rounded
+before its activation.
 
-The packed copy is not a parameter or buffer: ``state_dict`` holds ``weight`` alone, as before.
-It costs a second copy of each packed weight in memory. It is rebuilt after ``.to()`` and
+The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone, as
+before. Each costs a copy of the weight in memory (a float32 weight can hold two: the engine's
+panels and oneDNN's). It is rebuilt after ``.to()`` and
 ``load_state_dict`` and is bypassed (``F.linear``) when it no longer matches the weight's
 storage or dtype, when the input needs a gradient, and inside ``torch.compile``d code: inductor
-cannot lower the packed op on an opaque oneDNN tensor, and compiles ``F.linear`` instead.
+cannot lower the packed op on an opaque oneDNN tensor or call the engine, and compiles
+``F.linear`` instead.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from .. import _engine
 
 # The packed oneDNN linear costs ~15 us a call beyond F.linear's; below about 256 x 512 weights
 # F.linear is as fast or faster at every row count measured (1, 16, 256 rows).
@@ -51,6 +64,11 @@ PACK_MIN_ELEMENTS = 1 << 17
 PACK_MANY_ROWS_MIN_ELEMENTS = 1 << 16
 MANY_ROWS = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# float32 inputs of up to this many rows (decoding and few-token steps) take the engine's panels;
+# more (prompts) take oneDNN's packed GEMM where the weight has one: in whole models the engine
+# was 2-4 % slower there (Qwen prefill 4 x 512, T5 encoder 8 x 490), and 20-22 % faster on
+# decoding steps
+ENGINE_MAX_ROWS = 256
 
 
 def packing_available() -> bool:
@@ -67,6 +85,50 @@ def should_pack(weight: torch.Tensor) -> bool:
 def packed_min_rows(weight: torch.Tensor) -> int:
     """The fewest input rows for which a packed ``weight`` takes the packed GEMM."""
     return 0 if weight.numel() >= PACK_MIN_ELEMENTS else MANY_ROWS
+
+
+def takes_panels(weight: torch.Tensor) -> bool:
+    """Whether the engine's projection kernel runs this plain weight (CPU, float32)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` as the engine's panels ``[ceil(out / 64), in, 64]``: panel ``p``
+    holds outputs ``64 p ..`` as rows of 64, one per input (zero past the last output)."""
+    columns = _engine.dense_panel_columns
+    out, inputs = weight.shape
+    panels = -(-out // columns)
+    padded = weight.detach().new_zeros(panels * columns, inputs)
+    padded[:out] = weight.detach()
+    return padded.view(panels, columns, inputs).transpose(1, 2).contiguous()
+
+
+def engine_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for any leading shape of ``x`` (float32, CPU) on ``pack_panels(W)``."""
+    rows = _rows(x)
+    out = x.new_empty(rows.shape[0], out_features)
+    _engine.dense_product(rows.numpy(), panels.numpy(), out.numpy(), torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+def engine_gated_product(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str,
+                         inner: int) -> torch.Tensor:
+    """``act(x @ Wg.T) * (x @ Wu.T)`` on the halves' panels, in one engine call where the engine
+    has the activation (``ENGINE_ACTIVATIONS``), else the engine's two products and torch's
+    activation."""
+    name = ENGINE_ACTIVATIONS.get(activation)
+    if name is None:
+        return ACTIVATIONS[activation][0](engine_linear(x, gate, inner)).mul_(engine_linear(x, up, inner))
+    rows = _rows(x)
+    out = x.new_empty(rows.shape[0], inner)
+    _engine.gated_dense_product(rows.numpy(), gate.numpy(), up.numpy(), out.numpy(), name, torch.get_num_threads())
+    return out.view(*x.shape[:-1], inner)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    # x as [rows, in] with contiguous rows (a view where its layout allows)
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -88,6 +150,10 @@ ACTIVATIONS = {
     "gelu": (F.gelu, "gelu", "none"),
     "relu": (F.relu, "relu", ""),
 }
+
+
+# the gated activations the engine applies itself: ours -> the engine's name
+ENGINE_ACTIVATIONS = {"silu": "silu", "gelu_new": "gelu_tanh", "relu": "relu"}
 
 
 def packed_gated_product(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -121,7 +187,8 @@ class Dense(torch.nn.Module):
             if weight.dim() != 2:
                 raise ValueError(f"Dense wants a [out, in] weight, got shape {tuple(weight.shape)}")
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self._packed: torch.Tensor | None = None
+        self._packed: torch.Tensor | tuple | None = None  # oneDNN's packed weight (halves when gated)
+        self._panels: torch.Tensor | tuple | None = None  # the engine's panels (halves when gated)
         self._packed_for: tuple | None = None
         self._min_rows = 0
         self.register_load_state_dict_post_hook(_repack_after_load)
@@ -136,18 +203,26 @@ class Dense(torch.nn.Module):
 
     @property
     def path(self) -> str:
-        """The GEMM this projection runs eagerly: ``fp8``, ``onednn-packed`` or ``linear``."""
+        """The GEMMs this projection runs eagerly: ``fp8``, ``engine`` (every input),
+        ``engine+onednn-packed`` (the engine up to :data:`ENGINE_MAX_ROWS` rows, oneDNN above),
+        ``onednn-packed`` or ``linear``."""
         if isinstance(self.weight, torch.nn.Module):
             return "fp8"
-        return "onednn-packed" if self._packed is not None else "linear"
+        paths = [name for name, copy in (("engine", self._panels), ("onednn-packed", self._packed)) if copy is not None]
+        return "+".join(paths) or "linear"
 
     def prepare(self) -> str:
         """Choose (again) this projection's GEMM for its weight's current device and dtype;
         returns :attr:`path`."""
-        self._packed = self._packed_for = None
+        self._packed = self._panels = self._packed_for = None
         w = self.weight
-        if not isinstance(w, torch.nn.Module) and should_pack(w):
-            # a gated weight packs its halves apart (gated_product), and only those: one copy
+        if isinstance(w, torch.nn.Module):
+            return self.path
+        # a gated weight packs its halves apart (gated_product), and only those
+        if takes_panels(w):
+            self._panels = tuple(pack_panels(half) for half in w.chunk(2)) if self.gate else pack_panels(w)
+            self._packed_for = (w.data_ptr(), w.dtype)
+        if should_pack(w):
             self._packed = tuple(pack(half) for half in w.chunk(2)) if self.gate else pack(w)
             self._packed_for = (w.data_ptr(), w.dtype)
             self._min_rows = packed_min_rows(w)
@@ -155,42 +230,51 @@ class Dense(torch.nn.Module):
 
     def unprepare(self) -> str:
         """Drop the packed copy (``F.linear`` from now on); returns :attr:`path`."""
-        self._packed = self._packed_for = None
+        self._packed = self._panels = self._packed_for = None
         return self.path
 
-    def _packed_for_input(self, x: torch.Tensor):
-        """The packed weight to run ``x`` on, or None (``F.linear`` / the module weight)."""
-        if (self._packed is not None and not torch.compiler.is_compiling() and _usable(x, self.weight, self._packed_for)
-                and (not self._min_rows or x.numel() >= self._min_rows * x.shape[-1])):
-            return self._packed
-        return None
+    def _prepared_for_input(self, x: torch.Tensor) -> str | None:
+        """Which prepared GEMM runs ``x`` (``engine`` or ``onednn-packed``), or None (``F.linear``
+        / the module weight)."""
+        if self._packed_for is None or torch.compiler.is_compiling() or not _usable(x, self.weight, self._packed_for):
+            return None
+        rows = x.numel() // max(x.shape[-1], 1)
+        if self._panels is not None and (rows <= ENGINE_MAX_ROWS or self._packed is None):
+            return "engine"
+        return "onednn-packed" if self._packed is not None and rows >= self._min_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, torch.nn.Module):
             return w(x)
-        packed = self._packed_for_input(x)
-        if packed is None:
+        how = self._prepared_for_input(x)
+        if how is None:
             return F.linear(x, w)
+        if how == "engine":
+            halves = self._panels if self.gate else (self._panels,)
+            parts = [engine_linear(x, panels, w.shape[0] // len(halves)) for panels in halves]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.gate:
-            return torch.cat([packed_linear(x, half) for half in packed], dim=-1)
-        return packed_linear(x, packed)
+            return torch.cat([packed_linear(x, half) for half in self._packed], dim=-1)
+        return packed_linear(x, self._packed)
 
     def gated_product(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` of ``x`` (``[rows, inner]``) through a gated weight."""
         if self.gate is None:
             raise ValueError("gated_product needs a Dense built with gate=<activation>")
-        packed = None if isinstance(self.weight, torch.nn.Module) else self._packed_for_input(x)
-        if packed is not None:
-            return packed_gated_product(x, *packed, self.gate)
+        how = None if isinstance(self.weight, torch.nn.Module) else self._prepared_for_input(x)
+        if how == "engine":
+            return engine_gated_product(x, *self._panels, self.gate, self.weight.shape[0] // 2)
+        if how is not None:
+            return packed_gated_product(x, *self._packed, self.gate)
         gate, up = self(x).chunk(2, dim=-1)
         return ACTIVATIONS[self.gate][0](gate).mul_(up)  # in place: no extra [rows, inner] buffer
 
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / .bfloat16(): the packed copy belongs to the old weight; choose again
         # for the new device and dtype once it has moved
-        prepared = self._packed is not None
-        self._packed = self._packed_for = None
+        prepared = self._packed_for is not None
+        self._packed = self._panels = self._packed_for = None
         super()._apply(fn, recurse)
         if prepared:
             self.prepare()
@@ -202,7 +286,7 @@ class Dense(torch.nn.Module):
 
 def _repack_after_load(module: Dense, _incompatible) -> None:
     # load_state_dict copies into the weight in place: same storage, new values
-    if module._packed is not None:
+    if module._packed_for is not None:
         module.prepare()
 
 
