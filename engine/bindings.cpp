@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -665,67 +666,106 @@ pays for them. Raises ValueError on arrays of another dtype, layout or shape.)do
 // linear projections on panel-packed weights
 // ---------------------------------------------------------------------------------------
 
-// x as a [M, K] float32 matrix with contiguous rows (any row stride), or ValueError
-std::pair<const float*, int64_t> input_rows(const py::handle& obj, int64_t K) {
-  py::array arr = element_array<float>(obj);
+// x as a [M, K] matrix of T with contiguous rows (any row stride), or ValueError
+template <typename T>
+std::pair<const T*, int64_t> input_rows(const py::handle& obj, int64_t K) {
+  constexpr int64_t size = sizeof(T);
+  py::array arr = element_array<T>(obj);
   const bool ok = arr && arr.ndim() == 2 && arr.shape(1) == K &&
-                  (arr.shape(0) == 0 || ((K <= 1 || arr.strides(1) == 4) && arr.strides(0) % 4 == 0 && arr.strides(0) >= 0));
-  if (!ok) throw py::value_error("x must be a float32 array [rows, " + std::to_string(K) + "] with contiguous rows");
-  return {static_cast<const float*>(arr.data()), arr.shape(0) <= 1 ? K : arr.strides(0) / 4};
-}
-
-// a panel array's [P, K, 64] shape: K, or ValueError
-int64_t panel_depth(const py::handle& panels) {
-  py::array arr = element_array<float>(panels);
-  if (!arr || arr.ndim() != 3 || arr.shape(2) != fastjudge::kPanelColumns) {
-    throw py::value_error("panels must be a float32 array [panels, K, 64]");
+                  (arr.shape(0) == 0 ||
+                   ((K <= 1 || arr.strides(1) == size) && arr.strides(0) % size == 0 && arr.strides(0) >= 0));
+  if (!ok) {
+    throw py::value_error("x must be a " + element_name<T>() + " array [rows, " + std::to_string(K) +
+                          "] with contiguous rows");
   }
-  return arr.shape(1);
+  return {static_cast<const T*>(arr.data()), arr.shape(0) <= 1 ? K : arr.strides(0) / size};
 }
 
-void dense_product(const py::handle& x, const py::handle& panels, const py::handle& out, int threads) {
-  py::array o = element_array<float>(out);
-  if (!o || o.ndim() != 2) throw py::value_error("out must be a float32 array [rows, N]");
-  const int64_t K = panel_depth(panels), M = o.shape(0), N = o.shape(1);
-  const int64_t P = (N + fastjudge::kPanelColumns - 1) / fastjudge::kPanelColumns;
-  const auto [rows, stride] = input_rows(x, K);
-  if (py::array::ensure(x).shape(0) != M) throw py::value_error("x and out must have the same rows");
-  const float* w = typed_array<float>(panels, "panels", {P, K, fastjudge::kPanelColumns});
-  float* dst = typed_array<float>(out, "out", {M, N}, true);
-  py::gil_scoped_release release;
-  fastjudge::dense_product(rows, stride, w, dst, M, K, N, threads);
+// out [M, N] (C-contiguous, writable) and the panels' [P, depth, 64] shape checked against it
+// and x's rows; returns (M, N, depth)
+template <typename W>
+std::tuple<int64_t, int64_t, int64_t> projection_shape(const py::handle& x, const py::handle& panels,
+                                                        const py::handle& out) {
+  py::array o = py::array::ensure(out), w = element_array<W>(panels), in = py::array::ensure(x);
+  if (!o || o.ndim() != 2) throw py::value_error("out must be a 2-D array [rows, N]");
+  if (!w || w.ndim() != 3 || w.shape(2) != fastjudge::kPanelColumns) {
+    throw py::value_error("panels must be an array [panels, depth, 64] of " +
+                          std::string(sizeof(W) == 4 && !std::is_floating_point_v<W> ? "32-bit bfloat16 pairs"
+                                                                                      : "float32"));
+  }
+  if (!in || in.ndim() != 2 || in.shape(0) != o.shape(0)) throw py::value_error("x and out must have the same rows");
+  return {o.shape(0), o.shape(1), w.shape(1)};
 }
 
-void gated_dense_product(const py::handle& x, const py::handle& gate_panels, const py::handle& up_panels,
-                         const py::handle& out, const std::string& activation, int threads) {
+fastjudge::GateActivation gate_activation(const std::string& name) {
   static const std::pair<const char*, fastjudge::GateActivation> kNames[] = {
       {"silu", fastjudge::GateActivation::kSilu},
       {"gelu_tanh", fastjudge::GateActivation::kGeluTanh},
       {"relu", fastjudge::GateActivation::kRelu}};
-  const auto named = std::find_if(std::begin(kNames), std::end(kNames),
-                                  [&](const auto& entry) { return activation == entry.first; });
-  if (named == std::end(kNames)) throw py::value_error("activation must be silu, gelu_tanh or relu");
-  py::array o = element_array<float>(out);
-  if (!o || o.ndim() != 2) throw py::value_error("out must be a float32 array [rows, N]");
-  const int64_t K = panel_depth(gate_panels), M = o.shape(0), N = o.shape(1);
-  const int64_t P = (N + fastjudge::kPanelColumns - 1) / fastjudge::kPanelColumns;
-  const auto [rows, stride] = input_rows(x, K);
-  if (py::array::ensure(x).shape(0) != M) throw py::value_error("x and out must have the same rows");
-  const float* gate = typed_array<float>(gate_panels, "gate_panels", {P, K, fastjudge::kPanelColumns});
-  const float* up = typed_array<float>(up_panels, "up_panels", {P, K, fastjudge::kPanelColumns});
-  float* dst = typed_array<float>(out, "out", {M, N}, true);
+  for (const auto& [known, activation] : kNames) {
+    if (name == known) return activation;
+  }
+  throw py::value_error("activation must be silu, gelu_tanh or relu");
+}
+
+// out = x W^T (gated: act(x Wg^T) * (x Wu^T)) in float32, or in bfloat16 on pair panels
+void projection(const py::handle& x, const py::handle& panels, const py::handle& up_panels, const py::handle& out,
+                std::optional<fastjudge::GateActivation> activation, int threads) {
+  const py::array in = py::array::ensure(x);
+  const bool bf16 = in && (in.dtype().kind() == 'i' || in.dtype().kind() == 'u') && in.itemsize() == 2;
+  const int64_t columns = fastjudge::kPanelColumns;
+  if (!bf16) {
+    const auto [M, N, K] = projection_shape<float>(x, panels, out);
+    const int64_t P = (N + columns - 1) / columns;
+    const auto [rows, stride] = input_rows<float>(x, K);
+    const float* w = typed_array<float>(panels, "panels", {P, K, columns});
+    const float* up = activation ? typed_array<float>(up_panels, "up_panels", {P, K, columns}) : nullptr;
+    float* dst = typed_array<float>(out, "out", {M, N}, true);
+    py::gil_scoped_release release;
+    if (activation) {
+      fastjudge::gated_dense_product(rows, stride, w, up, dst, M, K, N, *activation, threads);
+    } else {
+      fastjudge::dense_product(rows, stride, w, dst, M, K, N, threads);
+    }
+    return;
+  }
+  if (!fastjudge::bf16_dense_available()) throw py::value_error("bfloat16 projections need AVX512-BF16");
+  const auto [M, N, pairs] = projection_shape<uint32_t>(x, panels, out);
+  const int64_t P = (N + columns - 1) / columns;
+  const int64_t K = in.shape(1);
+  if ((K + 1) / 2 != pairs) throw py::value_error("panels must hold ceil(K / 2) input pairs");
+  const auto [rows, stride] = input_rows<uint16_t>(x, K);
+  const uint32_t* w = typed_array<uint32_t>(panels, "panels", {P, pairs, columns});
+  const uint32_t* up = activation ? typed_array<uint32_t>(up_panels, "up_panels", {P, pairs, columns}) : nullptr;
+  uint16_t* dst = typed_array<uint16_t>(out, "out", {M, N}, true);
   py::gil_scoped_release release;
-  fastjudge::gated_dense_product(rows, stride, gate, up, dst, M, K, N, named->second, threads);
+  if (activation) {
+    fastjudge::gated_dense_product_bf16(rows, stride, w, up, dst, M, K, N, *activation, threads);
+  } else {
+    fastjudge::dense_product_bf16(rows, stride, w, dst, M, K, N, threads);
+  }
+}
+
+void dense_product(const py::handle& x, const py::handle& panels, const py::handle& out, int threads) {
+  projection(x, panels, py::none(), out, std::nullopt, threads);
+}
+
+void gated_dense_product(const py::handle& x, const py::handle& gate_panels, const py::handle& up_panels,
+                         const py::handle& out, const std::string& activation, int threads) {
+  projection(x, gate_panels, up_panels, out, gate_activation(activation), threads);
 }
 
 void bind_dense(py::module_& m) {
   m.def("dense_product", &dense_product, py::arg("x"), py::arg("panels"), py::arg("out"), py::arg("threads") = 1,
         R"doc(out = x W^T on a weight packed into panels of 64 output columns.
 
-x [M, K] (contiguous rows, any row stride), panels [ceil(N / 64), K, 64] (panels[p, k, c] =
-W[64 p + c, k], zero past the last output), out [M, N] (C-contiguous, written): float32. Each
-output sums over k in increasing order. threads: at most this many, used only where the work
-pays for them. Raises ValueError on arrays of another dtype, layout or shape.)doc");
+float32: x [M, K] (contiguous rows, any row stride), panels [ceil(N / 64), K, 64] (panels[p, k,
+c] = W[64 p + c, k], zero past the last output), out [M, N] (C-contiguous, written); each
+output sums over k in increasing order. bfloat16 (x and out as 16-bit integer arrays of the
+bits; needs AVX512-BF16, bf16_dense_available()): panels [ceil(N / 64), ceil(K / 2), 64] of
+32-bit words, each two bfloat16 weights of consecutive inputs (low half first); products
+summed in float32, the output rounded once. threads: at most this many, used only where the
+work pays for them. Raises ValueError on arrays of another dtype, layout or shape.)doc");
   m.def("gated_dense_product", &gated_dense_product, py::arg("x"), py::arg("gate_panels"), py::arg("up_panels"),
         py::arg("out"), py::arg("activation"), py::arg("threads") = 1,
         R"doc(out = act(x Wg^T) * (x Wu^T) on two weights packed as dense_product packs one.
@@ -733,6 +773,8 @@ pays for them. Raises ValueError on arrays of another dtype, layout or shape.)do
 activation: "silu", "gelu_tanh" (the tanh approximation, as g * sigmoid(2 y)) or "relu".
 Otherwise as dense_product.)doc");
   m.attr("dense_panel_columns") = fastjudge::kPanelColumns;
+  m.def("bf16_dense_available", &fastjudge::bf16_dense_available,
+        "Whether this CPU runs the bfloat16 projections (AVX512-BF16).");
 }
 
 }  // namespace

@@ -1,11 +1,20 @@
 #include "dense.hpp"
 
 #include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.hpp"
 #include "small_product.hpp"
 #include "vector_math.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FASTJUDGE_BF16_DENSE 1
+#define FASTJUDGE_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
+#endif
 
 namespace fastjudge {
 namespace {
@@ -16,11 +25,12 @@ constexpr int64_t kRowGroup = 64;
 // One thread for each 1 MFLOP: below that a wake-up of the team costs more than its share.
 constexpr double kFlopsPerThread = 1e6;
 
+template <typename X, typename W>
 struct Problem {
-  const float* x;
+  const X* x;
   int64_t row_stride;
-  const float *panels, *up_panels;
-  float* out;
+  const W *panels, *up_panels;
+  X* out;
   int64_t M, K, N;
   GateActivation activation;
 };
@@ -42,7 +52,7 @@ __attribute__((always_inline)) inline Floats activate(Floats g, GateActivation a
 // units [first, last) of the panels x row-groups grid (panel-major: consecutive units share a
 // panel); a panel cut short (N not a multiple of 64) or a gated one goes through scratch
 FASTJUDGE_CLONES
-void run_units(const Problem& s, int64_t first, int64_t last) {
+void run_units(const Problem<float, float>& s, int64_t first, int64_t last) {
   const int64_t groups = (s.M + kRowGroup - 1) / kRowGroup, K = s.K;
   std::vector<float> scratch;
   for (int64_t unit = first; unit < last; ++unit) {
@@ -69,25 +79,128 @@ void run_units(const Problem& s, int64_t first, int64_t last) {
   }
 }
 
-void run(const Problem& s, int threads) {
+#ifdef FASTJUDGE_BF16_DENSE
+// c[r][0 .. 64) = sum over pairs i < pairs of the two-element dot products of a[r * lda + i] with
+// b[i * 64 + :], r < R, in increasing i
+template <int R>
+FASTJUDGE_BF16_TARGET __attribute__((always_inline)) inline void pair_tile(const uint32_t* a, int64_t lda,
+                                                                           const uint32_t* b, int64_t pairs,
+                                                                           float* c) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh bi[4];
+    for (int v = 0; v < 4; ++v) bi[v] = (__m512bh)_mm512_loadu_si512(b + i * kPanelColumns + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + i]));
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, bi[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + r * kPanelColumns + v * kLanes, acc[r][v]);
+}
+
+// a panel's product for rows < kRowGroup of input pairs (rows lda apart) into c [rows, 64]
+FASTJUDGE_BF16_TARGET void pair_product(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t pairs,
+                                        int64_t rows, float* c) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kProductRows) {
+    const uint32_t* ar = a + r0 * lda;
+    float* cr = c + r0 * kPanelColumns;
+    switch (std::min<int64_t>(kProductRows, rows - r0)) {
+      case 1: pair_tile<1>(ar, lda, panel, pairs, cr); break;
+      case 2: pair_tile<2>(ar, lda, panel, pairs, cr); break;
+      case 3: pair_tile<3>(ar, lda, panel, pairs, cr); break;
+      default: pair_tile<4>(ar, lda, panel, pairs, cr); break;
+    }
+  }
+}
+
+// the bfloat16 form of run_units: each row group's inputs as pairs once, then its panels
+FASTJUDGE_BF16_TARGET void run_units_bf16(const Problem<uint16_t, uint32_t>& s, int64_t first, int64_t last) {
+  const int64_t groups = (s.M + kRowGroup - 1) / kRowGroup, pairs = (s.K + 1) / 2;
+  std::vector<uint32_t> x(static_cast<std::size_t>(kRowGroup * pairs));
+  std::vector<float> sums(static_cast<std::size_t>(2 * kRowGroup * kPanelColumns));
+  float *gate = sums.data(), *up = gate + kRowGroup * kPanelColumns;
+  int64_t loaded = -1;  // the row group whose pairs x holds
+  for (int64_t unit = first; unit < last; ++unit) {
+    const int64_t p = unit / groups, group = unit % groups, r0 = group * kRowGroup;
+    const int64_t rows = std::min(kRowGroup, s.M - r0), c0 = p * kPanelColumns;
+    const int64_t cols = std::min(kPanelColumns, s.N - c0);
+    if (group != loaded) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* src = s.x + (r0 + r) * s.row_stride;
+        uint32_t* dst = x.data() + r * pairs;
+        std::memcpy(dst, src, static_cast<std::size_t>(s.K / 2) * sizeof(uint32_t));
+        if (s.K % 2) dst[pairs - 1] = src[s.K - 1];
+      }
+      loaded = group;
+    }
+    pair_product(x.data(), pairs, s.panels + p * pairs * kPanelColumns, pairs, rows, gate);
+    if (s.up_panels) {
+      pair_product(x.data(), pairs, s.up_panels + p * pairs * kPanelColumns, pairs, rows, up);
+      for (int64_t i = 0; i < rows * kPanelColumns; i += kLanes)
+        store(gate + i, rounded<uint16_t>(activate(load(gate + i), s.activation)) * load(up + i));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* o = s.out + (r0 + r) * s.N + c0;
+      for (int64_t c = 0; c < cols; ++c) from_float(gate[r * kPanelColumns + c], o + c);
+    }
+  }
+}
+
+bool cpu_has_bf16_dense() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#else
+bool cpu_has_bf16_dense() { return false; }
+#endif
+
+template <typename X, typename W>
+void run(const Problem<X, W>& s, int threads) {
   if (s.M == 0 || s.N == 0) return;
   const int64_t panels = (s.N + kPanelColumns - 1) / kPanelColumns;
   const int64_t units = panels * ((s.M + kRowGroup - 1) / kRowGroup);
   const double flops = 2.0 * s.M * s.K * s.N * (s.up_panels ? 2 : 1);
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
-  parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) { run_units(s, first, last); });
+  parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
+    if constexpr (std::is_same_v<X, float>) {
+      run_units(s, first, last);
+    } else {
+#ifdef FASTJUDGE_BF16_DENSE
+      run_units_bf16(s, first, last);
+#endif
+    }
+  });
 }
 
 }  // namespace
 
 void dense_product(const float* x, int64_t row_stride, const float* panels, float* out, int64_t M, int64_t K,
                    int64_t N, int threads) {
-  run(Problem{x, row_stride, panels, nullptr, out, M, K, N, GateActivation::kSilu}, threads);
+  run(Problem<float, float>{x, row_stride, panels, nullptr, out, M, K, N, GateActivation::kSilu}, threads);
 }
 
 void gated_dense_product(const float* x, int64_t row_stride, const float* gate_panels, const float* up_panels,
                          float* out, int64_t M, int64_t K, int64_t N, GateActivation activation, int threads) {
-  run(Problem{x, row_stride, gate_panels, up_panels, out, M, K, N, activation}, threads);
+  run(Problem<float, float>{x, row_stride, gate_panels, up_panels, out, M, K, N, activation}, threads);
+}
+
+bool bf16_dense_available() { return cpu_has_bf16_dense(); }
+
+void dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
+                        int64_t K, int64_t N, int threads) {
+  if (!cpu_has_bf16_dense()) throw std::runtime_error("this CPU has no AVX512-BF16 dot products");
+  run(Problem<uint16_t, uint32_t>{x, row_stride, pair_panels, nullptr, out, M, K, N, GateActivation::kSilu},
+      threads);
+}
+
+void gated_dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels,
+                              const uint32_t* up_panels, uint16_t* out, int64_t M, int64_t K, int64_t N,
+                              GateActivation activation, int threads) {
+  if (!cpu_has_bf16_dense()) throw std::runtime_error("this CPU has no AVX512-BF16 dot products");
+  run(Problem<uint16_t, uint32_t>{x, row_stride, gate_panels, up_panels, out, M, K, N, activation}, threads);
 }
 
 }  // namespace fastjudge

@@ -27,4 +27,17 @@ void dense_product(const float* x, int64_t row_stride, const float* panels, floa
 void gated_dense_product(const float* x, int64_t row_stride, const float* gate_panels, const float* up_panels,
                          float* out, int64_t M, int64_t K, int64_t N, GateActivation activation, int threads);
 
+// bfloat16 (as 16-bit patterns) on CPUs with AVX512-BF16: the products as bfloat16 dot products
+// (vdpbf16ps: each pair of exact products added into float32 lanes, inputs k = 2i + 1 then 2i,
+// as oneDNN's bfloat16 GEMM adds them), each output rounded once to bfloat16. Panels hold pairs
+// of inputs: pair_panels[p, i, c] = (W[64 p + c, 2 i], W[64 p + c, 2 i + 1]) in one 32-bit word
+// (zero past the last output and input). Gated: act(gate) rounded to bfloat16, times the up
+// projection's float32 sum, rounded (what oneDNN's two fused linears compute).
+bool bf16_dense_available();
+void dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
+                        int64_t K, int64_t N, int threads);
+void gated_dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels,
+                              const uint32_t* up_panels, uint16_t* out, int64_t M, int64_t K, int64_t N,
+                              GateActivation activation, int threads);
+
 }  // namespace fastjudge

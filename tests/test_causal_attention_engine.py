@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fastjudge import _engine
+from fastjudge.backends.cpu_engine import engine_array
 from fastjudge.backends.qwen.attention import attend_cached, attend_causal, attend_causal_sdpa
-from fastjudge.backends.qwen.cpu_engine import engine_array
 
 
 def eager_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

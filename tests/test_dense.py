@@ -23,6 +23,7 @@ from fastjudge.backends.fp8 import Fp8Weight, e4m3_scale, fp8_linear, quantize_e
 ROWS = (1, 7, 64, 513)
 SHAPES = ((1152, 512), (48, 64), (512, 1152))  # [out, in]
 PACKS = dense.packing_available()
+BF16_ENGINE = _engine.bf16_dense_available()  # AVX512-BF16: bfloat16 weights get the engine's panels too
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,11 +59,14 @@ def test_mid_size_weights_take_the_packed_gemm_for_many_rows():
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(256, 256, generator=g) / 16).bfloat16()
     d = prepared(w)
-    assert d.path == "onednn-packed"
+    assert d.path == ("engine+onednn-packed" if BF16_ENGINE else "onednn-packed")
     with torch.no_grad():
         for rows in (1, 16, dense.MANY_ROWS - 1):
             x = torch.randn(rows, 256, generator=g).bfloat16()
-            assert torch.equal(d(x), F.linear(x, w))
+            if rows > dense.ENGINE_MAX_ROWS[torch.bfloat16] or not BF16_ENGINE:
+                assert torch.equal(d(x), F.linear(x, w))
+            else:
+                assert rel_err(d(x), F.linear(x, w)) <= 2 ** -8
         for rows in (dense.MANY_ROWS, 600):
             x = torch.randn(2, rows // 2, 256, generator=g).bfloat16()  # rows counted over every leading dim
             assert torch.equal(d(x), dense.packed_linear(x, d._packed))
@@ -103,8 +107,8 @@ def test_gated_product_is_activation_of_gate_times_up(dtype, rows, activation):
     w = (torch.randn(2 * 768, 256, generator=g) / 16).to(dtype)
     x = (torch.randn(2, rows, 256, generator=g) * 2).to(dtype)
     d = Dense(w, gate=activation)
-    assert d.prepare() == ("onednn-packed" if PACKS else "linear") if dtype == torch.bfloat16 else \
-        ("engine+onednn-packed" if PACKS else "engine")
+    engine = dtype == torch.float32 or BF16_ENGINE
+    assert d.prepare() == "+".join([name for name, has in (("engine", engine), ("onednn-packed", PACKS)) if has])
     gate, up = w.float().chunk(2)
     want = ACT2FN[activation](F.linear(x.float(), gate)) * F.linear(x.float(), up)
     with torch.no_grad():
@@ -177,7 +181,7 @@ def test_to_dtype_prepares_again():
     assert d.path == ("engine+onednn-packed" if PACKS else "engine")
     d.to(torch.bfloat16)
     assert d.weight.dtype == torch.bfloat16 and not d.weight.requires_grad
-    assert d.path == ("onednn-packed" if PACKS else "linear")
+    assert d.path == "+".join([name for name, has in (("engine", BF16_ENGINE), ("onednn-packed", PACKS)) if has])
     with torch.no_grad():
         assert rel_err(d(x.bfloat16()), F.linear(x.bfloat16(), d.weight)) <= 2 ** -8
     d.to(torch.float16)
@@ -265,12 +269,34 @@ def test_float32_rows_choose_the_engine_or_onednn():
     d = prepared(w)
     assert d.path == "engine+onednn-packed"
     with torch.no_grad():
-        for rows, how in ((1, "engine"), (dense.ENGINE_MAX_ROWS, "engine"), (dense.ENGINE_MAX_ROWS + 2, "onednn")):
+        limit = dense.ENGINE_MAX_ROWS[torch.float32]
+        for rows, how in ((1, "engine"), (limit, "engine"), (limit + 2, "onednn")):
             x = torch.randn(2, rows // 2 or 1, 256, generator=g)
             want = (engine_product(x.reshape(-1, 256).numpy(), w, torch.get_num_threads()).view(*x.shape[:-1], 768)
                     if how == "engine" else dense.packed_linear(x, d._packed))
             assert torch.equal(d(x), want)
             assert rel_err(d(x), F.linear(x, w)) <= 1e-5
+
+
+@pytest.mark.skipif(not BF16_ENGINE, reason="bfloat16 projections in the engine need AVX512-BF16")
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (48, 37), (200, 64), (1536, 256)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+def test_engine_product_bfloat16(out_features, in_features, rows):
+    """The engine's bfloat16 projection (pairs of inputs as bfloat16 dot products; an odd input
+    count padded with a zero) against ``F.linear`` in bfloat16 (one rounding of the float32 sum:
+    within one bfloat16 step of the output's largest value) and in float32 (within two), and
+    gated with silu against the unfused product of ``F.linear``'s halves."""
+    g = torch.Generator().manual_seed(out_features + in_features + rows)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    got = dense.engine_linear(x, dense.pack_panels(w), out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert rel_err(got, F.linear(x, w)) <= 2 ** -8
+    assert rel_err(got, F.linear(x.float(), w.float())) <= 2 ** -7
+    up = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).bfloat16()
+    gated = dense.engine_gated_product(x, dense.pack_panels(w), dense.pack_panels(up), "silu", out_features)
+    want = F.silu(F.linear(x.float(), w.float())) * F.linear(x.float(), up.float())
+    assert rel_err(gated, want) <= 2 ** -7
 
 
 def test_engine_product_same_bits_on_any_thread_count():

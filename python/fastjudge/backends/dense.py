@@ -5,24 +5,25 @@ named ``weight``) or an :class:`~fastjudge.backends.fp8.Fp8Weight` (a submodule 
 applied as before). :func:`prepare_dense`, called once by a backend after loading, picks the
 GEMM each one runs:
 
-* CPU, float32, inputs of up to :data:`ENGINE_MAX_ROWS` rows (decoding and few-token steps),
-  and every input where oneDNN has no packed copy: the engine's projection kernel
-  (``_engine.dense_product``) on the weight packed once into panels of 64 output columns
-  (:func:`pack_panels`), each output its row's dot product over the inputs in increasing order.
-  Measured with torch 2.13 on a 2-core AVX-512-BF16 machine, two threads, against oneDNN's
-  prepacked linear (below): faster at a decoding step's few rows, where oneDNN's op costs ~15 us
-  a call before any work (256 -> 1536: 1 row 32 -> 17 us, 3 rows 33 -> 21 us, 16 rows 81 -> 63
-  us; 256 -> 256: 1 row 20 -> 7 us), and alone within 2 % of it up to 2,048 rows, but 2-4 %
-  slower in whole prompts. Within 2.4e-6 of ``F.linear`` relative to the output's largest value
+* CPU, float32, or bfloat16 where the CPU has AVX512-BF16, inputs of up to
+  :data:`ENGINE_MAX_ROWS` rows (decoding and few-token steps), and every input where oneDNN has no
+  packed copy: the engine's projection kernel (``_engine.dense_product``) on the weight packed
+  once into panels of 64 output columns (:func:`pack_panels`), each output its row's dot product
+  over the inputs in increasing order (bfloat16: as bfloat16 dot products, each output rounded
+  once; the same bits as ``F.linear`` at every shape measured). Measured with torch 2.13 on a
+  2-core AVX-512-BF16 machine, two threads, against oneDNN's prepacked linear (below): faster at
+  a decoding step's few rows, where oneDNN's op costs ~15 us a call before any work (float32,
+  256 -> 1536: 1 row 32 -> 17 us, 3 rows 33 -> 21 us, 16 rows 81 -> 63 us; 256 -> 256: 1 row 20
+  -> 7 us). float32 within 2.4e-6 of ``F.linear`` relative to the output's largest value
   (another summation order).
-* CPU, float32 inputs of more rows, and bfloat16, weights of at least :data:`PACK_MIN_ELEMENTS`:
-  oneDNN's linear on a weight reordered once into its blocked layout
+* CPU, inputs of more rows, weights of at least :data:`PACK_MIN_ELEMENTS`: oneDNN's linear on a
+  weight reordered once into its blocked layout
   (``mkldnn._reorder_linear_weight`` then ``mkldnn._linear_pointwise``, the ops inductor's CPU
   weight prepacking emits): 1.2-1.9x ``F.linear`` in float32 (which goes through MKL without
   prepacking), 1.0-2x in bfloat16, identical results in bfloat16. The op has a fixed cost of
   ~15 us per call, so weights below :data:`PACK_MIN_ELEMENTS` take it only for inputs of
   :data:`MANY_ROWS` rows or more, and those below :data:`PACK_MANY_ROWS_MIN_ELEMENTS` (the test
-  models' ``64 x 48``) never (in float32 the engine runs them).
+  models' ``64 x 48``) never (the engine runs them where it can).
 * CUDA, and everything else: ``F.linear`` (cuBLAS picks its own kernels; nothing to prepare).
 
 A gated projection (``Dense(w, gate=name)``: the gate and up projections of a gated MLP as one
@@ -38,8 +39,8 @@ bfloat16. float32 within 1e-5 of the unfused path; in bfloat16 the gate is no lo
 before its activation.
 
 The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone, as
-before. Each costs a copy of the weight in memory (a float32 weight can hold two: the engine's
-panels and oneDNN's). It is rebuilt after ``.to()`` and
+before. Each costs a copy of the weight in memory (a weight can hold two: the engine's panels
+and oneDNN's). It is rebuilt after ``.to()`` and
 ``load_state_dict`` and is bypassed (``F.linear``) when it no longer matches the weight's
 storage or dtype, when the input needs a gradient, and inside ``torch.compile``d code: inductor
 cannot lower the packed op on an opaque oneDNN tensor or call the engine, and compiles
@@ -54,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _engine
+from .cpu_engine import engine_array
 
 # The packed oneDNN linear costs ~15 us a call beyond F.linear's; below about 256 x 512 weights
 # F.linear is as fast or faster at every row count measured (1, 16, 256 rows).
@@ -64,11 +66,13 @@ PACK_MIN_ELEMENTS = 1 << 17
 PACK_MANY_ROWS_MIN_ELEMENTS = 1 << 16
 MANY_ROWS = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# float32 inputs of up to this many rows (decoding and few-token steps) take the engine's panels;
-# more (prompts) take oneDNN's packed GEMM where the weight has one: in whole models the engine
-# was 2-4 % slower there (Qwen prefill 4 x 512, T5 encoder 8 x 490), and 20-22 % faster on
-# decoding steps
-ENGINE_MAX_ROWS = 256
+# inputs of up to this many rows (decoding and few-token steps) take the engine's panels; more
+# (prompts) take oneDNN's packed GEMM where the weight has one. float32: in whole models the
+# engine was within 2 % of oneDNN on prompts (Qwen prefill 4 x 512, T5 encoder 8 x 490; 4 % slower
+# in one order of alternation) and 17-22 % faster on decoding steps. bfloat16: alone, faster up
+# to 16 rows at every shape measured (256 -> 1536: 1 row 39 -> 29 us, 16 rows 68 -> 60 us), mixed
+# at 64 and 4-15 % slower from 256 rows on.
+ENGINE_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 32}
 
 
 def packing_available() -> bool:
@@ -88,26 +92,36 @@ def packed_min_rows(weight: torch.Tensor) -> int:
 
 
 def takes_panels(weight: torch.Tensor) -> bool:
-    """Whether the engine's projection kernel runs this plain weight (CPU, float32)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    """Whether the engine's projection kernel runs this plain weight (CPU; float32, or bfloat16
+    where the CPU has AVX512-BF16)."""
+    return (weight.device.type == "cpu" and weight.dim() == 2
+            and (weight.dtype == torch.float32
+                 or (weight.dtype == torch.bfloat16 and _engine.bf16_dense_available())))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` as the engine's panels ``[ceil(out / 64), in, 64]``: panel ``p``
-    holds outputs ``64 p ..`` as rows of 64, one per input (zero past the last output)."""
+    """``weight`` ``[out, in]`` as the engine's panels: float32 ``[ceil(out / 64), in, 64]``
+    (panel ``p`` holds outputs ``64 p ..`` as rows of 64, one per input); bfloat16 ``[ceil(out /
+    64), ceil(in / 2), 64]`` 32-bit words, each the weights of two consecutive inputs (the first
+    in the low half). Zero past the last output and input."""
     columns = _engine.dense_panel_columns
     out, inputs = weight.shape
     panels = -(-out // columns)
-    padded = weight.detach().new_zeros(panels * columns, inputs)
-    padded[:out] = weight.detach()
-    return padded.view(panels, columns, inputs).transpose(1, 2).contiguous()
+    pairs = weight.dtype == torch.bfloat16
+    width = inputs + (inputs % 2 if pairs else 0)
+    padded = weight.detach().new_zeros(panels * columns, width)
+    padded[:out, :inputs] = weight.detach()
+    if not pairs:
+        return padded.view(panels, columns, width).transpose(1, 2).contiguous()
+    bits = padded.view(torch.int16).view(panels, columns, width // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return bits.view(torch.int32).view(panels, width // 2, columns)
 
 
 def engine_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x @ W.T`` for any leading shape of ``x`` (float32, CPU) on ``pack_panels(W)``."""
+    """``x @ W.T`` for any leading shape of ``x`` (CPU, W's dtype) on ``pack_panels(W)``."""
     rows = _rows(x)
     out = x.new_empty(rows.shape[0], out_features)
-    _engine.dense_product(rows.numpy(), panels.numpy(), out.numpy(), torch.get_num_threads())
+    _engine.dense_product(engine_array(rows), panels.numpy(), engine_array(out), torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -121,7 +135,8 @@ def engine_gated_product(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
         return ACTIVATIONS[activation][0](engine_linear(x, gate, inner)).mul_(engine_linear(x, up, inner))
     rows = _rows(x)
     out = x.new_empty(rows.shape[0], inner)
-    _engine.gated_dense_product(rows.numpy(), gate.numpy(), up.numpy(), out.numpy(), name, torch.get_num_threads())
+    _engine.gated_dense_product(engine_array(rows), gate.numpy(), up.numpy(), engine_array(out), name,
+                                torch.get_num_threads())
     return out.view(*x.shape[:-1], inner)
 
 
@@ -239,7 +254,7 @@ class Dense(torch.nn.Module):
         if self._packed_for is None or torch.compiler.is_compiling() or not _usable(x, self.weight, self._packed_for):
             return None
         rows = x.numel() // max(x.shape[-1], 1)
-        if self._panels is not None and (rows <= ENGINE_MAX_ROWS or self._packed is None):
+        if self._panels is not None and (rows <= ENGINE_MAX_ROWS[x.dtype] or self._packed is None):
             return "engine"
         return "onednn-packed" if self._packed is not None and rows >= self._min_rows else None
 

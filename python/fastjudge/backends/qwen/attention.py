@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import _engine
-from .cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
+from ..cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
 from .gated_delta import as_float
 from .pool import SharedPrefix
 

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import _engine
-from .cpu_engine import engine_takes
+from ..cpu_engine import engine_takes
 
 L2_EPS = 1e-6  # inside the square root, as the reference kernels normalise keys and queries
 # Decays are exponentials of sums of log-decays, which strong-forgetting heads drive far below

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from ... import _engine
+from ..cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
 from .attention import attend_cached, attend_causal
-from .cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
 from .gated_delta import L2_EPS, as_float, chunk_gated_delta_rule_, recurrent_gated_delta_rule_
 from .pool import SharedPrefix
 from .shape import QwenShape
