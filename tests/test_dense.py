@@ -238,7 +238,7 @@ def test_backends_prepare_their_projections(t5_dir, vl_dir):
 
 def engine_product(x: np.ndarray, w: torch.Tensor, threads: int = 2) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.shape[0])
-    _engine.dense_product(x, dense.pack_panels(w).numpy(), out.numpy(), threads)
+    _engine.dense_product(x, dense.pack_panels(w), out.numpy(), threads)
     return out
 
 
@@ -309,7 +309,7 @@ def test_engine_product_same_bits_on_any_thread_count():
 
 
 def test_engine_product_refuses_what_it_cannot_take():
-    w = dense.pack_panels(torch.randn(70, 8)).numpy()
+    w = dense.pack_panels(torch.randn(70, 8))
     x = np.zeros((3, 8), np.float32)
     with pytest.raises(ValueError, match="x must be"):
         _engine.dense_product(np.zeros((3, 9), np.float32), w, np.zeros((3, 70), np.float32))

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -99,8 +100,9 @@ def takes_panels(weight: torch.Tensor) -> bool:
                  or (weight.dtype == torch.bfloat16 and _engine.bf16_dense_available())))
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` as the engine's panels: float32 ``[ceil(out / 64), in, 64]``
+def pack_panels(weight: torch.Tensor) -> np.ndarray:
+    """``weight`` ``[out, in]`` as the engine's panels (a numpy array, as the engine takes them:
+    built once, never converted per call): float32 ``[ceil(out / 64), in, 64]``
     (panel ``p`` holds outputs ``64 p ..`` as rows of 64, one per input); bfloat16 ``[ceil(out /
     64), ceil(in / 2), 64]`` 32-bit words, each the weights of two consecutive inputs (the first
     in the low half). Zero past the last output and input."""
@@ -112,20 +114,20 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = weight.detach().new_zeros(panels * columns, width)
     padded[:out, :inputs] = weight.detach()
     if not pairs:
-        return padded.view(panels, columns, width).transpose(1, 2).contiguous()
+        return padded.view(panels, columns, width).transpose(1, 2).contiguous().numpy()
     bits = padded.view(torch.int16).view(panels, columns, width // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return bits.view(torch.int32).view(panels, width // 2, columns)
+    return bits.view(torch.int32).view(panels, width // 2, columns).numpy()
 
 
-def engine_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+def engine_linear(x: torch.Tensor, panels: np.ndarray, out_features: int) -> torch.Tensor:
     """``x @ W.T`` for any leading shape of ``x`` (CPU, W's dtype) on ``pack_panels(W)``."""
     rows = _rows(x)
     out = x.new_empty(rows.shape[0], out_features)
-    _engine.dense_product(engine_array(rows), panels.numpy(), engine_array(out), torch.get_num_threads())
+    _engine.dense_product(engine_array(rows), panels, engine_array(out), torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
 
 
-def engine_gated_product(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str,
+def engine_gated_product(x: torch.Tensor, gate: np.ndarray, up: np.ndarray, activation: str,
                          inner: int) -> torch.Tensor:
     """``act(x @ Wg.T) * (x @ Wu.T)`` on the halves' panels, in one engine call where the engine
     has the activation (``ENGINE_ACTIVATIONS``), else the engine's two products and torch's
@@ -135,7 +137,7 @@ def engine_gated_product(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
         return ACTIVATIONS[activation][0](engine_linear(x, gate, inner)).mul_(engine_linear(x, up, inner))
     rows = _rows(x)
     out = x.new_empty(rows.shape[0], inner)
-    _engine.gated_dense_product(engine_array(rows), gate.numpy(), up.numpy(), engine_array(out), name,
+    _engine.gated_dense_product(engine_array(rows), gate, up, engine_array(out), name,
                                 torch.get_num_threads())
     return out.view(*x.shape[:-1], inner)
 
@@ -203,7 +205,7 @@ class Dense(torch.nn.Module):
                 raise ValueError(f"Dense wants a [out, in] weight, got shape {tuple(weight.shape)}")
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self._packed: torch.Tensor | tuple | None = None  # oneDNN's packed weight (halves when gated)
-        self._panels: torch.Tensor | tuple | None = None  # the engine's panels (halves when gated)
+        self._panels: np.ndarray | tuple | None = None  # the engine's panels (halves when gated)
         self._packed_for: tuple | None = None
         self._min_rows = 0
         self.register_load_state_dict_post_hook(_repack_after_load)
