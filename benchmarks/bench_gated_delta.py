@@ -83,8 +83,31 @@ def main() -> None:
             t_ours = median_ms(lambda: ours_fn(**x), args.repeats)
         shape = f"B{B} S{S} H{Hk}/{Hv} d{dk}/{dv}" + (f" C{chunk}" if chunk else " rec")
         print(f"{label:<28} {shape:<30} {t_theirs:>16.3f} {t_ours:>13.3f} {t_theirs / t_ours:>8.2f}x")
+    bench_chunks(args.repeats)
     bench_steps(args.repeats)
     bench_inverse(args.repeats)
+
+
+def bench_chunks(repeats: int) -> None:
+    """The layers' in-place chunked rule (prompts and suffix passes): the engine's kernel against
+    the tensor-op form it replaced on the CPU, 32-token chunks, from a cached state."""
+    forms = {"engine": ours.chunk_gated_delta_rule_, "ops": ours.chunk_gated_delta_rule_ops}
+    g = torch.Generator().manual_seed(3)
+    print(f"\n{'in-place chunked rule':<28} {'shape':<30} " + " ".join(f"{f + ' ms':>13}" for f in forms))
+    for label, B, S, Hk, Hv, d in (("mini prefill", 4, 512, 2, 4, 64), ("mini verify suffix", 16, 233, 2, 4, 64),
+                                   ("0.8B-like prefill", 2, 512, 16, 16, 128)):
+        x = dict(query=torch.randn(B, S, Hk, d, generator=g), key=torch.randn(B, S, Hk, d, generator=g),
+                 value=torch.randn(B, S, Hv, d, generator=g), g=-F.softplus(torch.randn(B, S, Hv, generator=g)),
+                 beta=torch.sigmoid(torch.randn(B, S, Hv, generator=g)))
+        start = torch.randn(B, Hv, d, d, generator=g)
+        with torch.inference_mode():
+            results = {f: fn(start.clone(), **x, chunk_size=32, fresh=False) for f, fn in forms.items()}
+            err = float((results["engine"] - results["ops"]).abs().max() / results["ops"].abs().max())
+            assert err <= 1e-5, f"{label}: forms differ by {err:.2e}"
+            times = [median_ms(lambda fn=fn: fn(start.clone(), **x, chunk_size=32, fresh=False), repeats)
+                     for fn in forms.values()]
+        shape = f"B{B} S{S} H{Hk}/{Hv} d{d}/{d} C32"
+        print(f"{label:<28} {shape:<30} " + " ".join(f"{t:>13.3f}" for t in times))
 
 
 def bench_steps(repeats: int) -> None:

@@ -292,6 +292,11 @@ def _onednn_tensors(w: torch.Tensor) -> Callable:
     return lambda x: torch._C._nn.mkldnn_linear(x.to_mkldnn(), wm, None).to_dense()
 
 
+def _engine_panels(w: torch.Tensor) -> Callable:
+    panels = dense.pack_panels(w)
+    return lambda x: dense.engine_linear(x, panels, w.shape[0])
+
+
 def gemm_paths(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
     """Each way of computing ``x @ w.T`` this device offers: name -> ``make(w)`` returning
     ``f(x)`` (the weight prepared once, as a backend would at load)."""
@@ -300,6 +305,8 @@ def gemm_paths(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
     paths = {"F.linear": _plain}
     if dense.packing_available() and dtype in dense.PACKED_DTYPES:
         paths["oneDNN packed"] = _onednn_packed
+    if dense.takes_panels(torch.empty(1, 1, dtype=dtype)):
+        paths["engine panels"] = _engine_panels
     if torch.backends.mkldnn.is_available():
         paths["oneDNN mkldnn tensors"] = _onednn_tensors
     return paths
