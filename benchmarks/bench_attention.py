@@ -1,10 +1,13 @@
 """The engine's causal attention (``_engine.causal_attention``) against SDPA on the CPU: prompts
-(``attention.attend_causal`` against ``attend_causal_sdpa``, SDPA in query blocks) and suffix
+(``attention.attend_causal`` against ``attend_causal_sdpa``, SDPA in query blocks), suffix
 passes (``attention.attend_cached`` with each row's cached key count against SDPA under the
-model's additive mask), one layer of the mini Qwen's heads (4 query heads on 2 key heads, head
+model's additive mask) and decoding steps of one to three tokens a row (the engine's few-token
+kernel, whatever the row count, against SDPA with grouped query heads folded into query rows),
+one layer of the mini Qwen's heads (4 query heads on 2 key heads, head
 size 64) by default, in float32 and bfloat16; with each path's GFLOP/s (the two products over
-each query's visible keys) and its share of the same run's GEMM peak for the dtype
-(``roofline.peak_gemm_rate``).
+each query's visible keys), its share of the same run's GEMM peak for the dtype
+(``roofline.peak_gemm_rate``) and the rate at which it reads the keys and values (each once:
+what bounds a decoding step's attention).
 
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --heads 16 --kv-heads 4 --head-dim 128 --repeats 20
@@ -34,9 +37,11 @@ from fastjudge.bench.roofline import peak_gemm_rate
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import median_ms  # noqa: E402
 
-# (rows, new tokens a row, cached keys a row): prompts (no cache), then suffix passes
+# (rows, new tokens a row, cached keys a row): prompts (no cache), suffix passes, then decoding
+# and jump-forward steps (the engine's few-token kernel against SDPA with folded query heads)
 PROMPTS = [(16, 233, 0), (4, 512, 0), (1, 1000, 0)]
 SUFFIXES = [(16, 130, 94), (64, 40, 450), (16, 30, 800)]
+DECODES = [(1, 1, 464), (16, 1, 464), (64, 1, 464), (16, 3, 464), (16, 1, 1200)]
 
 
 def visible_flops(rows: int, new: int, cached: int, heads: int, head_dim: int) -> float:
@@ -66,7 +71,7 @@ def paths(rows, new, cached, args, dtype):
     width = cached + new
     hidden = torch.arange(width)[None, None, :] > (offsets[:, None] + torch.arange(new))[..., None]
     mask = torch.zeros(rows, 1, new, width, dtype=dtype).masked_fill_(hidden[:, None], float("-inf"))
-    return {"engine": lambda: attention.attend_cached(q, keys, values, mask, offsets=offsets),
+    return {"engine": lambda: attention.attend_in_engine(q, keys, values, offsets),
             "SDPA (mask)": lambda: attention.attend_cached(q, keys, values, mask)}
 
 
@@ -115,11 +120,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
     print(f"threads {torch.get_num_threads()}, heads {args.heads} on {args.kv_heads}, head size {args.head_dim}")
-    print("| case | dtype | path | ms | GFLOP/s | of GEMM peak | vs SDPA |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| case | dtype | path | ms | GFLOP/s | of GEMM peak | K/V GB/s | vs SDPA |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         peak = peak_gemm_rate(2048, 1024, 1024, dtype, cpu)
-        for rows, new, cached in PROMPTS + SUFFIXES:
+        for rows, new, cached in PROMPTS + SUFFIXES + DECODES:
             case = f"{rows} x {new} tokens" + (f" after {cached}" if cached else "")
             runs = paths(rows, new, cached, args, dtype)
             results = {name: fn() for name, fn in runs.items()}
@@ -130,10 +135,11 @@ def main() -> None:
             times = {name: median_ms(fn, args.repeats) for name, fn in runs.items()}
             sdpa = next(t for name, t in times.items() if name != "engine")
             flops = visible_flops(rows, new, cached, args.heads, args.head_dim)
+            kv_bytes = 2 * rows * args.kv_heads * (cached + new) * args.head_dim * torch.finfo(dtype).bits / 8
             for name, ms in times.items():
                 rate = flops / (ms / 1e3)
-                print(f"| {case} | {str(dtype).replace('torch.', '')} | {name} | {ms:.2f} | {rate / 1e9:.0f} | "
-                      f"{rate / peak:.0%} | {sdpa / ms:.2f}x |")
+                print(f"| {case} | {str(dtype).replace('torch.', '')} | {name} | {ms:.3f} | {rate / 1e9:.0f} | "
+                      f"{rate / peak:.0%} | {kv_bytes / ms / 1e6:.1f} | {sdpa / ms:.2f}x |")
         print(f"(GEMM peak, {str(dtype).replace('torch.', '')}: {peak / 1e9:.0f} GFLOP/s)")
     shared_prefix_table(args)
 

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.hpp"
+#include "small_product.hpp"
 #include "vector_math.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -166,6 +168,139 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
   }
 }
 
+// Few new tokens a row (decoding and jump-forward steps, at most kFewTokens): a (row, key head)
+// pair's grouped query rows, 16 at a time, take their scores against the keys read in place,
+// with no packing pass (which would cost as much as the products themselves for a handful of
+// queries). Up to kLaneSumRows query rows: each key's products with a query summed across
+// lanes, 16 keys at a time (lane_sums); more: one product with the keys as its rows and the
+// queries transposed as its 16 columns (a key's dims against all rows at once). Then a softmax
+// per query row, its weights normalised (and, where bfloat16 attention takes bfloat16 dot
+// products, rounded to bfloat16 as there), and the weighted values: the keys every row sees as
+// a second product, each row's own later keys after. No value past a row's last key is read for
+// it, and a later key's score never reaches its softmax. bfloat16 keys and values go through
+// float32 blocks of kBlockKeys rows.
+constexpr int64_t kFewTokens = 4;
+constexpr int64_t kBlockKeys = 64;
+constexpr int64_t kLaneSumRows = 4;
+
+// the most real tokens a row of the problem has
+inline int64_t real_max(const CausalProblem& p) {
+  if (!p.counts) return p.S;
+  int64_t most = 0;
+  for (int64_t b = 0; b < p.B; ++b) most = std::max(most, p.counts[b]);
+  return most;
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem& p, const StridedRows<T>& query,
+                                                            const StridedRows<T>& key, const StridedRows<T>& value,
+                                                            T* out, bool round_weights, int64_t first, int64_t last) {
+  constexpr bool wide = std::is_same_v<T, float>;
+  const int64_t S = p.S, dim = p.dim, group = p.H / p.Hkv, ldw = round_up(p.W, kLanes);
+  // scratch left uninitialised (every entry is written before it is read): zeroing the score
+  // rows cost a step of one row over a few hundred keys more than its products
+  const std::unique_ptr<float[]> queries(new float[kLanes * dim]), sums(new float[kLanes * dim]);
+  const std::unique_ptr<float[]> weights(new float[kLanes * ldw]);
+  const std::unique_ptr<float[]> scores(new float[group * real_max(p) > kLaneSumRows ? ldw * kLanes : 0]);
+  const std::unique_ptr<float[]> block(new float[wide ? 0 : kBlockKeys * dim]);
+  // rows [j0, j0 + n) of keys or values in float32: in place, or converted into block
+  auto rows_of = [&](const StridedRows<T>& x, int64_t b, int64_t hk, int64_t j0, int64_t n)
+      __attribute__((always_inline)) -> std::pair<const float*, int64_t> {
+    if constexpr (wide) {
+      return {x.row(b, j0, hk), x.token};
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const T* src = x.row(b, j0 + j, hk);
+        for (int64_t d = 0; d < dim; d += kLanes) store(block.get() + j * dim + d, load_bf16(src + d));
+      }
+      return {block.get(), dim};
+    }
+  };
+  for (int64_t pair = first; pair < last; ++pair) {
+    const Pair pr = start_pair(p, pair, out);
+    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, real = pr.real;
+    // query row r: head hk * group + r / real, token r % real
+    for (int64_t r0 = 0; r0 < group * real; r0 += kLanes) {
+      const int64_t rows = std::min<int64_t>(kLanes, group * real - r0);
+      const bool lanes = rows <= kLaneSumRows;
+      int64_t seen = 0, common = p.W;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = hk * group + (r0 + r) / real, t = (r0 + r) % real;
+        const T* q = query.row(b, t, h);
+        for (int64_t d = 0; d < dim; ++d) queries[r * dim + d] = to_float(q[d]);
+        seen = std::max(seen, p.last_key(offset, t) + 1);
+        common = std::min(common, p.last_key(offset, t) + 1);
+      }
+      if (!lanes) {  // the queries transposed: [dim][16], zero past the group's rows
+        std::fill_n(sums.get(), kLanes * dim, 0.0f);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < dim; ++d) sums[d * kLanes + r] = queries[r * dim + d];
+      }
+      for (int64_t j0 = 0; j0 < seen; j0 += kBlockKeys) {
+        const int64_t n = std::min(kBlockKeys, seen - j0);
+        const auto [keys, ldk] = rows_of(key, b, hk, j0, n);
+        if (!lanes) {
+          product(keys, ldk, sums.get(), kLanes, scores.get() + j0 * kLanes, kLanes, n, dim, kLanes, false);
+          continue;
+        }
+        for (int64_t k0 = 0; k0 < n; k0 += kLanes) {
+          const int64_t m = std::min<int64_t>(kLanes, n - k0);
+          for (int64_t r = 0; r < rows; ++r) {
+            Floats acc[kLanes];
+            for (int64_t k = 0; k < kLanes; ++k) {
+              acc[k] = Floats{};
+              if (k >= m) continue;
+              const float* kj = keys + (k0 + k) * ldk;
+              for (int64_t d = 0; d < dim; d += kLanes) acc[k] += load(queries.get() + r * dim + d) * load(kj + d);
+            }
+            store(weights.get() + r * ldw + j0 + k0, lane_sums(acc));
+          }
+        }
+      }
+      const int64_t width = round_up(seen, kLanes);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* w = weights.get() + r * ldw;
+        if (!lanes) {
+          for (int64_t j = 0; j < seen; ++j) w[j] = scores[j * kLanes + r];
+        }
+        const int64_t t = (r0 + r) % real, visible = p.last_key(offset, t) + 1;
+        const float inverse = softmax_row(w, visible - 1, width, p.scale);
+        for (int64_t j = 0; j < visible; ++j) w[j] = round_weights ? rounded<uint16_t>(w[j] * inverse) : w[j] * inverse;
+      }
+      for (int64_t j0 = 0; j0 < common; j0 += kBlockKeys) {
+        const int64_t n = std::min(kBlockKeys, common - j0);
+        const auto [values, ldv] = rows_of(value, b, hk, j0, n);
+        product(weights.get() + j0, ldw, values, ldv, sums.get(), dim, rows, n, dim, j0 > 0);
+      }
+      if (common == 0) std::fill_n(sums.get(), kLanes * dim, 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = hk * group + (r0 + r) / real, t = (r0 + r) % real;
+        float* o = sums.get() + r * dim;
+        for (int64_t j = common; j <= p.last_key(offset, t); ++j) {
+          const float w = weights[r * ldw + j];
+          const T* v = value.row(b, j, hk);
+          for (int64_t d = 0; d < dim; ++d) o[d] += w * to_float(v[d]);
+        }
+        T* dst = out + ((b * S + t) * p.H + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) from_float(o[d], dst + d);
+      }
+    }
+  }
+}
+
+FASTJUDGE_CLONES
+void attend_few_f32(const CausalProblem& p, const StridedRows<float>& query, const StridedRows<float>& key,
+                    const StridedRows<float>& value, float* out, int64_t first, int64_t last) {
+  attend_few_pairs(p, query, key, value, out, false, first, last);
+}
+
+FASTJUDGE_CLONES
+void attend_few_bf16(const CausalProblem& p, const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& key,
+                     const StridedRows<uint16_t>& value, uint16_t* out, bool round_weights, int64_t first,
+                     int64_t last) {
+  attend_few_pairs(p, query, key, value, out, round_weights, first, last);
+}
+
 // the ISA clones, one per element type (target_clones does not take templates)
 FASTJUDGE_CLONES
 void attend_pairs_f32(const CausalProblem& p, const StridedRows<float>& query, const StridedRows<float>& key,
@@ -309,7 +444,17 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   const double flops = 4.0 * p.B * p.H * p.S * p.dim * std::max<double>(1.0, p.W - p.S / 2.0);
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
   [[maybe_unused]] const bool dot = bf16_dot_products();
+  // a few new tokens after cached keys: no packing pass (attend_few_pairs)
+  const bool few = p.offsets && p.S <= kFewTokens && p.dim % kLanes == 0;
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
+    if (few) {
+      if constexpr (std::is_same_v<T, float>) {
+        attend_few_f32(p, query, key, value, out, first, last);
+      } else {
+        attend_few_bf16(p, query, key, value, out, dot, first, last);
+      }
+      return;
+    }
     if constexpr (std::is_same_v<T, float>) {
       attend_pairs_f32(p, query, key, value, out, first, last);
     } else {

@@ -25,6 +25,34 @@ inline Floats load(const float* p) {
 
 inline void store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
 
+typedef uint16_t Halves __attribute__((vector_size(32)));
+typedef uint32_t Words __attribute__((vector_size(64)));
+
+// 16 bfloat16 values (their bits) as float32 lanes: each pattern moved to the high half
+inline Floats load_bf16(const uint16_t* p) {
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Floats>(__builtin_convertvector(h, Words) << 16);
+}
+
+// the sums of 16 vectors' lanes, lane i holding the sum of v[i]'s (a transpose-and-add tree:
+// pairs of vectors fold their halves, then quarters, eighths and lanes, 45 operations in all)
+inline Floats lane_sums(const Floats (&v)[16]) {
+  Floats b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 inline Floats splat(float x) { return Floats{} + x; }
 
 // exp(x) for x <= 0, to about one float32 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its

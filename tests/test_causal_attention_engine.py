@@ -18,7 +18,8 @@ import torch
 
 from fastjudge import _engine
 from fastjudge.backends.cpu_engine import engine_array
-from fastjudge.backends.qwen.attention import attend_cached, attend_causal, attend_causal_sdpa
+from fastjudge.backends.qwen import attention
+from fastjudge.backends.qwen.attention import attend_cached, attend_causal, attend_causal_sdpa, attend_in_engine
 
 
 def eager_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -86,6 +87,7 @@ def masked_reference(q, keys, values, offsets):
 @pytest.mark.parametrize("S,offsets,H", [
     (1, [0, 5, 200], 4),     # one token a row, two query heads a key head
     (1, [9, 50, 3], 16),     # eight query heads a key head
+    (3, [9, 50, 3], 16),     # 24 query rows a key head: two groups of the few-token kernel
     (3, [17, 0, 94], 4),     # a jump-forward run of three tokens
     (5, [0, 3, 40], 4),      # a suffix pass
     (40, [17, 0, 94], 4),
@@ -179,6 +181,43 @@ def test_the_masked_half_is_never_read(dtype, bf16_form):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S", [1, 3])
+def test_few_new_tokens_never_read_later_keys(dtype, S, bf16_form):
+    """A decoding or jump-forward step (the few-token kernel: keys read in place, no packing):
+    a token's weights cover its row's keys up to itself; the step's later tokens' keys and values
+    and the pool's unused columns, poisoned with NaN, leave its output as it was; padding tokens
+    come out as zeros; the same bits on any number of threads."""
+    gen = torch.Generator().manual_seed(S)
+    B, H, kv_heads, hd, W = 3, 4, 2, 64, 60
+    offsets, counts = np.array([10, 0, 40]), np.array([S, S, S - 1])
+    pool = torch.randn(2, B, kv_heads, W, hd, generator=gen).to(dtype)
+    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
+
+    def attend(pool, threads=2):
+        keys, values = pool[0], pool[1]
+        out = torch.full((B, S, H, hd), float("nan"), dtype=dtype)
+        _engine.causal_attention(engine_array(q), engine_array(keys.transpose(1, 2)),
+                                 engine_array(values.transpose(1, 2)), engine_array(out), hd ** -0.5, offsets,
+                                 counts, threads=threads)
+        return out
+
+    clean = attend(pool)
+    for threads in (1, 3, 8):
+        assert torch.equal(attend(pool, threads), clean)
+    poisoned = pool.clone()
+    for b in range(B):
+        poisoned[:, b, :, offsets[b] + 1:] = float("nan")  # past each row's first new token
+    first = attend(poisoned)
+    assert torch.equal(first[:, 0], clean[:, 0])
+    assert not clean.isnan().any()
+    assert torch.equal(clean[2, S - 1:], torch.zeros_like(clean[2, S - 1:]))
+    want = masked_reference(q, pool[0], pool[1], torch.from_numpy(offsets))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b, n in enumerate(counts):
+        torch.testing.assert_close(clean[b, :n].float(), want[b, :n], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_same_bits_on_any_number_of_threads(dtype, bf16_form):
     """Each (row, key head) pair is computed alone, so the split over threads changes nothing."""
     q, k, v = layer_inputs(5, 150, 4, 2, 64, dtype=dtype, seed=7)
@@ -264,6 +303,15 @@ def test_dispatch_takes_the_engine_on_the_cpu(dtype, monkeypatch):
     sdpa = attend_cached(q, keys, values, mask)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(sdpa, got, rtol=tol, atol=tol)
+    # a decoding step (at most FOLD_QUERY_STEPS new tokens, offsets given) of enough rows: the
+    # few-token kernel; of fewer rows, SDPA with the query heads folded
+    few = attend_cached(q[:, :3], keys, values, mask[:, :, :3], offsets=offsets)
+    assert not torch.equal(few, attend_in_engine(q[:, :3], keys, values, offsets))
+    torch.testing.assert_close(few, got[:, :, :3], rtol=tol, atol=tol)
+    monkeypatch.setattr(attention, "ENGINE_FEW_TOKENS_MIN_ROWS", 2)
+    few = attend_cached(q[:, :3], keys, values, mask[:, :, :3], offsets=offsets)
+    assert torch.equal(few, attend_in_engine(q[:, :3], keys, values, offsets))
+    torch.testing.assert_close(few, got[:, :, :3], rtol=tol, atol=tol)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the engine was called")

@@ -16,6 +16,13 @@ from .gated_delta import as_float
 from .pool import SharedPrefix
 
 FOLD_QUERY_STEPS = 4  # up to this many new tokens, grouped query heads attend as query rows
+# decoding steps (at most FOLD_QUERY_STEPS new tokens) of at least this many rows take the
+# engine's few-token kernel. Fewer are as fast or faster through SDPA, whose call costs a few
+# microseconds less than the engine's conversions (one row over 464 keys: 22 against 27 us,
+# float32). Whole decoding steps of the mini Qwen3.5 (448-token prefix, in-process
+# alternation, two threads), SDPA -> engine: float32 2 / 4 / 8 / 16 / 64 rows +2.2 / -1.1 /
+# -4.2 / -13.2 / -19.3 %, bfloat16 +2.4 / +2.9 / -1.0 / -15.3 / -12.5 %
+ENGINE_FEW_TOKENS_MIN_ROWS = 8
 # rows that share at least this many prefix K/V columns, this many rows per snapshot, read them once
 # per snapshot in a decoding step (attend_cached); below either the extra calls and conversions
 # cost more than the reads they save. The layer alone (benchmarks/bench_attention.py, bfloat16,
@@ -106,7 +113,10 @@ def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     itself), take the engine's causal attention with those offsets and the rows' real token
     ``counts`` (nothing computed for padding) (:func:`attend_in_engine`;
     a layer, mini's heads, two threads: 16 rows of 130 tokens after 94 cached, SDPA under the mask
-    4.2-4.7 ms, the engine 2.3 ms; 64 rows of 40 after 450: 12.6-13.5 -> 8.2-9.0 ms).
+    4.2-4.7 ms, the engine 2.3 ms; 64 rows of 40 after 450: 12.6-13.5 -> 8.2-9.0 ms). So do
+    decoding steps of ``ENGINE_FEW_TOKENS_MIN_ROWS`` rows or more without a shared prefix (the
+    engine's few-token kernel: keys read in place, no packing; 16 rows of one token over 464
+    keys, a layer: 0.19 -> 0.12 ms float32, 0.27 -> 0.19 ms bfloat16).
 
     With grouped-query heads (H = g x kv_heads) and at most ``FOLD_QUERY_STEPS`` new tokens, each
     K/V head's g query heads attend as g x S query rows of one problem, as they share its keys:
@@ -119,7 +129,8 @@ def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     B, S, H, hd = q.shape
     kv_heads = keys.shape[1]
     g = H // kv_heads
-    if S > FOLD_QUERY_STEPS and offsets is not None and engine_attends(q, keys):
+    if offsets is not None and engine_attends(q, keys) and (
+            S > FOLD_QUERY_STEPS or (B >= ENGINE_FEW_TOKENS_MIN_ROWS and shared is None and hd % 16 == 0)):
         return attend_in_engine(q, keys, values, offsets, counts)
     if S > FOLD_QUERY_STEPS or (g == 1 and shared is None):
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=g > 1)
