@@ -436,9 +436,20 @@ fastjudge::StridedRows<T> strided_rows(const py::handle& obj, const std::string&
   return {static_cast<const T*>(arr.data()), arr.strides(0) / size, arr.strides(1) / size, arr.strides(2) / size};
 }
 
-void recurrent_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
-                          const py::handle& value, const py::handle& decay, const py::handle& beta,
-                          const py::handle& out, int threads) {
+// The arrays of a gated delta rule over B rows of S tokens, checked: memory [B, Hv, dk, dv]
+// (writable), query and key [B, S, Hk, dk] and value [B, S, Hv, dv] (strided rows), gates (g or
+// decay) and beta [B, S, Hv], out [B, S, Hv, dv] (writable); all float32
+struct RuleArrays {
+  float* memory;
+  fastjudge::StridedRows<float> query, key, value;
+  const float *gates, *beta;
+  float* out;
+  int64_t B, S, Hk, Hv, dk, dv;
+};
+
+RuleArrays rule_arrays(const py::handle& memory, const py::handle& query, const py::handle& key,
+                       const py::handle& value, const py::handle& gates, const std::string& gates_name,
+                       const py::handle& beta, const py::handle& out) {
   py::array keys = py::array::ensure(key), values = py::array::ensure(value);
   if (!keys || keys.ndim() != 4 || !values || values.ndim() != 4) {
     throw py::value_error("key and value must be 4-D arrays [B, S, heads, dim]");
@@ -446,41 +457,36 @@ void recurrent_delta_rule(const py::handle& memory, const py::handle& query, con
   const int64_t B = keys.shape(0), S = keys.shape(1), Hk = keys.shape(2), dk = keys.shape(3);
   const int64_t Hv = values.shape(2), dv = values.shape(3);
   if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
-  float* mem = typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true);
-  const auto q = strided_rows<float>(query, "query", {B, S, Hk, dk});
-  const auto k = strided_rows<float>(key, "key", {B, S, Hk, dk});
-  const auto v = strided_rows<float>(value, "value", {B, S, Hv, dv});
-  const float* d = typed_array<float>(decay, "decay", {B, S, Hv});
-  const float* b = typed_array<float>(beta, "beta", {B, S, Hv});
-  float* dst = typed_array<float>(out, "out", {B, S, Hv, dv}, true);
+  return {typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true),
+          strided_rows<float>(query, "query", {B, S, Hk, dk}),
+          strided_rows<float>(key, "key", {B, S, Hk, dk}),
+          strided_rows<float>(value, "value", {B, S, Hv, dv}),
+          typed_array<float>(gates, gates_name, {B, S, Hv}),
+          typed_array<float>(beta, "beta", {B, S, Hv}),
+          typed_array<float>(out, "out", {B, S, Hv, dv}, true),
+          B, S, Hk, Hv, dk, dv};
+}
+
+void recurrent_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
+                          const py::handle& value, const py::handle& decay, const py::handle& beta,
+                          const py::handle& out, int threads) {
+  const RuleArrays a = rule_arrays(memory, query, key, value, decay, "decay", beta, out);
   py::gil_scoped_release release;
-  fastjudge::recurrent_delta_rule(mem, q, k, v, d, b, dst, B, S, Hk, Hv, dk, dv, threads);
+  fastjudge::recurrent_delta_rule(a.memory, a.query, a.key, a.value, a.gates, a.beta, a.out, a.B, a.S, a.Hk, a.Hv,
+                                  a.dk, a.dv, threads);
 }
 
 void chunked_delta_rule(const py::handle& memory, const py::handle& query, const py::handle& key,
                         const py::handle& value, const py::handle& g, const py::handle& beta, const py::handle& out,
                         int64_t chunk, bool fresh, bool normalise, float l2_eps, float exp_floor, int threads) {
-  py::array keys = py::array::ensure(key), values = py::array::ensure(value);
-  if (!keys || keys.ndim() != 4 || !values || values.ndim() != 4) {
-    throw py::value_error("key and value must be 4-D arrays [B, S, heads, dim]");
-  }
-  const int64_t B = keys.shape(0), S = keys.shape(1), Hk = keys.shape(2), dk = keys.shape(3);
-  const int64_t Hv = values.shape(2), dv = values.shape(3);
-  if (Hk == 0 || Hv % Hk != 0) throw py::value_error("value heads must be a multiple of key heads");
-  if (dv % 16 != 0) throw py::value_error("the value head size must be a multiple of 16");
+  const RuleArrays a = rule_arrays(memory, query, key, value, g, "g", beta, out);
+  if (a.dv % 16 != 0) throw py::value_error("the value head size must be a multiple of 16");
   if (chunk < 1 || chunk > fastjudge::kMaxChunk) {
     throw py::value_error("chunk must lie in [1, " + std::to_string(fastjudge::kMaxChunk) + "]");
   }
-  float* mem = typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true);
-  const auto q = strided_rows<float>(query, "query", {B, S, Hk, dk});
-  const auto k = strided_rows<float>(key, "key", {B, S, Hk, dk});
-  const auto v = strided_rows<float>(value, "value", {B, S, Hv, dv});
-  const float* decays = typed_array<float>(g, "g", {B, S, Hv});
-  const float* b = typed_array<float>(beta, "beta", {B, S, Hv});
-  float* dst = typed_array<float>(out, "out", {B, S, Hv, dv}, true);
   py::gil_scoped_release release;
-  fastjudge::chunked_delta_rule(mem, q, k, v, decays, b, dst, B, S, Hk, Hv, dk, dv, chunk, fresh, normalise, l2_eps,
-                                exp_floor, threads);
+  fastjudge::chunked_delta_rule(a.memory, a.query, a.key, a.value, a.gates, a.beta, a.out, a.B, a.S, a.Hk, a.Hv,
+                                a.dk, a.dv, chunk, fresh, normalise, l2_eps, exp_floor, threads);
 }
 
 template <typename T>
@@ -708,41 +714,40 @@ fastjudge::GateActivation gate_activation(const std::string& name) {
   throw py::value_error("activation must be silu, gelu_tanh or relu");
 }
 
-// out = x W^T (gated: act(x Wg^T) * (x Wu^T)) in float32, or in bfloat16 on pair panels
+// out = x W^T (gated: act(x Wg^T) * (x Wu^T)): X float32 on float32 panels, or bfloat16 bits on
+// panels of input pairs (W 32-bit words)
+template <typename X, typename W>
+void project(const py::handle& x, const py::handle& panels, const py::handle& up_panels, const py::handle& out,
+             std::optional<fastjudge::GateActivation> activation, int threads) {
+  const int64_t columns = fastjudge::kPanelColumns, per_entry = sizeof(W) / sizeof(X);
+  const auto [M, N, depth] = projection_shape<W>(x, panels, out);
+  const int64_t K = py::array::ensure(x).shape(1), P = (N + columns - 1) / columns;
+  if ((K + per_entry - 1) / per_entry != depth) {
+    throw py::value_error("x must be [rows, K] for panels of ceil(K / " + std::to_string(per_entry) +
+                          ") entries an output");
+  }
+  const auto [rows, stride] = input_rows<X>(x, K);
+  const W* w = typed_array<W>(panels, "panels", {P, depth, columns});
+  const W* up = activation ? typed_array<W>(up_panels, "up_panels", {P, depth, columns}) : nullptr;
+  X* dst = typed_array<X>(out, "out", {M, N}, true);
+  py::gil_scoped_release release;
+  if (activation) {
+    fastjudge::gated_dense_product(rows, stride, w, up, dst, M, K, N, *activation, threads);
+  } else {
+    fastjudge::dense_product(rows, stride, w, dst, M, K, N, threads);
+  }
+}
+
 void projection(const py::handle& x, const py::handle& panels, const py::handle& up_panels, const py::handle& out,
                 std::optional<fastjudge::GateActivation> activation, int threads) {
   const py::array in = py::array::ensure(x);
-  const bool bf16 = in && (in.dtype().kind() == 'i' || in.dtype().kind() == 'u') && in.itemsize() == 2;
-  const int64_t columns = fastjudge::kPanelColumns;
-  if (!bf16) {
-    const auto [M, N, K] = projection_shape<float>(x, panels, out);
-    const int64_t P = (N + columns - 1) / columns;
-    const auto [rows, stride] = input_rows<float>(x, K);
-    const float* w = typed_array<float>(panels, "panels", {P, K, columns});
-    const float* up = activation ? typed_array<float>(up_panels, "up_panels", {P, K, columns}) : nullptr;
-    float* dst = typed_array<float>(out, "out", {M, N}, true);
-    py::gil_scoped_release release;
-    if (activation) {
-      fastjudge::gated_dense_product(rows, stride, w, up, dst, M, K, N, *activation, threads);
-    } else {
-      fastjudge::dense_product(rows, stride, w, dst, M, K, N, threads);
-    }
-    return;
-  }
-  if (!fastjudge::bf16_dense_available()) throw py::value_error("bfloat16 projections need AVX512-BF16");
-  const auto [M, N, pairs] = projection_shape<uint32_t>(x, panels, out);
-  const int64_t P = (N + columns - 1) / columns;
-  const int64_t K = in.shape(1);
-  if ((K + 1) / 2 != pairs) throw py::value_error("panels must hold ceil(K / 2) input pairs");
-  const auto [rows, stride] = input_rows<uint16_t>(x, K);
-  const uint32_t* w = typed_array<uint32_t>(panels, "panels", {P, pairs, columns});
-  const uint32_t* up = activation ? typed_array<uint32_t>(up_panels, "up_panels", {P, pairs, columns}) : nullptr;
-  uint16_t* dst = typed_array<uint16_t>(out, "out", {M, N}, true);
-  py::gil_scoped_release release;
-  if (activation) {
-    fastjudge::gated_dense_product_bf16(rows, stride, w, up, dst, M, K, N, *activation, threads);
+  if (!in || in.ndim() != 2) throw py::value_error("x must be a 2-D array [rows, K]");
+  if (!((in.dtype().kind() == 'i' || in.dtype().kind() == 'u') && in.itemsize() == 2)) {
+    project<float, float>(x, panels, up_panels, out, activation, threads);
+  } else if (fastjudge::bf16_dense_available()) {
+    project<uint16_t, uint32_t>(x, panels, up_panels, out, activation, threads);
   } else {
-    fastjudge::dense_product_bf16(rows, stride, w, dst, M, K, N, threads);
+    throw py::value_error("bfloat16 projections need AVX512-BF16");
   }
 }
 

@@ -11,9 +11,6 @@
 #include "small_product.hpp"
 #include "vector_math.hpp"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#endif
 
 namespace fastjudge {
 namespace {
@@ -314,14 +311,12 @@ void attend_pairs_bf16(const CausalProblem& p, const StridedRows<uint16_t>& quer
   attend_pairs(p, query, key, value, out, first, last);
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define FASTJUDGE_BF16_DOT 1
+#ifdef FASTJUDGE_BF16_DOT
 // bfloat16 inputs on CPUs with AVX512-BF16: both products as bfloat16 dot products (vdpbf16ps:
 // pairs of bfloat16 products summed into float32 lanes, twice the multiply-adds of a float32
 // FMA). Scores take the exact bfloat16 queries and keys; the weighted values take the softmax
 // weights normalised and rounded to bfloat16, as transformers' eager path and SDPA round them
 // (softmax in float32, then the query's dtype), not the float32 weights of the portable path.
-#define FASTJUDGE_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
 
 // c[r][0 .. 32) = sum over pairs k < depth of the two-element dot products of a[r * lda + k]
 // (two bfloat16 in 32 bits) with b[k * ldb + w] (ditto), r < kRows, in increasing k
@@ -425,12 +420,6 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
   }
 }
 
-bool cpu_has_bf16_dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-#else
-bool cpu_has_bf16_dot() { return false; }
 #endif
 
 std::atomic<bool> bf16_dot_wanted{true};

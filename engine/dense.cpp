@@ -10,12 +10,6 @@
 #include "small_product.hpp"
 #include "vector_math.hpp"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define FASTJUDGE_BF16_DENSE 1
-#define FASTJUDGE_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
-#endif
-
 namespace fastjudge {
 namespace {
 
@@ -79,7 +73,7 @@ void run_units(const Problem<float, float>& s, int64_t first, int64_t last) {
   }
 }
 
-#ifdef FASTJUDGE_BF16_DENSE
+#ifdef FASTJUDGE_BF16_DOT
 // c[r][0 .. 64) = sum over pairs i < pairs of the two-element dot products of a[r * lda + i] with
 // b[i * 64 + :], r < R, in increasing i
 template <int R>
@@ -148,13 +142,6 @@ FASTJUDGE_BF16_TARGET void run_units_bf16(const Problem<uint16_t, uint32_t>& s, 
     }
   }
 }
-
-bool cpu_has_bf16_dense() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-#else
-bool cpu_has_bf16_dense() { return false; }
 #endif
 
 template <typename X, typename W>
@@ -168,7 +155,7 @@ void run(const Problem<X, W>& s, int threads) {
     if constexpr (std::is_same_v<X, float>) {
       run_units(s, first, last);
     } else {
-#ifdef FASTJUDGE_BF16_DENSE
+#ifdef FASTJUDGE_BF16_DOT
       run_units_bf16(s, first, last);
 #endif
     }
@@ -187,19 +174,18 @@ void gated_dense_product(const float* x, int64_t row_stride, const float* gate_p
   run(Problem<float, float>{x, row_stride, gate_panels, up_panels, out, M, K, N, activation}, threads);
 }
 
-bool bf16_dense_available() { return cpu_has_bf16_dense(); }
+bool bf16_dense_available() { return cpu_has_bf16_dot(); }
 
-void dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
-                        int64_t K, int64_t N, int threads) {
-  if (!cpu_has_bf16_dense()) throw std::runtime_error("this CPU has no AVX512-BF16 dot products");
+void dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
+                   int64_t K, int64_t N, int threads) {
+  if (!cpu_has_bf16_dot()) throw std::runtime_error("this CPU has no AVX512-BF16 dot products");
   run(Problem<uint16_t, uint32_t>{x, row_stride, pair_panels, nullptr, out, M, K, N, GateActivation::kSilu},
       threads);
 }
 
-void gated_dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels,
-                              const uint32_t* up_panels, uint16_t* out, int64_t M, int64_t K, int64_t N,
-                              GateActivation activation, int threads) {
-  if (!cpu_has_bf16_dense()) throw std::runtime_error("this CPU has no AVX512-BF16 dot products");
+void gated_dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels, const uint32_t* up_panels,
+                         uint16_t* out, int64_t M, int64_t K, int64_t N, GateActivation activation, int threads) {
+  if (!cpu_has_bf16_dot()) throw std::runtime_error("this CPU has no AVX512-BF16 dot products");
   run(Problem<uint16_t, uint32_t>{x, row_stride, gate_panels, up_panels, out, M, K, N, activation}, threads);
 }
 

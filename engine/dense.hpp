@@ -34,10 +34,9 @@ void gated_dense_product(const float* x, int64_t row_stride, const float* gate_p
 // (zero past the last output and input). Gated: act(gate) rounded to bfloat16, times the up
 // projection's float32 sum, rounded (what oneDNN's two fused linears compute).
 bool bf16_dense_available();
-void dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
-                        int64_t K, int64_t N, int threads);
-void gated_dense_product_bf16(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels,
-                              const uint32_t* up_panels, uint16_t* out, int64_t M, int64_t K, int64_t N,
-                              GateActivation activation, int threads);
+void dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
+                   int64_t K, int64_t N, int threads);
+void gated_dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels, const uint32_t* up_panels,
+                         uint16_t* out, int64_t M, int64_t K, int64_t N, GateActivation activation, int threads);
 
 }  // namespace fastjudge

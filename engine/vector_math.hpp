@@ -10,7 +10,25 @@
 // by the ABI GCC warns of.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
+// bfloat16 dot products (vdpbf16ps: pairs of bfloat16 products summed into float32 lanes), built
+// where the compiler targets x86-64 and run where the CPU has AVX512-BF16 (cpu_has_bf16_dot)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FASTJUDGE_BF16_DOT 1
+#define FASTJUDGE_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
+#endif
+
 namespace fastjudge {
+
+// Whether this CPU runs the bfloat16 dot-product kernels, checked once
+inline bool cpu_has_bf16_dot() {
+#ifdef FASTJUDGE_BF16_DOT
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
 
 // 16 float32 lanes: one 512-bit register (two 256-bit ones in the AVX2 clone)
 typedef float Floats __attribute__((vector_size(64)));
