@@ -14,8 +14,9 @@ copy whatever its row count. Two paths:
   decoding of N items.
 
 Only the decoding loop is counted (``fastjudge.bench.step_profile``): host syncs (scalar reads
-and the engine's labelled copies to the host), top-level aten ops and wall time per decode step,
-the prompts' own work (prefill, encoder, vision tower) left out.
+and the engine's labelled copies to the host), top-level aten ops (and of them the views, which
+run no kernel) and wall time per decode step, the prompts' own work (prefill, encoder, vision
+tower) left out.
 
 Steps run eagerly by default (``--compile off``, what ``auto`` gives on the CPU; on CUDA
 ``auto`` compiles, and its steps would count compile time); ``benchmarks/bench_compiled.py``
@@ -103,9 +104,11 @@ def main(argv=None) -> int:
                 table.append(("T5 rationale", n, t5_path(t5_dir, n, args.compile)))
     print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, compile {args.compile}; "
           f"{time.strftime('%Y-%m-%d')}")
-    print(f"{'path':<38} {'rows':>5} {'steps':>6} {'syncs/step':>11} {'aten ops/step':>14} {'ms/step':>8}")
+    print(f"{'path':<38} {'rows':>5} {'steps':>6} {'syncs/step':>11} {'aten ops/step':>14} {'of them views':>14} "
+          f"{'ms/step':>8}")
     for name, n, r in table:
-        print(f"{name:<38} {n:>5} {r['steps']:>6} {r['syncs']:>11.1f} {r['ops']:>14.1f} {r['ms']:>8.2f}")
+        print(f"{name:<38} {n:>5} {r['steps']:>6} {r['syncs']:>11.1f} {r['ops']:>14.1f} {r['views']:>14.1f} "
+              f"{r['ms']:>8.2f}")
     return 0
 
 

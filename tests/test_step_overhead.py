@@ -56,3 +56,28 @@ def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend):
     one, many = t5_profile(t5_backend, 1), t5_profile(t5_backend, 6)
     assert one["syncs"] <= 2 and many["syncs"] <= 2
     assert abs(many["ops"] - one["ops"]) <= 0.1 * one["ops"]
+
+
+def test_views_are_counted_apart():
+    """``count_steps`` counts every top-level aten op, and apart the ones that only view memory
+    (no kernel on any device): a step that adds, transposes, copies to contiguous memory and hands
+    the copy to numpy (the engine's way in: ``detach``, ``resolve_conj`` and ``resolve_neg``,
+    views, and an ``aten::to`` of the same dtype, which returns the tensor itself but is an op
+    that may copy) has three ops besides its views."""
+    import torch
+
+    from fastjudge.backends.profiling import DECODE_LABEL, STEP_LABEL
+    from fastjudge.bench.step_profile import VIEW_OPS
+
+    x = torch.ones(4, 3)
+
+    def step():
+        with torch.profiler.record_function(DECODE_LABEL), torch.profiler.record_function(STEP_LABEL):
+            y = (x + 1).t()
+            y.contiguous().numpy()
+
+    counts = profile_decoding(step)
+    assert counts["steps"] == 1 and counts["syncs"] == 0
+    kernels = counts["ops"] - counts["views"]
+    assert counts["views"] == 4 and kernels == 3  # t, detach, resolve_conj, resolve_neg; add, contiguous, to
+    assert {"aten::t", "aten::detach"} <= VIEW_OPS

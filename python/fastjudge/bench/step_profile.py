@@ -14,6 +14,9 @@ once, not per step), divided by the steps taken (``STEP_LABEL`` events):
 * ``syncs``: ``aten::_local_scalar_dense`` / ``aten::item`` events plus the engine's labelled
   host copies (``backends.profiling``: on the CPU a ``.cpu()`` has no event of its own);
 * ``ops``: top-level aten ops (those not issued from inside another aten op): the launches;
+* ``views``: of those, the ops that only make another view of a tensor's memory (``VIEW_OPS``:
+  no kernel on any device; on the CPU every tensor handed to the engine's kernels is viewed
+  through numpy, which issues ``detach``, ``resolve_conj`` and ``resolve_neg``);
 * ``ms``: wall time per step (compute included).
 """
 
@@ -26,6 +29,11 @@ from torch.profiler import ProfilerActivity, profile
 from ..backends.profiling import COPY_LABEL, DECODE_LABEL, PREFILL_LABEL, STEP_LABEL
 
 SYNC_EVENTS = frozenset({"aten::_local_scalar_dense", "aten::item", COPY_LABEL})
+# ops that return a view or an alias of their input's memory: no kernel runs
+VIEW_OPS = frozenset(f"aten::{name}" for name in (
+    "alias", "as_strided", "chunk", "detach", "expand", "narrow", "permute", "resolve_conj", "resolve_neg",
+    "select", "slice", "split", "split_with_sizes", "squeeze", "t", "transpose", "unbind", "unfold", "unsqueeze",
+    "view", "view_as"))
 
 
 def _spans(events, label: str) -> list[tuple[float, float]]:
@@ -39,7 +47,7 @@ def _inside(t: float, spans) -> bool:
 def count_steps(events) -> dict:
     """Per-step ``syncs``, ``ops`` and ``ms`` of profiler ``events`` (module notes)."""
     decode, prefill = _spans(events, DECODE_LABEL), _spans(events, PREFILL_LABEL)
-    syncs = ops = 0
+    syncs = ops = views = 0
     for e in events:
         t = e.time_range.start
         if not _inside(t, decode) or _inside(t, prefill):
@@ -48,10 +56,12 @@ def count_steps(events) -> dict:
         parent = e.cpu_parent
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
-        ops += e.name.startswith("aten::") and parent is None
+        top = e.name.startswith("aten::") and parent is None
+        ops += top
+        views += top and e.name in VIEW_OPS
     wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill if _inside(a, decode))
     steps = max(sum(_inside(a, decode) for a, _ in _spans(events, STEP_LABEL)), 1)
-    return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, ms=wall / 1000 / steps)
+    return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, views=views / steps, ms=wall / 1000 / steps)
 
 
 def profile_decoding(run: Callable[[], object]) -> dict:
