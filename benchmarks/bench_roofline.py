@@ -22,8 +22,9 @@ from the checkpoint's shape (``fastjudge.bench.roofline``) and the share of its 
 Random-weight checkpoints built here (``fastjudge.checkpoints``): ``--size tiny`` (the test
 shapes) or ``mini`` (Flan-T5-small's shape; the ``mini`` Qwen3.5 with its vision tower).
 ``--dense plain prepared`` runs the stages twice: projections on ``F.linear``, then prepared by
-``backends.dense.prepare_dense`` (oneDNN prepacked weights on the CPU). ``--stages t5`` runs the
-T5 stages alone (no Qwen checkpoint is built; the peaks leave out the Qwen shape).
+``backends.dense.prepare_dense`` (on the CPU the engine's panels for few rows, oneDNN prepacked
+weights for many). ``--stages t5`` runs the T5 stages alone (no Qwen checkpoint is built; the
+peaks leave out the Qwen shape).
 
     python benchmarks/bench_roofline.py --size mini
     python benchmarks/bench_roofline.py --size mini --stages t5 --dense prepared
