@@ -259,6 +259,21 @@ def test_engine_product_any_shape(out_features, rows):
         assert rel_err(got, F.linear(x, w)) <= 1e-5
 
 
+def test_decoding_only_projections_keep_one_copy():
+    """``Dense(w, prompts=False)`` (a full-vocabulary head) keeps the engine's panels alone where
+    the engine takes the weight, and runs them at every row count; oneDNN's copy where it does
+    not (float16: none; bfloat16 without AVX512-BF16)."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(1152, 512, generator=g) / 512 ** 0.5
+    d = Dense(w, prompts=False)
+    assert d.prepare() == "engine" and d._packed is None
+    x = torch.randn(600, 512, generator=g)
+    with torch.no_grad():
+        assert rel_err(d(x), F.linear(x, w)) <= 1e-5
+    b = Dense(w.bfloat16(), prompts=False)
+    assert b.prepare() == ("engine" if BF16_ENGINE else "onednn-packed" if PACKS else "linear")
+
+
 @pytest.mark.skipif(not PACKS, reason="oneDNN's packed linear is not in this build")
 def test_float32_rows_choose_the_engine_or_onednn():
     """A float32 weight with both copies runs the engine's panels up to ENGINE_MAX_ROWS input

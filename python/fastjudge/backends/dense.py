@@ -40,7 +40,7 @@ before its activation.
 
 The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone, as
 before. Each costs a copy of the weight in memory (a weight can hold two: the engine's panels
-and oneDNN's). It is rebuilt after ``.to()`` and
+and oneDNN's). They are rebuilt after ``.to()`` and
 ``load_state_dict`` and is bypassed (``F.linear``) when it no longer matches the weight's
 storage or dtype, when the input needs a gradient, and inside ``torch.compile``d code: inductor
 cannot lower the packed op on an opaque oneDNN tensor or call the engine, and compiles
@@ -190,13 +190,16 @@ def _usable(x: torch.Tensor, weight: torch.Tensor, packed_for) -> bool:
 
 class Dense(torch.nn.Module):
     """``forward(x) = x @ weight.T`` (no bias), for ``x`` of any leading shape; with ``gate``
-    (a gate/up weight, gate rows first, and the gate's activation) also :meth:`gated_product`."""
+    (a gate/up weight, gate rows first, and the gate's activation) also :meth:`gated_product`.
+    ``prompts=False``: a projection only decoding steps run (a full-vocabulary head), which keeps
+    no oneDNN copy where the engine's panels serve it (one copy of a large weight, not two)."""
 
-    def __init__(self, weight: torch.Tensor | torch.nn.Module, gate: str | None = None):
+    def __init__(self, weight: torch.Tensor | torch.nn.Module, gate: str | None = None, prompts: bool = True):
         super().__init__()
         if gate is not None and gate not in ACTIVATIONS:
             raise ValueError(f"no gated activation {gate!r} (one of {', '.join(ACTIVATIONS)})")
         self.gate = gate
+        self.prompts = prompts
         # a module weight is an fp8.Fp8Weight, applied as it is
         if isinstance(weight, torch.nn.Module):
             self.weight = weight
@@ -239,7 +242,7 @@ class Dense(torch.nn.Module):
         if takes_panels(w):
             self._panels = tuple(pack_panels(half) for half in w.chunk(2)) if self.gate else pack_panels(w)
             self._packed_for = (w.data_ptr(), w.dtype)
-        if should_pack(w):
+        if should_pack(w) and (self.prompts or self._panels is None):
             self._packed = tuple(pack(half) for half in w.chunk(2)) if self.gate else pack(w)
             self._packed_for = (w.data_ptr(), w.dtype)
             self._min_rows = packed_min_rows(w)

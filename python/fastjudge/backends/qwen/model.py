@@ -43,8 +43,9 @@ class QwenModel(torch.nn.Module):
         # a tied head is the embedding itself (one tensor, registered once)
         self.lm_head = self.embed if lm_head is None else torch.nn.Parameter(lm_head, requires_grad=False)
         # decoding's full-vocabulary head as a GEMM of its own over that same parameter (a Dense,
-        # prepared at load: a 16-row step's head on the CPU 0.26 ms through F.linear)
-        self.head = Dense(self.lm_head)
+        # prepared at load: a 16-row step's head on the CPU 0.26 ms through F.linear); decoding
+        # steps only, so one packed copy of this large weight
+        self.head = Dense(self.lm_head, prompts=False)
         self.head.weight = self.lm_head
         self.register_buffer("final_norm", final_norm)
         self.layers = torch.nn.ModuleList(layers)

@@ -228,7 +228,7 @@ class T5Model(torch.nn.Module):
         self.lm_head = _registered(take("lm_head.weight")) if "lm_head.weight" in state else self.embed
         # decoding's full-vocabulary head as a GEMM of its own over that same parameter (a Dense:
         # prepacked on the CPU, where F.linear ran a 16-row step's head at a third of the speed)
-        self.head = Dense(self.lm_head)
+        self.head = Dense(self.lm_head, prompts=False)  # decoding steps only: one packed copy
         self.head.weight = self.lm_head
         self.enc_bias_table = _registered(take("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
         self.dec_bias_table = _registered(take("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
