@@ -23,6 +23,7 @@
 #include "dense.hpp"
 #include "planner.hpp"
 #include "prefix_index.hpp"
+#include "rms_norm.hpp"
 #include "triangular.hpp"
 
 namespace py = pybind11;
@@ -782,6 +783,47 @@ Otherwise as dense_product.)doc");
         "Whether this CPU runs the bfloat16 projections (AVX512-BF16).");
 }
 
+// ---------------------------------------------------------------------------------------
+// RMSNorm of rows
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+void rms_norm_typed(const py::array& x, const py::handle& weight, const py::handle& out, float eps, int threads) {
+  constexpr int64_t size = sizeof(T);
+  const int64_t N = x.shape(0), H = x.shape(1), D = x.shape(2);
+  const bool rows_ok = (D <= 1 || x.strides(2) == size) && x.strides(0) % size == 0 && x.strides(1) % size == 0;
+  if (!rows_ok) throw py::value_error("x must have contiguous rows");
+  const float* w = typed_array<float>(weight, "weight", {H, D});
+  T* dst = typed_array<T>(out, "out", {N, H, D}, true);
+  const T* src = static_cast<const T*>(x.data());
+  py::gil_scoped_release release;
+  fastjudge::rms_norm(src, x.strides(0) / size, x.strides(1) / size, w, dst, N, H, D, eps, threads);
+}
+
+void rms_norm(const py::handle& x, const py::handle& weight, const py::handle& out, float eps, int threads) {
+  const py::array rows = py::array::ensure(x);
+  if (!rows || rows.ndim() != 3) throw py::value_error("x must be a 3-D array [rows, heads, dim]");
+  const char kind = rows.dtype().kind();
+  if (kind == 'f' && rows.itemsize() == 4) {
+    rms_norm_typed<float>(rows, weight, out, eps, threads);
+  } else if ((kind == 'i' || kind == 'u') && rows.itemsize() == 2) {
+    rms_norm_typed<uint16_t>(rows, weight, out, eps, threads);
+  } else {
+    throw py::value_error("x must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
+void bind_rms_norm(py::module_& m) {
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("eps"),
+        py::arg("threads") = 1,
+        R"doc(out = (x / sqrt(mean(x^2) + eps)) * weight for each row, in one pass.
+
+x [N, H, D] (float32, or bfloat16 as 16-bit integers; any strides over N and H, contiguous rows),
+weight [H, D] float32 (row (n, h) takes weight[h]), out [N, H, D] C-contiguous of x's dtype.
+Arithmetic in float32; a bfloat16 output rounded once. Raises ValueError on arrays of another
+dtype, layout or shape.)doc");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -792,5 +834,6 @@ PYBIND11_MODULE(_engine, m) {
   bind_delta_rule(m);
   bind_causal_attention(m);
   bind_dense(m);
+  bind_rms_norm(m);
   bind_cpu_threads(m);
 }
