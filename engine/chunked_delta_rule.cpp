@@ -16,8 +16,6 @@ namespace {
 // the share of work it takes.
 constexpr double kFlopsPerThread = 2e6;
 
-inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
 struct Chunked {
   float* memory;
   const StridedRows<float>& query, &key, &value;

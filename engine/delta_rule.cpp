@@ -78,8 +78,6 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
-inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
 // rows [first, last) of a DeltaNet layer's step (DeltaNetStep); vectors of channels padded to
 // whole vectors with zeros
 template <typename T>

@@ -73,6 +73,9 @@ inline Floats lane_sums(const Floats (&v)[16]) {
 
 inline Floats splat(float x) { return Floats{} + x; }
 
+// n rounded up to whole vectors of lanes
+inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
 // exp(x) for x <= 0, to about one float32 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // Taylor polynomial to degree 7 (error below 6e-9), 2^n from the exponent bits. Below -87 it
 // returns exp(-87) ~ 1.6e-38 in place of a subnormal: nothing a sum that holds 1 can tell.
