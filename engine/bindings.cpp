@@ -23,6 +23,7 @@
 #include "dense.hpp"
 #include "planner.hpp"
 #include "prefix_index.hpp"
+#include "qwen_step.hpp"
 #include "rms_norm.hpp"
 #include "triangular.hpp"
 
@@ -824,6 +825,179 @@ Arithmetic in float32; a bfloat16 output rounded once. Raises ValueError on arra
 dtype, layout or shape.)doc");
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Qwen decoding step
+// ---------------------------------------------------------------------------------------
+
+// A Qwen model's decoding step bound to its weights' panels and its state pool's buffers, which
+// it keeps alive: a step then hands over its tokens alone (engine/qwen_step.hpp).
+class QwenDecoder {
+ public:
+  QwenDecoder(const py::dict& shape, const py::list& layers, const py::handle& embed, const py::handle& lengths,
+              const py::handle& positions) {
+    auto& m = model_;
+    auto get = [&](const char* key) {
+      if (!shape.contains(key)) throw py::value_error(std::string("shape lacks ") + key);
+      return shape[key];
+    };
+    m.d = get("d").cast<int64_t>(), m.inner = get("inner").cast<int64_t>(), m.vocab = get("vocab").cast<int64_t>();
+    m.H = get("heads").cast<int64_t>(), m.Hkv = get("kv_heads").cast<int64_t>(), m.hd = get("head_dim").cast<int64_t>();
+    m.rotary_half = get("rotary_half").cast<int64_t>(), m.output_gate = get("output_gate").cast<bool>();
+    m.lin_k_heads = get("lin_k_heads").cast<int64_t>(), m.lin_k_dim = get("lin_k_dim").cast<int64_t>();
+    m.lin_v_heads = get("lin_v_heads").cast<int64_t>(), m.lin_v_dim = get("lin_v_dim").cast<int64_t>();
+    m.conv_kernel = get("conv_kernel").cast<int64_t>(), m.eps = get("eps").cast<float>();
+    m.l2_eps = get("l2_eps").cast<float>(), m.slots = get("slots").cast<int64_t>();
+    m.capacity = get("capacity").cast<int64_t>();
+    if (m.d < 1 || m.inner < 1 || m.vocab < 1 || m.slots < 1 || m.capacity < 1) {
+      throw py::value_error("d, inner, vocab, slots and capacity must be positive");
+    }
+    const py::array table = py::array::ensure(embed);
+    if (!table) throw py::value_error("embed must be an array [vocab, d]");
+    bf16_ = (table.dtype().kind() == 'i' || table.dtype().kind() == 'u') && table.itemsize() == 2;
+    if (bf16_) {
+      if (!fastjudge::bf16_dense_available()) throw py::value_error("bfloat16 steps need AVX512-BF16");
+      bind_layers<uint16_t, uint32_t>(layers, embed);
+    } else {
+      bind_layers<float, float>(layers, embed);
+    }
+    m.lengths = typed_array<int64_t>(keep(lengths), "lengths", {m.slots}, true);
+    m.positions = typed_array<int64_t>(keep(positions), "positions", {m.slots}, true);
+  }
+
+  void set_rotary(const py::handle& cos, const py::handle& sin) {
+    const py::array c = py::array::ensure(cos);
+    if (!c || c.ndim() != 2) throw py::value_error("cos must be [positions, head_dim]");
+    const int64_t P = c.shape(0);
+    const void* cos_data = bf16_ ? static_cast<const void*>(typed_array<uint16_t>(cos, "cos", {P, model_.hd}))
+                                 : typed_array<float>(cos, "cos", {P, model_.hd});
+    const void* sin_data = bf16_ ? static_cast<const void*>(typed_array<uint16_t>(sin, "sin", {P, model_.hd}))
+                                 : typed_array<float>(sin, "sin", {P, model_.hd});
+    cos_ = py::reinterpret_borrow<py::object>(cos), sin_ = py::reinterpret_borrow<py::object>(sin);
+    cos_data_ = cos_data, sin_data_ = sin_data, table_positions_ = P;
+  }
+
+  void step(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& out, int threads) {
+    const py::array t = py::array::ensure(tokens);
+    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
+    const int64_t B = t.shape(0), S = t.shape(1);
+    const Int64Array rows = row_counts(counts, B, S);
+    const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
+                                         cos_data_, sin_data_, table_positions_};
+    try {
+      if (bf16_) {
+        uint16_t* dst = typed_array<uint16_t>(out, "out", {B, S, model_.d}, true);
+        py::gil_scoped_release release;
+        fastjudge::qwen_decode_step(model_, input, dst, threads);
+      } else {
+        float* dst = typed_array<float>(out, "out", {B, S, model_.d}, true);
+        py::gil_scoped_release release;
+        fastjudge::qwen_decode_step(model_, input, dst, threads);
+      }
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
+  }
+
+ private:
+  const py::handle& keep(const py::handle& obj) {
+    kept_.push_back(py::reinterpret_borrow<py::object>(obj));
+    return obj;
+  }
+
+  // a projection's panels (W: float32, or bfloat16 input pairs) for `in` inputs and `out` outputs
+  template <typename W>
+  fastjudge::PackedWeight packed(const py::dict& layer, const char* key, int64_t in, int64_t out) {
+    if (!layer.contains(key)) throw py::value_error(std::string("layer lacks ") + key);
+    const py::handle panels = keep(layer[key]);
+    const int64_t per_word = std::is_floating_point_v<W> ? 1 : 2, columns = fastjudge::kPanelColumns;
+    return {typed_array<W>(panels, key, {(out + columns - 1) / columns, (in + per_word - 1) / per_word, columns}), in,
+            out};
+  }
+
+  template <typename T>
+  T* array(const py::dict& layer, const char* key, const std::vector<int64_t>& shape, bool writable = false) {
+    if (!layer.contains(key)) throw py::value_error(std::string("layer lacks ") + key);
+    return typed_array<T>(keep(layer[key]), key, shape, writable);
+  }
+
+  template <typename T, typename W>
+  void bind_layers(const py::list& layers, const py::handle& embed) {
+    auto& m = model_;
+    m.embed = typed_array<T>(keep(embed), "embed", {m.vocab, m.d});
+    const int64_t H = m.H, Hkv = m.Hkv, hd = m.hd, Hv = m.lin_v_heads, dk = m.lin_k_dim, dv = m.lin_v_dim;
+    const int64_t C = 2 * m.lin_k_heads * dk + Hv * dv, K = m.conv_kernel;
+    for (const py::handle& item : layers) {
+      const py::dict layer = py::reinterpret_borrow<py::dict>(item);
+      fastjudge::QwenStepLayer l;
+      l.attention = layer["attention"].cast<bool>();
+      l.in_norm = array<float>(layer, "in_norm", {m.d});
+      l.post_norm = array<float>(layer, "post_norm", {m.d});
+      l.gate = packed<W>(layer, "gate", m.d, m.inner);
+      l.up = packed<W>(layer, "up", m.d, m.inner);
+      l.down = packed<W>(layer, "down", m.inner, m.d);
+      if (l.attention) {
+        if (H < 1 || Hkv < 1 || H % Hkv != 0 || hd % 16 != 0 || m.rotary_half < 0 ||
+            2 * m.rotary_half > hd) {
+          throw py::value_error("attention needs heads a multiple of kv_heads, head_dim a multiple of 16 and "
+                                "rotary dims within it");
+        }
+        l.qkv = packed<W>(layer, "qkv", m.d, H * hd * (m.output_gate ? 2 : 1) + 2 * Hkv * hd);
+        l.o = packed<W>(layer, "o", H * hd, m.d);
+        l.qk_norm = array<float>(layer, "qk_norm", {H + Hkv, hd});
+        l.keys = array<T>(layer, "keys", {m.slots, Hkv, m.capacity + 1, hd}, true);
+        l.values = array<T>(layer, "values", {m.slots, Hkv, m.capacity + 1, hd}, true);
+      } else {
+        if (m.lin_k_heads < 1 || Hv % m.lin_k_heads != 0 || K < 1) {
+          throw py::value_error("DeltaNet needs value heads a multiple of key heads and a conv kernel");
+        }
+        l.in_proj = packed<W>(layer, "in_proj", m.d, C + Hv * dv + 2 * Hv);
+        l.out = packed<W>(layer, "out", Hv * dv, m.d);
+        l.taps = array<T>(layer, "taps", {K, C});
+        l.dt_bias = array<float>(layer, "dt_bias", {Hv});
+        l.neg_A = array<float>(layer, "neg_A", {Hv});
+        l.gated_norm = array<float>(layer, "gated_norm", {dv});
+        l.conv_state = array<T>(layer, "conv_state", {m.slots, K - 1, C}, true);
+        l.memory = array<float>(layer, "memory", {m.slots, Hv, dk, dv}, true);
+      }
+      m.layers.push_back(l);
+    }
+  }
+
+  fastjudge::QwenStepModel model_;
+  std::vector<py::object> kept_;
+  py::object cos_, sin_;
+  const void *cos_data_ = nullptr, *sin_data_ = nullptr;
+  int64_t table_positions_ = 0;
+  bool bf16_ = false;
+};
+
+void bind_qwen_step(py::module_& m) {
+  py::class_<QwenDecoder>(m, "QwenDecoder", R"doc(A Qwen model's decoding step as one engine call on the CPU,
+bound to its weights (the engine's panels, as dense_product takes them) and its state pool's
+buffers (read and written in place; the decoder keeps every array it was given alive).
+
+shape: dict of d, inner, vocab, heads, kv_heads, head_dim, rotary_half, output_gate,
+lin_k_heads, lin_k_dim, lin_v_heads, lin_v_dim, conv_kernel, eps, l2_eps, slots, capacity.
+layers: one dict a layer: attention (bool), in_norm, post_norm ([d] float32), gate, up, down
+(panels); attention: qkv, o (panels), qk_norm [heads + kv_heads, head_dim] float32, keys,
+values [slots, kv_heads, capacity + 1, head_dim]; DeltaNet: in_proj, out (panels), taps
+[kernel, C], dt_bias, neg_A [value heads] and gated_norm [value dim] float32, conv_state
+[slots, kernel - 1, C], memory [slots, value heads, key dim, value dim] float32.
+embed [vocab, d]: float32, or bfloat16 as 16-bit integers (the model's type, which every
+panel, taps, K/V and conv state share). lengths, positions: the pool's int64 [slots].)doc")
+      .def(py::init<const py::dict&, const py::list&, const py::handle&, const py::handle&, const py::handle&>(),
+           py::arg("shape"), py::arg("layers"), py::arg("embed"), py::arg("lengths"), py::arg("positions"))
+      .def("set_rotary", &QwenDecoder::set_rotary, py::arg("cos"), py::arg("sin"),
+           R"doc(The rotary tables cos, sin [positions, head_dim] in the model's type (kept alive).)doc")
+      .def("step", &QwenDecoder::step, py::arg("tokens"), py::arg("counts"), py::arg("start"), py::arg("out"),
+           py::arg("threads") = 1,
+           R"doc(One step of tokens [B, S] int64 (row b: counts[b] real tokens, then padding) on slots
+start .. start + B - 1: writes out [B, S, d] (the last layer's output, before the final norm),
+each layer's state for the real tokens, and advances lengths and positions by counts. Raises
+ValueError, before writing anything, on tokens outside the vocabulary, rows past the slots,
+keys past the capacity or positions past the rotary tables.)doc");
+}
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -835,5 +1009,6 @@ PYBIND11_MODULE(_engine, m) {
   bind_causal_attention(m);
   bind_dense(m);
   bind_rms_norm(m);
+  bind_qwen_step(m);
   bind_cpu_threads(m);
 }

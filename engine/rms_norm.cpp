@@ -13,9 +13,6 @@ namespace {
 // One thread for each 64 Ki elements: below that a wake-up of the team costs more than its share.
 constexpr int64_t kElementsPerThread = 1 << 16;
 
-inline Floats load_row(const float* p) { return load(p); }
-inline Floats load_row(const uint16_t* p) { return load_bf16(p); }
-
 template <typename T>
 __attribute__((always_inline)) inline void rms_rows(const T* x, int64_t row_stride, int64_t head_stride,
                                                     const float* weight, T* out, int64_t H, int64_t D, float eps,
@@ -28,7 +25,7 @@ __attribute__((always_inline)) inline void rms_rows(const T* x, int64_t row_stri
     T* dst = out + row * D;
     Floats squares{};
     for (int64_t j = 0; j < full; j += kLanes) {
-      const Floats v = load_row(src + j);
+      const Floats v = load_floats(src + j);
       squares += v * v;
     }
     float total = 0.0f;
@@ -36,14 +33,7 @@ __attribute__((always_inline)) inline void rms_rows(const T* x, int64_t row_stri
     for (int64_t j = full; j < D; ++j) total += to_float(src[j]) * to_float(src[j]);
     const float inverse = 1.0f / std::sqrt(total / static_cast<float>(D) + eps);
     for (int64_t j = 0; j < full; j += kLanes) {
-      const Floats normed = load_row(src + j) * inverse * load(w + j);
-      if constexpr (std::is_same_v<T, float>) {
-        store(dst + j, normed);
-      } else {
-        float lanes[kLanes];
-        store(lanes, normed);
-        for (int l = 0; l < kLanes; ++l) from_float(lanes[l], dst + j + l);
-      }
+      store_floats(dst + j, load_floats(src + j) * inverse * load(w + j));
     }
     for (int64_t j = full; j < D; ++j) from_float(to_float(src[j]) * inverse * w[j], dst + j);
   }

@@ -150,4 +150,16 @@ inline Floats rounded(Floats x) {
   }
 }
 
+
+// 16 values of T (float32, or bfloat16 bits) as float32 lanes
+inline Floats load_floats(const float* p) { return load(p); }
+inline Floats load_floats(const uint16_t* p) { return load_bf16(p); }
+
+// 16 float32 lanes stored as T, each rounded once (bfloat16: to nearest even)
+inline void store_floats(float* p, Floats v) { store(p, v); }
+inline void store_floats(uint16_t* p, Floats v) {
+  const Halves h = __builtin_convertvector(reinterpret_cast<Bits>(rounded<uint16_t>(v)) >> 16, Halves);
+  std::memcpy(p, &h, sizeof h);
+}
+
 }  // namespace fastjudge

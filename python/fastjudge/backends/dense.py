@@ -49,6 +49,7 @@ cannot lower the packed op on an opaque oneDNN tensor or call the engine, and co
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 import numpy as np
@@ -188,6 +189,21 @@ def _usable(x: torch.Tensor, weight: torch.Tensor, packed_for) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
+_panel_changes = itertools.count(1)
+_panels_version = 0
+
+
+def panels_version() -> int:
+    """A number that changes whenever any :class:`Dense` packs or drops its engine panels: what
+    holds on to panels (``qwen.engine_step``) checks it before each use."""
+    return _panels_version
+
+
+def _panels_changed() -> None:
+    global _panels_version
+    _panels_version = next(_panel_changes)
+
+
 class Dense(torch.nn.Module):
     """``forward(x) = x @ weight.T`` (no bias), for ``x`` of any leading shape; with ``gate``
     (a gate/up weight, gate rows first, and the gate's activation) also :meth:`gated_product`.
@@ -231,9 +247,16 @@ class Dense(torch.nn.Module):
         paths = [name for name, copy in (("engine", self._panels), ("onednn-packed", self._packed)) if copy is not None]
         return "+".join(paths) or "linear"
 
+    @property
+    def panels(self) -> np.ndarray | tuple | None:
+        """The engine's panels of the weight (:func:`pack_panels`; the gate's and the up
+        projection's when gated), or None where the engine does not run this projection."""
+        return self._panels
+
     def prepare(self) -> str:
         """Choose (again) this projection's GEMM for its weight's current device and dtype;
         returns :attr:`path`."""
+        _panels_changed()
         self._packed = self._panels = self._packed_for = None
         w = self.weight
         if isinstance(w, torch.nn.Module):
@@ -250,6 +273,7 @@ class Dense(torch.nn.Module):
 
     def unprepare(self) -> str:
         """Drop the packed copy (``F.linear`` from now on); returns :attr:`path`."""
+        _panels_changed()
         self._packed = self._panels = self._packed_for = None
         return self.path
 
@@ -294,6 +318,7 @@ class Dense(torch.nn.Module):
         # .to() / .cuda() / .bfloat16(): the packed copy belongs to the old weight; choose again
         # for the new device and dtype once it has moved
         prepared = self._packed_for is not None
+        _panels_changed()
         self._packed = self._panels = self._packed_for = None
         super()._apply(fn, recurse)
         if prepared:

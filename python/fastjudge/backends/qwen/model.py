@@ -22,6 +22,7 @@ from ..compiled import row_bucket, width_bucket
 from ..cpu_memory import keep_freed_memory
 from ..dense import Dense
 from .attention import FOLD_QUERY_STEPS, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS
+from .engine_step import engine_step
 from .layers import Step, as_float, build_layers, rms
 from .pool import SharedPrefix, StatePool, StateView
 from .shape import QwenShape
@@ -52,6 +53,7 @@ class QwenModel(torch.nn.Module):
         self.has_attention = "full_attention" in shape.layer_types
         self.has_deltanet = "linear_attention" in shape.layer_types
         self._rope_tables(shape, embed.device)
+        self.engine_step_cache = None  # engine_step.engine_step's decoder for the last pool
         if embed.device.type == "cpu":  # every forward's temporaries reuse the last one's pages
             keep_freed_memory()
 
@@ -189,11 +191,15 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
         x = compiled((rows, wide, pool.capacity), full, n, pool, pool.capacity)[:B, :k]
     else:
         fresh = not held.any()
-        width = int((held + host_counts).max()) if B else 0
-        n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
         shared = None
         if not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu":
             shared = pool.shared_prefix(start, start + B, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)
-        x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), shared=shared, **images)
+        engine = None if fresh or shared is not None or images else engine_step(model, pool, B, k)
+        if engine is not None:
+            x = engine(tokens, host_counts, start, int(held.max()) + k)
+        else:
+            width = int((held + host_counts).max()) if B else 0
+            n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
+            x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), shared=shared, **images)
     held += host_counts
     return x

@@ -1,0 +1,236 @@
+#include "qwen_step.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "causal_attention.hpp"
+#include "cpu_parallel.hpp"
+#include "delta_rule.hpp"
+#include "dense.hpp"
+#include "rms_norm.hpp"
+#include "vector_math.hpp"
+
+// This file is built without floating-point contraction (CMakeLists.txt): `a + b * c` is a
+// product rounded, then a sum rounded, as torch's elementwise ops compute it, never one fused
+// multiply-add.
+
+namespace fastjudge {
+namespace {
+
+// The panels' element for a model type: float32 weights, or bfloat16 input pairs in 32-bit words
+template <typename T>
+using PanelWord = std::conditional_t<std::is_same_v<T, float>, float, uint32_t>;
+
+template <typename T>
+void project(const T* x, int64_t rows, const PackedWeight& w, T* out, int threads) {
+  dense_product(x, w.in, static_cast<const PanelWord<T>*>(w.panels), out, rows, w.in, w.out, threads);
+}
+
+// x <- x + y over n values, each sum rounded once to T (the residual stream)
+template <typename T>
+__attribute__((always_inline)) inline void add_into(T* x, const T* y, int64_t n) {
+  const int64_t full = n / kLanes * kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) store_floats(x + i, load_floats(x + i) + load_floats(y + i));
+  for (int64_t i = full; i < n; ++i) from_float(to_float(x[i]) + to_float(y[i]), x + i);
+}
+
+// o <- o * sigmoid(gate) over n values (a multiple of kLanes), the sigmoid rounded to T first
+// (Qwen3.5's attention output gate, as `o * torch.sigmoid(gate)`)
+template <typename T>
+__attribute__((always_inline)) inline void gate_into(T* o, const T* gate, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(gate + i))));
+  }
+}
+
+// Rotary embedding of `heads` rows of hd values from x into out (layers.rotate): out = x * cos,
+// then out[i] + x[half + i] * sin[i] on the first half of the rotary dims and out[half + i] +
+// x[i] * sin[half + i] on the second, each step rounded to T. hd a multiple of kLanes.
+template <typename T>
+__attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos, const T* sin, T* out,
+                                                        int64_t heads, int64_t hd, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* src = x + h * hd;
+    T* dst = out + h * hd;
+    for (int64_t i = 0; i < hd; i += kLanes) store_floats(dst + i, load_floats(src + i) * load_floats(cos + i));
+    for (int64_t i = 0; i < half; ++i) {
+      from_float(to_float(dst[i]) + to_float(src[half + i]) * to_float(sin[i]), dst + i);
+      from_float(to_float(dst[half + i]) + to_float(src[i]) * to_float(sin[half + i]), dst + half + i);
+    }
+  }
+}
+
+// The ISA clones, one per element type (target_clones does not take templates)
+FASTJUDGE_CLONES void add_f32(float* x, const float* y, int64_t n) { add_into(x, y, n); }
+FASTJUDGE_CLONES void add_bf16(uint16_t* x, const uint16_t* y, int64_t n) { add_into(x, y, n); }
+FASTJUDGE_CLONES void gate_f32(float* o, const float* gate, int64_t n) { gate_into(o, gate, n); }
+FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* gate, int64_t n) { gate_into(o, gate, n); }
+FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
+                                 int64_t hd, int64_t half) {
+  rotate_rows(x, cos, sin, out, heads, hd, half);
+}
+FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
+                                  int64_t heads, int64_t hd, int64_t half) {
+  rotate_rows(x, cos, sin, out, heads, hd, half);
+}
+
+void add(float* x, const float* y, int64_t n) { add_f32(x, y, n); }
+void add(uint16_t* x, const uint16_t* y, int64_t n) { add_bf16(x, y, n); }
+void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
+void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
+void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
+  rotate_f32(x, cos, sin, out, heads, hd, half);
+}
+void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
+            int64_t half) {
+  rotate_bf16(x, cos, sin, out, heads, hd, half);
+}
+
+// A step's working buffers, each [rows, width] of the model's type
+template <typename T>
+struct Buffers {
+  std::vector<T> x, normed, mixed, wide, heads, attended;  // heads: rotated queries and keys
+};
+
+template <typename T>
+class Step {
+ public:
+  Step(const QwenStepModel& m, const QwenStepInput& in, int threads) : m_(m), in_(in), threads_(threads) {}
+
+  void run(T* out) {
+    check();
+    const int64_t N = in_.B * in_.S, d = m_.d;
+    const int64_t qkv_width = m_.H * m_.hd * (m_.output_gate ? 2 : 1) + 2 * m_.Hkv * m_.hd;
+    int64_t wide = m_.inner;
+    for (const QwenStepLayer& layer : m_.layers) {
+      wide = std::max(wide, layer.attention ? layer.qkv.out : layer.in_proj.out);
+    }
+    buf_.x.resize(N * d);
+    buf_.normed.resize(N * d);
+    buf_.mixed.resize(N * d);
+    buf_.wide.resize(N * std::max(wide, qkv_width));
+    buf_.heads.resize(N * (m_.H + m_.Hkv) * m_.hd);
+    buf_.attended.resize(N * std::max((m_.H + m_.Hkv) * m_.hd, m_.lin_v_heads * m_.lin_v_dim));
+    const T* embed = static_cast<const T*>(m_.embed);
+    for (int64_t n = 0; n < N; ++n) std::memcpy(&buf_.x[n * d], embed + in_.tokens[n] * d, d * sizeof(T));
+    for (const QwenStepLayer& layer : m_.layers) {
+      rms_norm(buf_.x.data(), d, d, layer.in_norm, buf_.normed.data(), N, 1, d, m_.eps, threads_);
+      if (layer.attention) {
+        attend(layer);
+      } else {
+        deltanet(layer);
+      }
+      add(buf_.x.data(), buf_.mixed.data(), N * d);
+      rms_norm(buf_.x.data(), d, d, layer.post_norm, buf_.normed.data(), N, 1, d, m_.eps, threads_);
+      gated_dense_product(buf_.normed.data(), d, static_cast<const PanelWord<T>*>(layer.gate.panels),
+                          static_cast<const PanelWord<T>*>(layer.up.panels), buf_.wide.data(), N, d, m_.inner,
+                          GateActivation::kSilu, threads_);
+      project(buf_.wide.data(), N, layer.down, buf_.mixed.data(), threads_);
+      add(buf_.x.data(), buf_.mixed.data(), N * d);
+    }
+    std::memcpy(out, buf_.x.data(), N * d * sizeof(T));
+    for (int64_t b = 0; b < in_.B; ++b) {
+      m_.lengths[in_.start + b] += in_.counts[b];
+      m_.positions[in_.start + b] += in_.counts[b];
+    }
+  }
+
+ private:
+  // Everything the step reads, before anything is written
+  void check() const {
+    if (in_.start < 0 || in_.start + in_.B > m_.slots) throw std::invalid_argument("rows past the pool's slots");
+    for (int64_t n = 0; n < in_.B * in_.S; ++n) {
+      if (in_.tokens[n] < 0 || in_.tokens[n] >= m_.vocab) {
+        throw std::invalid_argument("token " + std::to_string(in_.tokens[n]) + " outside the vocabulary");
+      }
+    }
+    for (int64_t b = 0; b < in_.B; ++b) {
+      const int64_t slot = in_.start + b;
+      if (in_.counts[b] < 0 || in_.counts[b] > in_.S) throw std::invalid_argument("counts must lie in [0, S]");
+      if (m_.lengths[slot] < 0 || m_.lengths[slot] + in_.counts[b] > m_.capacity) {
+        throw std::invalid_argument("a row's keys would pass the pool's capacity");
+      }
+      if (m_.positions[slot] < 0 || m_.positions[slot] + in_.S > in_.table_positions) {
+        throw std::invalid_argument("a row's positions pass the rotary tables");
+      }
+    }
+  }
+
+  void attend(const QwenStepLayer& layer) {
+    const int64_t B = in_.B, S = in_.S, N = B * S, H = m_.H, Hkv = m_.Hkv, hd = m_.hd, heads = H + Hkv;
+    const int64_t width = layer.qkv.out, gate_at = heads * hd, values_at = width - Hkv * hd;
+    T* qkv = buf_.wide.data();
+    project(buf_.normed.data(), N, layer.qkv, qkv, threads_);
+    // the queries' and keys' norms as H + Hkv heads read in place from the projection's rows (the
+    // attention's output buffer holds them until the rotary has read them)
+    T* normed = buf_.attended.data();
+    rms_norm(qkv, width, hd, layer.qk_norm, normed, N, heads, hd, m_.eps, threads_);
+    T* rotated = buf_.heads.data();
+    const T* cos = static_cast<const T*>(in_.cos);
+    const T* sin = static_cast<const T*>(in_.sin);
+    const int64_t column = m_.capacity + 1, row_floats = Hkv * column * hd;
+    T* keys = static_cast<T*>(layer.keys) + in_.start * row_floats;
+    T* values = static_cast<T*>(layer.values) + in_.start * row_floats;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t length = m_.lengths[in_.start + b], position = m_.positions[in_.start + b];
+      for (int64_t t = 0; t < S; ++t) {
+        const int64_t n = b * S + t;
+        rotate(normed + n * heads * hd, cos + (position + t) * hd, sin + (position + t) * hd, rotated + n * heads * hd,
+               heads, hd, m_.rotary_half);
+        if (t >= in_.counts[b]) continue;  // padding: no state written
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t at = b * row_floats + (h * column + length + t) * hd;
+          std::memcpy(keys + at, rotated + (n * heads + H + h) * hd, hd * sizeof(T));
+          std::memcpy(values + at, qkv + n * width + values_at + h * hd, hd * sizeof(T));
+        }
+      }
+    }
+    const CausalProblem problem{B, S, column, H, Hkv, hd, static_cast<float>(std::pow(double(hd), -0.5)),
+                                m_.lengths + in_.start, in_.counts};
+    const StridedRows<T> q{rotated, S * heads * hd, heads * hd, hd};
+    const StridedRows<T> k{keys, row_floats, hd, column * hd};
+    const StridedRows<T> v{values, row_floats, hd, column * hd};
+    T* attended = buf_.attended.data();
+    causal_attention(problem, q, k, v, attended, threads_);
+    if (m_.output_gate) {
+      for (int64_t n = 0; n < N; ++n) gate(attended + n * H * hd, qkv + n * width + gate_at, H * hd);
+    }
+    project(attended, N, layer.o, buf_.mixed.data(), threads_);
+  }
+
+  void deltanet(const QwenStepLayer& layer) {
+    const int64_t Hv = m_.lin_v_heads, dk = m_.lin_k_dim, dv = m_.lin_v_dim, K = m_.conv_kernel;
+    const int64_t C = 2 * m_.lin_k_heads * dk + Hv * dv;
+    T* projected = buf_.wide.data();
+    project(buf_.normed.data(), in_.B * in_.S, layer.in_proj, projected, threads_);
+    const DeltaNetStep step{in_.B, in_.S, K, m_.lin_k_heads, Hv, dk, dv, m_.eps, m_.l2_eps, false, in_.counts,
+                            layer.dt_bias, layer.neg_A, layer.gated_norm};
+    T* conv_state = static_cast<T*>(layer.conv_state) + in_.start * (K - 1) * C;
+    float* memory = layer.memory + in_.start * Hv * dk * dv;
+    deltanet_step(step, projected, conv_state, static_cast<const T*>(layer.taps), memory, buf_.attended.data(),
+                  threads_);
+    project(buf_.attended.data(), in_.B * in_.S, layer.out, buf_.mixed.data(), threads_);
+  }
+
+  const QwenStepModel& m_;
+  const QwenStepInput& in_;
+  int threads_;
+  Buffers<T> buf_;
+};
+
+}  // namespace
+
+void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, int threads) {
+  Step<float>(model, input, threads).run(out);
+}
+
+void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out, int threads) {
+  if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
+  Step<uint16_t>(model, input, threads).run(out);
+}
+
+}  // namespace fastjudge

@@ -1,0 +1,129 @@
+"""A decoding step as one engine call on the CPU (``_engine.QwenDecoder``,
+engine/qwen_step.hpp): the embeddings, every layer and the residual stream of a few new tokens
+a row, on the projections' engine panels and on the state pool's buffers in place.
+
+Written as tensor ops (:meth:`model.QwenModel.forward`), a step is about two hundred dispatched
+ops; at a decoding step's size each costs the host a few microseconds against kernels of a few
+to tens of microseconds, so on the CPU the host spent about as long between the kernels as in
+them. The engine runs the same kernels (projections, RMSNorm, the DeltaNet step, few-token
+attention) back to back. The decoder is bound once to the model's weights and to the pool's
+buffers, whose addresses do not change while the pool lives (``StatePool``), and is made again
+when the pool or any projection's panels change (:func:`dense.panels_version`).
+
+Which steps take it (:func:`engine_step`): CPU, eager, float32 (or bfloat16 where the CPU has
+AVX512-BF16), every projection on the engine's panels, a step of at most
+``ENGINE_STEP_MAX_TOKENS`` new tokens a row and at most ``ENGINE_MAX_ROWS`` tokens in all (past
+that the prompts' GEMM is faster), continuing rows with no prefix shared by snapshot and no
+images. Everything else stays on the tensor ops, which CUDA and traced graphs run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ... import _engine
+from ..cpu_engine import engine_array, engine_takes
+from ..dense import ENGINE_MAX_ROWS, panels_version
+from .gated_delta import L2_EPS
+from .layers import AttentionLayer, DeltaNetLayer
+from .pool import StatePool
+
+# new tokens a row up to which a step takes the engine: decoding (one) and jump-forward's short
+# forced runs; the DeltaNet state advances token by token there (the recurrent rule)
+ENGINE_STEP_MAX_TOKENS = 3
+
+
+class EngineStep:
+    """``model``'s decoding step on ``pool``, as one engine call (module notes)."""
+
+    def __init__(self, model, pool: StatePool):
+        s = model.s
+        self.model, self.dtype = model, model.embed.dtype
+        gate_up = model.layers[0].gate_up
+        shape = dict(d=s.hidden, inner=gate_up.out_features // 2, vocab=model.embed.shape[0], heads=s.heads,
+                     kv_heads=s.kv_heads, head_dim=s.head_dim, rotary_half=s.rotary_dim // 2, output_gate=s.hybrid,
+                     lin_k_heads=s.lin_k_heads, lin_k_dim=s.lin_k_dim, lin_v_heads=s.lin_v_heads,
+                     lin_v_dim=s.lin_v_dim, conv_kernel=s.conv_kernel, eps=s.eps, l2_eps=L2_EPS,
+                     slots=pool.slots, capacity=pool.capacity)
+        layers = [_layer_arrays(layer, a, b) for layer, (a, b) in zip(model.layers, pool.layers)]
+        self.decoder = _engine.QwenDecoder(shape, layers, engine_array(model.embed.detach()), pool.lengths.numpy(),
+                                           pool.positions.numpy())
+        self.table_positions = 0
+
+    def __call__(self, tokens: torch.Tensor, counts: np.ndarray, start: int, last_position: int) -> torch.Tensor:
+        """Hidden states [B, k, d] of ``tokens`` [B, k] (``counts`` int64 on the host) on slots
+        ``start ..``, whose positions are all below ``last_position``."""
+        if last_position > self.table_positions:
+            self._grow_tables(last_position)
+        B, k = tokens.shape
+        out = torch.empty(B, k, self.model.s.hidden, dtype=self.dtype)
+        self.decoder.step(tokens.numpy(), counts, start, engine_array(out), torch.get_num_threads())
+        return out
+
+    def _grow_tables(self, positions: int) -> None:
+        """Rotary tables for positions ``0 .. P - 1`` (P a power of two, at least ``positions``),
+        from :meth:`model.QwenModel._rope` itself: the values its tensor ops give each text
+        position."""
+        P = max(256, 1 << (positions - 1).bit_length())
+        cos, sin, _ = self.model._rope(torch.arange(P)[None, :], self.dtype, mrope=False)
+        self.tables = [engine_array(t.reshape(P, -1).contiguous()) for t in (cos, sin)]
+        self.decoder.set_rotary(*self.tables)
+        self.table_positions = P
+
+
+def _layer_arrays(layer, a: torch.Tensor, b: torch.Tensor) -> dict:
+    # a layer's weights and pool buffers as the engine's decoder takes them
+    gate, up = layer.gate_up.panels
+    arrays = dict(attention=isinstance(layer, AttentionLayer), in_norm=layer.in_norm.numpy(),
+                  post_norm=layer.post_norm.numpy(), gate=gate, up=up, down=layer.down.panels)
+    if isinstance(layer, AttentionLayer):
+        arrays.update(qkv=layer.qkv.panels, o=layer.o.panels, qk_norm=layer.qk_norm.numpy(), keys=engine_array(a),
+                      values=engine_array(b))
+    else:
+        arrays.update(in_proj=layer.in_proj.panels, out=layer.out.panels, taps=engine_array(layer.taps.detach()),
+                      dt_bias=layer.dt_bias_f32.numpy(), neg_A=layer.neg_A.numpy(),
+                      gated_norm=layer.gated_norm_f32.numpy(), conv_state=engine_array(a), memory=b.numpy())
+    return arrays
+
+
+def _pool_key(pool: StatePool) -> tuple:
+    # what a decoder bound to the pool's buffers depends on (moving the pool moves every buffer)
+    return id(pool), pool.slots, pool.capacity, pool.lengths.data_ptr(), pool.positions.data_ptr()
+
+
+def _engine_runs(model) -> bool:
+    """Whether the engine can run ``model``'s decoding steps at all."""
+    embed = model.embed
+    if not engine_takes(embed) or embed.dtype not in ENGINE_MAX_ROWS:
+        return False
+    if embed.dtype == torch.bfloat16 and not _engine.bf16_dense_available():
+        return False
+    for layer in model.layers:
+        if layer.gate_up.gate != "silu" or _lacks_panels(layer.gate_up, layer.down):
+            return False
+        if isinstance(layer, AttentionLayer):
+            if not layer.qk_adjacent or layer.kv is not None or model.s.head_dim % 16 \
+                    or _lacks_panels(layer.qkv, layer.o):
+                return False
+        elif not isinstance(layer, DeltaNetLayer) or _lacks_panels(layer.in_proj, layer.out):
+            return False
+    return True
+
+
+def _lacks_panels(*projections) -> bool:
+    return any(p.panels is None for p in projections)
+
+
+def engine_step(model, pool: StatePool, rows: int, tokens: int) -> EngineStep | None:
+    """The engine's step for ``rows`` rows of ``tokens`` new tokens each on ``pool``, or None
+    where the tensor ops run it (module notes). Made once for a model and pool and kept on the
+    model (``model.engine_step_cache``: the key it was made for, and the step or None)."""
+    if tokens > ENGINE_STEP_MAX_TOKENS or rows * tokens > ENGINE_MAX_ROWS.get(model.embed.dtype, 0) \
+            or torch.compiler.is_compiling():
+        return None
+    key = (panels_version(), _pool_key(pool))
+    cached = model.engine_step_cache
+    if cached is None or cached[0] != key:
+        cached = model.engine_step_cache = (key, EngineStep(model, pool) if _engine_runs(model) else None)
+    return cached[1]

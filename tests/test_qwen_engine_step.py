@@ -1,0 +1,198 @@
+"""The engine's whole decoding step (``fastjudge._engine.QwenDecoder``, engine/qwen_step.cpp,
+taken by ``model.run_step`` through ``backends/qwen/engine_step.py``) against transformers'
+forward over the whole sequence (``Qwen3_5ForCausalLM.forward`` /
+``Qwen3ForCausalLM.forward``: transformers/models/qwen3_5/modeling_qwen3_5.py and
+transformers/models/qwen3/modeling_qwen3.py), and against the model's own tensor-op step
+(``QwenModel.forward``) on the same pool: hidden states, every layer's state, lengths and
+positions; which steps take it; refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fastjudge import _engine
+from fastjudge.backends.dense import prepare_dense
+from fastjudge.backends.qwen import model as qwen_model
+from fastjudge.backends.qwen.backend import TorchQwenBackend
+from fastjudge.backends.qwen.engine_step import ENGINE_STEP_MAX_TOKENS, engine_step
+from fastjudge.backends.qwen.pool import StatePool
+from fastjudge.checkpoints import build_random_qwen
+from fastjudge.demo import tokenizer_corpus
+
+ARCHS = ("qwen3_5", "qwen3")
+CAPACITY = 160
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_dir(request, tmp_path_factory):
+    return build_random_qwen(tmp_path_factory.mktemp(f"step_{request.param}"), tokenizer_corpus(),
+                             arch=request.param, seed=5)
+
+
+def backend(model_dir, dtype="float32"):
+    if dtype == "bfloat16" and not _engine.bf16_dense_available():
+        pytest.skip("bfloat16 steps need AVX512-BF16")
+    return TorchQwenBackend(model_dir, device="cpu", dtype=dtype)
+
+
+def prompts(rng, rows, vocab):
+    lengths = rng.integers(3, 40, size=rows)
+    tokens = torch.tensor(rng.integers(5, vocab, size=(rows, int(lengths.max()))))
+    return tokens, lengths
+
+
+def filled_pool(model, rng, rows, vocab):
+    pool = StatePool(model.s, rows + 2, CAPACITY, "cpu", model.embed.dtype)
+    tokens, lengths = prompts(rng, rows, vocab)
+    qwen_model.run_step(model, pool, 0, tokens, lengths.tolist())
+    return pool, tokens, lengths
+
+
+def tensor_ops(monkeypatch):
+    """The model's tensor-op step from here on (``run_step`` never takes the engine)."""
+    monkeypatch.setattr(qwen_model, "engine_step", lambda *args: None)
+
+
+@torch.inference_mode()
+def test_steps_match_transformers(model_dir):
+    """Prefill, then engine steps of one to three tokens a row with padding, each real token's
+    logits against transformers' forward over the whole sequence."""
+    from transformers import AutoModelForCausalLM
+
+    b = backend(model_dir)
+    model, vocab = b.model, b.model.embed.shape[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    rows = 5
+    pool, tokens, lengths = filled_pool(model, rng, rows, vocab)
+    sequences = [tokens[r, :lengths[r]].tolist() for r in range(rows)]
+    for width in (1, 3, 2, 1):
+        counts = rng.integers(1, width + 1, size=rows)
+        counts[0] = width
+        new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+        assert engine_step(model, pool, rows, width) is not None
+        hidden = qwen_model.run_step(model, pool, 0, new, counts.tolist())
+        for r in range(rows):
+            sequences[r] += new[r, :counts[r]].tolist()
+            ours = model.logits(hidden[r, :counts[r]])
+            theirs = hf(input_ids=torch.tensor([sequences[r]])).logits[0, -counts[r]:]
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    assert pool.lengths[:rows].tolist() == [len(s) for s in sequences]
+
+
+def step_both_ways(model, pool, new, counts, monkeypatch):
+    """The same step by the engine on ``pool`` and by the tensor ops on a copy of it: (engine
+    hidden, tensor-op hidden, the two pools)."""
+    other = copy.deepcopy(pool)
+    other.held = pool.held.copy()
+    ours = qwen_model.run_step(model, pool, 0, new, counts)
+    with monkeypatch.context() as m:
+        tensor_ops(m)
+        theirs = qwen_model.run_step(model, other, 0, new, counts)
+    return ours, theirs, pool, other
+
+
+def assert_same_state(pool, other, exact):
+    assert torch.equal(pool.lengths, other.lengths) and torch.equal(pool.positions, other.positions)
+    for kind, pair, twin in zip(pool.kinds, pool.layers, other.layers):
+        for ours, theirs in zip(pair, twin):
+            if kind == "full_attention":  # the scratch column (padding's K/V) is never read
+                ours, theirs = ours[:, :, :CAPACITY], theirs[:, :, :CAPACITY]
+            if exact:
+                assert torch.equal(ours, theirs)
+            else:
+                torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1), (4, 2), (9, 3), (16, 1)])
+def test_engine_step_equals_tensor_ops_float32(model_dir, rows, width, monkeypatch):
+    b = backend(model_dir)
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(rows * 10 + width)
+    pool, _, _ = filled_pool(model, rng, rows, vocab)
+    for _ in range(3):
+        counts = rng.integers(1, width + 1, size=rows).tolist()
+        new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+        ours, theirs, pool, other = step_both_ways(model, pool, new, counts, monkeypatch)
+        real = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+        torch.testing.assert_close(ours[real], theirs[real], atol=1e-6, rtol=1e-5)
+        assert_same_state(pool, other, exact=False)
+        pool.held = other.held  # both advanced alike
+
+
+def test_engine_step_bfloat16_same_bits_as_tensor_ops(model_dir, monkeypatch):
+    """From 8 rows the tensor-op step runs the engine's own kernels (projections, norms,
+    few-token attention, the DeltaNet step) op by op; the whole step then gives the same bits."""
+    b = backend(model_dir, "bfloat16")
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(7)
+    rows = 12
+    pool, _, _ = filled_pool(model, rng, rows, vocab)
+    for _ in range(3):
+        new = torch.tensor(rng.integers(5, vocab, size=(rows, 1)))
+        ours, theirs, pool, other = step_both_ways(model, pool, new, [1] * rows, monkeypatch)
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+        assert_same_state(pool, other, exact=True)
+        pool.held = other.held
+
+
+def test_threads_give_the_same_bits(model_dir):
+    b = backend(model_dir)
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(3)
+    pool, _, _ = filled_pool(model, rng, 6, vocab)
+    new = torch.tensor(rng.integers(5, vocab, size=(6, 2)))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            trial = copy.deepcopy(pool)
+            trial.held = pool.held.copy()
+            results.append(qwen_model.run_step(model, trial, 0, new, [2, 1, 2, 2, 1, 2]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_which_steps_take_the_engine(model_dir):
+    b = backend(model_dir)
+    model = b.model
+    pool = StatePool(model.s, 4, CAPACITY, "cpu", torch.float32)
+    step = engine_step(model, pool, 4, 1)
+    assert step is not None and engine_step(model, pool, 2, ENGINE_STEP_MAX_TOKENS) is step  # kept
+    assert engine_step(model, pool, 4, ENGINE_STEP_MAX_TOKENS + 1) is None
+    assert engine_step(model, pool, 300, 1) is None  # past the engine's projection rows
+    other = StatePool(model.s, 4, CAPACITY, "cpu", torch.float32)
+    assert engine_step(model, other, 4, 1) not in (None, step)  # bound to that pool's buffers
+    prepare_dense(model, enabled=False)  # no panels: the tensor ops
+    assert engine_step(model, other, 4, 1) is None
+    prepare_dense(model)
+    assert engine_step(model, other, 4, 1) is not None
+
+
+def test_refusals_write_nothing(model_dir):
+    b = backend(model_dir)
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(4)
+    pool, _, _ = filled_pool(model, rng, 3, vocab)
+    step = engine_step(model, pool, 3, 1)
+    before = copy.deepcopy(pool)
+    for tokens, counts, message in (
+            (torch.tensor([[5], [vocab], [6]]), [1, 1, 1], "vocabulary"),
+            (torch.tensor([[5], [-1], [6]]), [1, 1, 1], "vocabulary"),
+            (torch.tensor([[5], [6], [7]]), [1, 2, 1], "counts")):
+        with pytest.raises(ValueError, match=message):
+            step(tokens, np.array(counts), 0, CAPACITY)
+    with pytest.raises(ValueError, match="slots"):
+        step(torch.tensor([[5], [6], [7]]), np.array([1, 1, 1]), pool.slots - 2, CAPACITY)
+    pool.lengths[1] = CAPACITY
+    with pytest.raises(ValueError, match="capacity"):
+        step(torch.tensor([[5], [6], [7]]), np.array([1, 1, 1]), 0, CAPACITY)
+    pool.lengths[1] = before.lengths[1]
+    for ours, theirs in zip(pool.state_dict().values(), before.state_dict().values()):
+        assert torch.equal(ours, theirs)
