@@ -59,8 +59,9 @@ def tensor_ops(monkeypatch):
 
 @torch.inference_mode()
 def test_steps_match_transformers(model_dir):
-    """Prefill, then engine steps of one to three tokens a row with padding, each real token's
-    logits against transformers' forward over the whole sequence."""
+    """Prefill, then engine steps of one to eight tokens a row with padding (attention reads the
+    cached keys in place up to four, packs them past that), each real token's logits against
+    transformers' forward over the whole sequence."""
     from transformers import AutoModelForCausalLM
 
     b = backend(model_dir)
@@ -70,7 +71,7 @@ def test_steps_match_transformers(model_dir):
     rows = 5
     pool, tokens, lengths = filled_pool(model, rng, rows, vocab)
     sequences = [tokens[r, :lengths[r]].tolist() for r in range(rows)]
-    for width in (1, 3, 2, 1):
+    for width in (1, 3, 8, 1):
         counts = rng.integers(1, width + 1, size=rows)
         counts[0] = width
         new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
@@ -108,7 +109,7 @@ def assert_same_state(pool, other, exact):
                 torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,width", [(1, 1), (4, 2), (9, 3), (16, 1)])
+@pytest.mark.parametrize("rows,width", [(1, 1), (4, 2), (9, 3), (16, 1), (3, 8)])
 def test_engine_step_equals_tensor_ops_float32(model_dir, rows, width, monkeypatch):
     b = backend(model_dir)
     model, vocab = b.model, b.model.embed.shape[0]
@@ -166,7 +167,7 @@ def test_which_steps_take_the_engine(model_dir):
     step = engine_step(model, pool, 4, 1)
     assert step is not None and engine_step(model, pool, 2, ENGINE_STEP_MAX_TOKENS) is step  # kept
     assert engine_step(model, pool, 4, ENGINE_STEP_MAX_TOKENS + 1) is None
-    assert engine_step(model, pool, 300, 1) is None  # past the engine's projection rows
+    assert engine_step(model, pool, 300, 1) is None  # past ENGINE_STEP_MAX_ROWS tokens
     other = StatePool(model.s, 4, CAPACITY, "cpu", torch.float32)
     assert engine_step(model, other, 4, 1) not in (None, step)  # bound to that pool's buffers
     prepare_dense(model, enabled=False)  # no panels: the tensor ops

@@ -113,6 +113,7 @@ def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, monkeypatch):
     monkeypatch.setattr(attention, "attend_shared_prefix", counted)
     monkeypatch.setattr(model, "SHARED_PREFIX_MIN_KEYS", 8)
     monkeypatch.setattr(model, "SHARED_PREFIX_MIN_ROWS", 2)
+    monkeypatch.setattr(model, "ENGINE_STEP_SHARED_MAX_ROWS", 0)  # the shared path even for few rows
     outs = backend.run(requests)
     assert calls and min(calls) >= min(r.prefix_len for r in requests) - 1
     eos = sorted(backend.codec.eos_token_ids)

@@ -12,9 +12,9 @@ when the pool or any projection's panels change (:func:`dense.panels_version`).
 
 Which steps take it (:func:`engine_step`): CPU, eager, float32 (or bfloat16 where the CPU has
 AVX512-BF16), every projection on the engine's panels, a step of at most
-``ENGINE_STEP_MAX_TOKENS`` new tokens a row and at most ``ENGINE_MAX_ROWS`` tokens in all (past
-that the prompts' GEMM is faster), continuing rows with no prefix shared by snapshot and no
-images. Everything else stays on the tensor ops, which CUDA and traced graphs run.
+``ENGINE_STEP_MAX_TOKENS`` new tokens a row and ``ENGINE_STEP_MAX_ROWS`` in all, continuing rows
+with no images (and, above ``ENGINE_STEP_SHARED_MAX_ROWS`` rows, no prefix shared by snapshot).
+Everything else stays on the tensor ops, which CUDA and traced graphs run.
 """
 
 from __future__ import annotations
@@ -24,14 +24,26 @@ import torch
 
 from ... import _engine
 from ..cpu_engine import engine_array, engine_takes
-from ..dense import ENGINE_MAX_ROWS, panels_version
+from ..dense import panels_version
 from .gated_delta import L2_EPS
 from .layers import AttentionLayer, DeltaNetLayer
 from .pool import StatePool
 
-# new tokens a row up to which a step takes the engine: decoding (one) and jump-forward's short
-# forced runs; the DeltaNet state advances token by token there (the recurrent rule)
-ENGINE_STEP_MAX_TOKENS = 3
+# A step takes the engine up to ENGINE_STEP_MAX_TOKENS new tokens a row (decoding: one; jump-
+# forward's forced runs) and ENGINE_STEP_MAX_ROWS tokens in all; past either the tensor ops are
+# as fast (the prompts' GEMM, the chunked delta rule). Whole steps of the mini Qwen3.5 after 448
+# cached tokens (in-process alternation, two threads), tensor ops -> engine, rows x tokens:
+# float32 1x1 1.89 -> 0.45 ms, 16x1 3.65 -> 2.04, 64x1 10.5 -> 8.6, 16x4 9.5 -> 7.1, 16x16 -4.4 %,
+# 64x8 +0.6 %, 16x32 +2.2 %; bfloat16 1x1 1.73 -> 0.31, 16x1 3.10 -> 1.49, 64x1 9.7 -> 6.7, 64x4
+# -13.5 %, 16x16 -7.7 %, 64x8 +2.0 %, 16x32 +5.6 %
+ENGINE_STEP_MAX_TOKENS = 16
+ENGINE_STEP_MAX_ROWS = 256
+# Rows that share prefix keys by snapshot (model.run_step) take the engine's step up to this many
+# rows, and above it the tensor ops, which read the shared keys once per snapshot rather than once
+# a row. LAVE-like calls, mini Qwen3.5, 1,100 shared tokens, 24 new tokens a row (prefill
+# included; in-process alternation), shared tensor ops -> engine step: 16 rows float32 146.6 ->
+# 127.4 ms, bfloat16 117.1 -> 103.1 ms; 48 rows float32 435.6 -> 475.6 ms, bfloat16 344.0 -> 344.8
+ENGINE_STEP_SHARED_MAX_ROWS = 16
 
 
 class EngineStep:
@@ -95,7 +107,7 @@ def _pool_key(pool: StatePool) -> tuple:
 def _engine_runs(model) -> bool:
     """Whether the engine can run ``model``'s decoding steps at all."""
     embed = model.embed
-    if not engine_takes(embed) or embed.dtype not in ENGINE_MAX_ROWS:
+    if not engine_takes(embed) or embed.dtype not in (torch.float32, torch.bfloat16):
         return False
     if embed.dtype == torch.bfloat16 and not _engine.bf16_dense_available():
         return False
@@ -119,8 +131,7 @@ def engine_step(model, pool: StatePool, rows: int, tokens: int) -> EngineStep | 
     """The engine's step for ``rows`` rows of ``tokens`` new tokens each on ``pool``, or None
     where the tensor ops run it (module notes). Made once for a model and pool and kept on the
     model (``model.engine_step_cache``: the key it was made for, and the step or None)."""
-    if tokens > ENGINE_STEP_MAX_TOKENS or rows * tokens > ENGINE_MAX_ROWS.get(model.embed.dtype, 0) \
-            or torch.compiler.is_compiling():
+    if tokens > ENGINE_STEP_MAX_TOKENS or rows * tokens > ENGINE_STEP_MAX_ROWS or torch.compiler.is_compiling():
         return None
     key = (panels_version(), _pool_key(pool))
     cached = model.engine_step_cache

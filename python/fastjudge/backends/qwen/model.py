@@ -22,7 +22,7 @@ from ..compiled import row_bucket, width_bucket
 from ..cpu_memory import keep_freed_memory
 from ..dense import Dense
 from .attention import FOLD_QUERY_STEPS, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS
-from .engine_step import engine_step
+from .engine_step import ENGINE_STEP_SHARED_MAX_ROWS, engine_step
 from .layers import Step, as_float, build_layers, rms
 from .pool import SharedPrefix, StatePool, StateView
 from .shape import QwenShape
@@ -177,8 +177,10 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
     runs eagerly over the live extent only; rows that all start empty take the fresh path
     (causal attention over the new tokens, padded or not: a masked attention over the pool's
     columns computes every padded row and column in full, 7.5 -> 6.0 ms a layer at 16 x 240
-    tokens, bfloat16). On the CPU, a step of few new tokens whose rows share prefix columns by
-    snapshot reads those once per snapshot (``StatePool.shared_prefix``)."""
+    tokens, bfloat16). On the CPU, a continuing step of few new tokens runs as one engine call
+    (``engine_step``) where the engine takes it; one of more than ``ENGINE_STEP_SHARED_MAX_ROWS``
+    rows that share prefix columns by snapshot runs the tensor ops instead, which read those
+    columns once per snapshot (``StatePool.shared_prefix``)."""
     B, k = tokens.shape
     held = pool.held[start:start + B]
     host_counts = np.asarray(counts, dtype=np.int64)
@@ -191,11 +193,12 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
         x = compiled((rows, wide, pool.capacity), full, n, pool, pool.capacity)[:B, :k]
     else:
         fresh = not held.any()
+        engine = None if fresh or images else engine_step(model, pool, B, k)
         shared = None
-        if not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu":
+        if (not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu"
+                and (engine is None or B > ENGINE_STEP_SHARED_MAX_ROWS)):
             shared = pool.shared_prefix(start, start + B, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)
-        engine = None if fresh or shared is not None or images else engine_step(model, pool, B, k)
-        if engine is not None:
+        if engine is not None and shared is None:
             x = engine(tokens, host_counts, start, int(held.max()) + k)
         else:
             width = int((held + host_counts).max()) if B else 0
