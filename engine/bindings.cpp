@@ -888,11 +888,13 @@ class QwenDecoder {
       if (bf16_) {
         uint16_t* dst = typed_array<uint16_t>(out, "out", {B, S, model_.d}, true);
         py::gil_scoped_release release;
-        fastjudge::qwen_decode_step(model_, input, dst, threads);
+        std::lock_guard<std::mutex> lock(stepping_);
+        fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads);
       } else {
         float* dst = typed_array<float>(out, "out", {B, S, model_.d}, true);
         py::gil_scoped_release release;
-        fastjudge::qwen_decode_step(model_, input, dst, threads);
+        std::lock_guard<std::mutex> lock(stepping_);
+        fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads);
       }
     } catch (const std::invalid_argument& e) {
       throw py::value_error(e.what());
@@ -965,6 +967,8 @@ class QwenDecoder {
   }
 
   fastjudge::QwenStepModel model_;
+  fastjudge::QwenStepScratch scratch_;
+  std::mutex stepping_;  // one step at a time: steps run without the GIL and share the buffers
   std::vector<py::object> kept_;
   py::object cos_, sin_;
   const void *cos_data_ = nullptr, *sin_data_ = nullptr;

@@ -90,16 +90,17 @@ void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_
   rotate_bf16(x, cos, sin, out, heads, hd, half);
 }
 
-// A step's working buffers, each [rows, width] of the model's type
+// v holds at least n values (grown, never shrunk or cleared)
 template <typename T>
-struct Buffers {
-  std::vector<T> x, normed, mixed, wide, heads, attended;  // heads: rotated queries and keys
-};
+void hold(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
 
 template <typename T>
 class Step {
  public:
-  Step(const QwenStepModel& m, const QwenStepInput& in, int threads) : m_(m), in_(in), threads_(threads) {}
+  Step(const QwenStepModel& m, const QwenStepInput& in, QwenStepBuffers<T>& buffers, int threads)
+      : m_(m), in_(in), threads_(threads), buf_(buffers) {}
 
   void run(T* out) {
     check();
@@ -109,12 +110,12 @@ class Step {
     for (const QwenStepLayer& layer : m_.layers) {
       wide = std::max(wide, layer.attention ? layer.qkv.out : layer.in_proj.out);
     }
-    buf_.x.resize(N * d);
-    buf_.normed.resize(N * d);
-    buf_.mixed.resize(N * d);
-    buf_.wide.resize(N * std::max(wide, qkv_width));
-    buf_.heads.resize(N * (m_.H + m_.Hkv) * m_.hd);
-    buf_.attended.resize(N * std::max((m_.H + m_.Hkv) * m_.hd, m_.lin_v_heads * m_.lin_v_dim));
+    hold(buf_.x, N * d);
+    hold(buf_.normed, N * d);
+    hold(buf_.mixed, N * d);
+    hold(buf_.wide, N * std::max(wide, qkv_width));
+    hold(buf_.heads, N * (m_.H + m_.Hkv) * m_.hd);
+    hold(buf_.attended, N * std::max((m_.H + m_.Hkv) * m_.hd, m_.lin_v_heads * m_.lin_v_dim));
     const T* embed = static_cast<const T*>(m_.embed);
     for (int64_t n = 0; n < N; ++n) std::memcpy(&buf_.x[n * d], embed + in_.tokens[n] * d, d * sizeof(T));
     for (const QwenStepLayer& layer : m_.layers) {
@@ -219,18 +220,20 @@ class Step {
   const QwenStepModel& m_;
   const QwenStepInput& in_;
   int threads_;
-  Buffers<T> buf_;
+  QwenStepBuffers<T>& buf_;
 };
 
 }  // namespace
 
-void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, int threads) {
-  Step<float>(model, input, threads).run(out);
+void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, QwenStepScratch& scratch,
+                      int threads) {
+  Step<float>(model, input, scratch.f32, threads).run(out);
 }
 
-void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out, int threads) {
+void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out,
+                      QwenStepScratch& scratch, int threads) {
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
-  Step<uint16_t>(model, input, threads).run(out);
+  Step<uint16_t>(model, input, scratch.bf16, threads).run(out);
 }
 
 }  // namespace fastjudge

@@ -70,6 +70,18 @@ struct QwenStepInput {
   int64_t table_positions = 0;
 };
 
+// Working buffers a decoder keeps from step to step, each [rows, width] of the model's type: they
+// only grow, so steady decoding neither allocates nor clears memory
+template <typename T>
+struct QwenStepBuffers {
+  std::vector<T> x, normed, mixed, wide, heads, attended;  // heads: rotated queries and keys
+};
+
+struct QwenStepScratch {
+  QwenStepBuffers<float> f32;
+  QwenStepBuffers<uint16_t> bf16;
+};
+
 // Runs the step: out [B, S, d] (the model's type; the last layer's residual stream, before the
 // final norm) and, in place, each layer's state for the rows' real tokens (K/V at column
 // lengths[slot] + t, the DeltaNet states; padding writes nothing), then lengths and positions
@@ -77,7 +89,9 @@ struct QwenStepInput {
 // (residual adds, norms, rotary, the output gate each rounded once). Few-token attention reads
 // the keys in place (causal_attention.hpp). Throws std::invalid_argument on tokens outside the
 // vocabulary or positions past the tables or the pool's capacity, before anything is written.
-void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, int threads);
-void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out, int threads);
+void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, QwenStepScratch& scratch,
+                      int threads);
+void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out,
+                      QwenStepScratch& scratch, int threads);
 
 }  // namespace fastjudge
