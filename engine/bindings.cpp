@@ -21,6 +21,7 @@
 #include "cpu_parallel.hpp"
 #include "delta_rule.hpp"
 #include "dense.hpp"
+#include "encoder_attention.hpp"
 #include "planner.hpp"
 #include "prefix_index.hpp"
 #include "qwen_step.hpp"
@@ -634,6 +635,41 @@ void causal_attention(const py::handle& query, const py::handle& key, const py::
   }
 }
 
+// attention over encoder states that are both keys and values
+template <typename T>
+void encoder_attention_typed(const py::array& query, const py::handle& states, const py::handle& lengths,
+                             const py::handle& out, float scale, int threads) {
+  const int64_t B = query.shape(0), R = query.shape(1), dim = query.shape(3);
+  py::array held = py::array::ensure(states);
+  if (!held || held.ndim() != 4) throw py::value_error("states must be a 4-D array [B, L, 1, dim]");
+  const int64_t L = held.shape(1);
+  if (dim % 16 != 0) throw py::value_error("dim must be a multiple of 16");
+  const Int64Array keys = as_int64_vector(lengths, "lengths");
+  if (keys.shape(0) != B) throw py::value_error("lengths must have one entry per row");
+  for (int64_t b = 0; b < B; ++b) {
+    if (keys.at(b) < 0 || keys.at(b) > L) throw py::value_error("lengths must lie in [0, L]");
+  }
+  const auto q = strided_rows<T>(query, "query", {B, R, 1, dim});
+  const auto s = strided_rows<T>(states, "states", {B, L, 1, dim});
+  T* dst = typed_array<T>(out, "out", {B, R, dim}, true);
+  py::gil_scoped_release release;
+  fastjudge::encoder_attention<T>(q, s, keys.data(), dst, B, R, dim, scale, threads);
+}
+
+void encoder_attention(const py::handle& query, const py::handle& states, const py::handle& lengths,
+                       const py::handle& out, float scale, int threads) {
+  py::array q = py::isinstance<py::array>(query) ? py::reinterpret_borrow<py::array>(query) : py::array();
+  if (!q || q.ndim() != 4 || q.shape(2) != 1) throw py::value_error("query must be a 4-D array [B, R, 1, dim]");
+  if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
+  if (q.dtype().kind() == 'f' && q.itemsize() == 4) {
+    encoder_attention_typed<float>(q, states, lengths, out, scale, threads);
+  } else if ((q.dtype().kind() == 'i' || q.dtype().kind() == 'u') && q.itemsize() == 2) {
+    encoder_attention_typed<uint16_t>(q, states, lengths, out, scale, threads);
+  } else {
+    throw py::value_error("query must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
 void bind_cpu_threads(py::module_& m) {
   m.def(
       "cpu_thread_pool", [] { return fastjudge::process_openmp().parallel ? "openmp" : "threads"; },
@@ -653,6 +689,16 @@ void bind_causal_attention(py::module_& m) {
 CPU has it: the softmax weights rounded to bfloat16 before the weighted sum, as transformers'
 eager path and SDPA round them) rather than the portable float32 path (float32 weights).
 wanted: True (the default) or False sets the choice for the process; returns what is in use.)doc");
+  m.def("encoder_attention", &encoder_attention, py::arg("query"), py::arg("states"), py::arg("lengths"),
+        py::arg("out"), py::arg("scale"), py::arg("threads") = 1,
+        R"doc(Attention of query rows [B, R, 1, dim] over states [B, L, 1, dim] that are both the keys
+and the values (T5's reassociated cross-attention), written into out [B, R, dim]:
+out[b, r] = sum over j < lengths[b] of softmax_j(scale * q[b, r] . s[b, j]) s[b, j], each row's
+states read once (an online softmax over blocks of keys). lengths: int64 [B], each in [0, L]; a
+row with none gets zeros. Arrays all float32, or all bfloat16 as 16-bit integer arrays of their
+bits; query and states read in place with any strides but contiguous rows, out C-contiguous;
+dim a multiple of 16. threads: at most this many, used only where the work pays for them.
+Raises ValueError on arrays of another dtype, layout or shape.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]

@@ -17,7 +17,7 @@ from test_t5_decode import MAX_NEW, SHORT, padded, prompts, rating_ids, run_text
 
 from fastjudge.backends.t5.backend import TorchT5Backend
 from fastjudge.backends.t5.decode import break_even_steps, projection_step
-from fastjudge.backends.t5.model import T5Model
+from fastjudge.backends.t5.model import DecoderStep, T5Model
 
 
 def spy_projections(monkeypatch) -> list[int]:
@@ -116,7 +116,33 @@ def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
     xkv = pool.xkv[:3, 0, :, :, :16]
     mask = torch.zeros(3, 1, 1, 16)
     mask[1, ..., 9:] = float("-inf")
-    got = backend.model.decoder[0].cross_attention_heads(xq, xkv, mask)
+    layer = backend.model.decoder[0]
     want = F.scaled_dot_product_attention(xq.float().transpose(1, 2), xkv[:, 0], xkv[:, 1], attn_mask=mask, scale=1.0)
+    want = want.transpose(1, 2).reshape(3, 1, -1)
+    got = layer.cross_attention_heads(xq, xkv, DecoderStep(None, None, None, mask))
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, want.transpose(1, 2).reshape(3, 1, -1).bfloat16())
+    assert torch.equal(got, want.bfloat16())
+    # the engine's attention (what eager CPU steps take): float32 too, within float32 rounding of SDPA
+    got = layer.cross_attention_heads(xq.float(), xkv, DecoderStep(None, None, None, None, enc_last=torch.tensor([15, 8, 15])))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", [1, 3])
+def test_per_head_cross_attention_engine_equals_sdpa(varied, prompts, positions):  # noqa: F811
+    """The per-head cross-attention over projected K/V (``T5Block.cross_attention_heads``)
+    through the engine's few-token attention (each head's positions as its query rows, each
+    row's keys up to its own prompt, padded keys poisoned with NaN) against SDPA under the key
+    mask (torch.nn.functional.scaled_dot_product_attention)."""
+    import torch
+
+    backend = TorchT5Backend(varied, device="cpu", dtype="float32", max_decode_rows=5)
+    s, layer = backend.shape, backend.model.decoder[0]
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([16, 9, 1])
+    xkv = torch.randn(3, 2, s.num_heads, 16, s.d_kv, generator=g)
+    xq = torch.randn(3, positions, s.num_heads, s.d_kv, generator=g)
+    mask = torch.zeros(3, 1, 1, 16).masked_fill(torch.arange(16) >= lengths[:, None, None, None], float("-inf"))
+    want = layer.cross_attention_heads(xq, xkv, DecoderStep(None, None, None, mask))
+    poisoned = xkv.masked_fill(torch.arange(16)[:, None] >= lengths[:, None, None, None, None], float("nan"))
+    got = layer.cross_attention_heads(xq, poisoned, DecoderStep(None, None, None, None, enc_last=lengths - 1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ import torch
 from fastjudge import LaveJudge, VQAExample
 from fastjudge.backends.t5 import decode as t5_decode
 from fastjudge.backends.t5.backend import TorchT5Backend
+from fastjudge.backends.t5.model import DecoderStep
 from fastjudge.backends.t5.pool import T5Pool, row_bytes
 from fastjudge.checkpoints import scale_output_rows
 from fastjudge.demo import sample_rows
@@ -179,11 +180,15 @@ def test_repeated_requests_run_once(varied, prompts, padded, monkeypatch):
         assert out.index == k and out.token_ids == padded[i][0] and out.finished == padded[i][1]
 
 
+@pytest.mark.parametrize("form", ["states", "few-token", "sdpa"])
 @pytest.mark.parametrize("positions", [1, 4])
-def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions):
+def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions, form):
     """``T5Model.cross_attention`` (no K/V: queries mapped to model space over the encoder
     states) against softmax(q K^T) V over K = m W_k^T, V = m W_v^T per head, on rows of
-    different lengths (padded keys masked)."""
+    different lengths, in each of its forms: the engine's attention over states that are keys
+    and values alike (``_engine.encoder_attention``, each row's length), its few-token attention
+    (each row's last key; both with the padded states poisoned with NaN), SDPA under the key
+    mask."""
     model = t5_backend.model
     s, layer = model.s, model.decoder[0]
     h, dk, d = s.num_heads, s.d_kv, s.d_model
@@ -195,8 +200,16 @@ def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions)
     for b, (n, start) in enumerate(zip(lengths, np.cumsum([0] + lengths[:-1]))):
         mem[b, :n] = enc[start:start + n]
     keys = torch.arange(max(lengths))[None, :] >= torch.tensor(lengths)[:, None]
-    bias = torch.zeros(len(lengths), max(lengths)).masked_fill(keys, float("-inf")).view(len(lengths), 1, 1, -1)
-    got = layer.cross_attention(xq, mem, bias)
+    if form == "states":
+        mem[keys] = float("nan")
+        step = DecoderStep(None, None, None, None, enc_lengths=torch.tensor(lengths))
+    elif form == "few-token":
+        mem[keys] = float("nan")
+        step = DecoderStep(None, None, None, None, enc_last=torch.tensor(lengths) - 1)
+    else:
+        bias = torch.zeros(len(lengths), max(lengths)).masked_fill(keys, float("-inf")).view(len(lengths), 1, 1, -1)
+        step = DecoderStep(None, None, None, bias)
+    got = layer.cross_attention(xq, mem, step)
     start = 0
     for b, n in enumerate(lengths):
         m = enc[start:start + n]

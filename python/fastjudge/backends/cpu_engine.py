@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import _engine
+
 ENGINE_DTYPES = (torch.float32, torch.bfloat16)  # what the attention and DeltaNet step kernels take
 
 
@@ -20,3 +22,37 @@ def engine_array(t: torch.Tensor) -> np.ndarray:
     """``t`` as the engine reads it: a numpy view of the same memory (bfloat16, which numpy
     lacks, as its 16-bit patterns)."""
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the engine's attention takes these queries and keys (CPU, eager, float32 or
+    bfloat16 alike)."""
+    return engine_takes(q) and q.dtype in ENGINE_DTYPES and keys.dtype == q.dtype
+
+
+def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     offsets: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """``_engine.causal_attention`` of ``q`` [B, S, H, hd] over ``keys``/``values`` [B, kv_heads,
+    W, hd] (query token ``t`` of row ``b`` sees keys up to ``offsets[b] + t``; without
+    ``offsets``, W = S and up to ``t``; tokens past ``counts[b]`` are padding: zeros), scores
+    scaled by ``scale`` (None: ``hd ** -0.5``), every array read in place; returns [B, H, S,
+    hd], a transposed view of a contiguous [B, S, H, hd]."""
+    B, S, H, hd = q.shape
+    out = q.new_empty(B, S, H, hd)
+    rows = [engine_array(t) for t in (q, keys.transpose(1, 2), values.transpose(1, 2))]  # [B, tokens, heads, hd]
+    _engine.causal_attention(*rows, engine_array(out), hd ** -0.5 if scale is None else scale,
+                             offsets=None if offsets is None else offsets.numpy(),
+                             counts=None if counts is None else counts.numpy(), threads=torch.get_num_threads())
+    return out.transpose(1, 2)
+
+
+def attend_over_states(q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """``_engine.encoder_attention`` of query rows ``q`` [B, R, D] over ``states`` [B, L, D], which
+    are both the keys and the values (row ``b`` sees its first ``lengths[b]`` states), each row's
+    states read once; both read in place. Returns [B, R, D], contiguous."""
+    B, R, D = q.shape
+    out = q.new_empty(B, R, D)
+    _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths.numpy(),
+                              engine_array(out), scale, threads=torch.get_num_threads())
+    return out

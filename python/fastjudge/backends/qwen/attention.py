@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ... import _engine
-from ..cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
+from ..cpu_engine import attend_in_engine, engine_attends
 from .gated_delta import as_float
 from .pool import SharedPrefix
 
@@ -54,27 +53,6 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
     if not engine_attends(q, k):
         return attend_causal_sdpa(q, k, v, gqa)
     return attend_in_engine(q.transpose(1, 2), k, v, counts=counts)
-
-
-def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether the engine's attention takes these queries and keys (CPU, eager, float32 or
-    bfloat16 alike)."""
-    return engine_takes(q) and q.dtype in ENGINE_DTYPES and keys.dtype == q.dtype
-
-
-def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     offsets: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """``_engine.causal_attention`` of ``q`` [B, S, H, hd] over ``keys``/``values`` [B, kv_heads,
-    W, hd] (query token ``t`` of row ``b`` sees keys up to ``offsets[b] + t``; without
-    ``offsets``, W = S and up to ``t``; tokens past ``counts[b]`` are padding: zeros), every
-    array read in place; returns [B, H, S, hd], a transposed view of a contiguous [B, S, H, hd]."""
-    B, S, H, hd = q.shape
-    out = q.new_empty(B, S, H, hd)
-    rows = [engine_array(t) for t in (q, keys.transpose(1, 2), values.transpose(1, 2))]  # [B, tokens, heads, hd]
-    _engine.causal_attention(*rows, engine_array(out), hd ** -0.5,
-                             offsets=None if offsets is None else offsets.numpy(),
-                             counts=None if counts is None else counts.numpy(), threads=torch.get_num_threads())
-    return out.transpose(1, 2)
 
 
 def attend_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
+from ..cpu_engine import ENGINE_DTYPES, attend_in_engine, attend_over_states, engine_takes
 from ..cpu_memory import keep_freed_memory
 from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
@@ -96,12 +97,16 @@ def _registered(w):
 class DecoderStep:
     """What every decoder block of one forward reads: each token's K/V column ``where`` [B, P]
     (the scratch column for padding) with its row index ``rows``, the self-attention mask
-    [B, H, P, width] (position bias, causal) and the encoder key mask [B, 1, 1, L]."""
+    [B, H, P, width] (position bias, causal), and for cross-attention either each row's
+    encoder length ``enc_lengths`` [B] and last key ``enc_last`` (the engine's attention, CPU) or
+    the encoder key mask ``key_mask`` [B, 1, 1, L] (SDPA)."""
 
     where: torch.Tensor
     rows: torch.Tensor
     self_mask: torch.Tensor
-    key_mask: torch.Tensor
+    key_mask: torch.Tensor | None
+    enc_lengths: torch.Tensor | None = None
+    enc_last: torch.Tensor | None = None
 
 
 class T5Block(torch.nn.Module):
@@ -164,27 +169,44 @@ class T5Block(torch.nn.Module):
         x = x + self.o(as_dtype(o.transpose(1, 2).reshape(B, P, h * dk), x.dtype))
         xq = self.x_q(rms_norm(x, self.x_norm, s.eps)).view(B, P, h, dk)
         attend = self.cross_attention_heads if cross.dim() == 5 else self.cross_attention
-        return self.feed_forward(x + self.x_o(attend(xq, cross, step.key_mask)))
+        return self.feed_forward(x + self.x_o(attend(xq, cross, step)))
 
-    def cross_attention(self, xq: torch.Tensor, mem: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def cross_attention(self, xq: torch.Tensor, mem: torch.Tensor, step: DecoderStep) -> torch.Tensor:
         """Cross-attention output [B, P, heads * d_kv] (before ``x_o``) of the projected queries
         ``xq`` [B, P, heads, d_kv] over encoder states ``mem`` [B, L, d], reassociated."""
         B, P, h, dk = xq.shape
         d = mem.shape[-1]
-        q = torch.einsum("bphk,hkd->bhpd", xq, self.x_k.view(h, dk, d)).reshape(B, 1, h * P, d)
-        kv = mem.unsqueeze(1)  # one head whose keys and values are the encoder states
-        ctx = F.scaled_dot_product_attention(q, kv, kv, attn_mask=key_mask, scale=1.0)
+        q = torch.einsum("bphk,hkd->bhpd", xq, self.x_k.view(h, dk, d)).reshape(B, h * P, d)
+        if step.enc_lengths is not None and d % 16 == 0:  # the engine: each row's states read once
+            ctx = attend_over_states(q, mem, step.enc_lengths, scale=1.0)
+        else:  # one head whose keys and values are the encoder states
+            ctx = attend_encoder(q.unsqueeze(1), mem.unsqueeze(1), mem.unsqueeze(1), step)
         return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), self.x_v.view(h, dk, d)).reshape(B, P, h * dk)
 
-    def cross_attention_heads(self, xq: torch.Tensor, xkv: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def cross_attention_heads(self, xq: torch.Tensor, xkv: torch.Tensor, step: DecoderStep) -> torch.Tensor:
         """The same output from the encoder states' projected K/V ``xkv`` [B, 2, heads, L, d_kv]
-        (:meth:`T5Model.project_cross`): per-head attention through SDPA, which reads the pool's
-        strided slices in place (``matmul`` would copy them into a batch it can fold), in the
-        K/V's dtype (``pool.attention_dtype``: float32 on the CPU; ``key_mask`` is in it too)."""
+        (:meth:`T5Model.project_cross`), read in place, in the K/V's dtype
+        (``pool.attention_dtype``: float32 on the CPU; ``key_mask`` is in it too). Each head's
+        positions are the query rows of that head (a copy where P > 1)."""
         B, P, h, dk = xq.shape
-        q = as_dtype(xq.transpose(1, 2), xkv.dtype)
-        ctx = F.scaled_dot_product_attention(q, xkv[:, 0], xkv[:, 1], attn_mask=key_mask, scale=1.0)
+        q = as_dtype(xq.transpose(1, 2), xkv.dtype).reshape(B, 1, h * P, dk)
+        ctx = attend_encoder(q, xkv[:, 0], xkv[:, 1], step).view(B, h, P, dk)
         return as_dtype(ctx.transpose(1, 2).reshape(B, P, h * dk), xq.dtype)
+
+
+def attend_encoder(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: DecoderStep) -> torch.Tensor:
+    """Cross-attention of query rows ``q`` [B, 1, R, D] over ``keys``/``values`` [B, K, L, D]
+    (query rows ``R / K`` per key head, in head order), each row over its own encoder keys;
+    returns [B, R, 1, D] (SDPA's layout with the rows as heads). On the CPU the engine's
+    few-token attention, which reads the keys in place, with each row's last key as its offset
+    (one query token sees keys up to ``offset``: its whole prompt); elsewhere SDPA under the key
+    mask, the rows as one head's queries. T5 folds 1/sqrt(d_kv) into its weights: scale 1."""
+    if step.enc_last is not None:
+        return attend_in_engine(q, keys, values, offsets=step.enc_last, scale=1.0)
+    B, _, R, D = q.shape
+    K = keys.shape[1]
+    ctx = F.scaled_dot_product_attention(q.view(B, K, R // K, D), keys, values, attn_mask=step.key_mask, scale=1.0)
+    return ctx.view(B, R, 1, D)
 
 
 class T5Model(torch.nn.Module):
@@ -294,11 +316,17 @@ class T5Model(torch.nn.Module):
         bias = as_dtype(self._dec_bias[:, bias_rows, :width].transpose(0, 1), pool.kv.dtype)
         keys = torch.arange(width, device=device)
         self_mask = bias.masked_fill(keys[None, None, None, :] > where[:, None, :, None], float("-inf"))
-        enc_keys = torch.arange(enc_width, device=device)[None, :]
-        mask_dtype = pool.xkv.dtype if pool.projected else pool.mem.dtype  # the cross-attention's dtype
-        key_mask = torch.zeros(B, enc_width, dtype=mask_dtype, device=device).masked_fill(
-            enc_keys >= pool.enc_lengths[:B, None], float("-inf")).view(B, 1, 1, enc_width)
-        step = DecoderStep(where, torch.arange(B, device=device)[:, None].expand(B, P), self_mask, key_mask)
+        cross_dtype = pool.xkv.dtype if pool.projected else pool.mem.dtype  # the cross-attention's dtype
+        if engine_takes(tokens) and cross_dtype in ENGINE_DTYPES:
+            key_mask, enc_lengths = None, pool.enc_lengths[:B]
+            enc_last = enc_lengths - 1
+        else:
+            enc_keys = torch.arange(enc_width, device=device)[None, :]
+            key_mask = torch.zeros(B, enc_width, dtype=cross_dtype, device=device).masked_fill(
+                enc_keys >= pool.enc_lengths[:B, None], float("-inf")).view(B, 1, 1, enc_width)
+            enc_lengths = enc_last = None
+        step = DecoderStep(where, torch.arange(B, device=device)[:, None].expand(B, P), self_mask, key_mask,
+                           enc_lengths, enc_last)
         x = F.embedding(tokens, self.embed)
         mem = pool.mem[:B, :enc_width]
         for i, layer in enumerate(self.decoder):

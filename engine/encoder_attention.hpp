@@ -1,0 +1,28 @@
+// Attention of a few query rows over a row's encoder states that are both its keys and its
+// values (T5's cross-attention reassociated: every head's query mapped into model space attends
+// over the encoder states themselves), on the CPU.
+//
+// Each row's states are read once: blocks of keys take the queries' scores (four keys by four
+// queries a register block, summed across lanes), an online softmax (the running maximum and
+// sum, earlier sums rescaled when the maximum grows, as flash attention merges key blocks)
+// turns them into weights, and the same block, still in cache, is summed into the outputs with
+// them. Two passes over the states (scores, then values, as SDPA makes them) read them twice,
+// and a long prompt's states do not stay in cache between the two.
+#pragma once
+
+#include <cstdint>
+
+#include "strided_rows.hpp"
+
+namespace fastjudge {
+
+// out[b, r] = sum over j < lengths[b] of softmax_j(scale * q[b, r] . s[b, j]) s[b, j]: query
+// [B, R, 1, dim] and states [B, L, 1, dim] read in place (contiguous rows), out [B, R, dim]
+// C-contiguous; float32 or bfloat16 (as uint16 bits; arithmetic in float32, the output rounded
+// once). dim a multiple of 16; a row with no keys gets zeros. threads > 1 splits the rows'
+// groups of 16 queries among threads.
+template <typename T>
+void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,
+                       int64_t B, int64_t R, int64_t dim, float scale, int threads);
+
+}  // namespace fastjudge
