@@ -96,7 +96,8 @@ def test_refusals():
     q, states = inputs(2, 6, 8, 16)
     out = torch.full_like(q, 7.0)
 
-    def call(q=q, states=states, lengths=np.array([8, 8]), out=out, scale=1.0):
+    def call(q=q, states=states, lengths=None, out=out, scale=1.0):
+        lengths = np.array([8, 8]) if lengths is None else lengths
         _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths,
                                   engine_array(out), scale)
 

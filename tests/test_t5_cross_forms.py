@@ -123,7 +123,8 @@ def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want.bfloat16())
     # the engine's attention (what eager CPU steps take): float32 too, within float32 rounding of SDPA
-    got = layer.cross_attention_heads(xq.float(), xkv, DecoderStep(None, None, None, None, enc_last=torch.tensor([15, 8, 15])))
+    step = DecoderStep(None, None, None, None, enc_last=torch.tensor([15, 8, 15]))
+    got = layer.cross_attention_heads(xq.float(), xkv, step)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
