@@ -638,7 +638,7 @@ void causal_attention(const py::handle& query, const py::handle& key, const py::
 // attention over encoder states that are both keys and values
 template <typename T>
 void encoder_attention_typed(const py::array& query, const py::handle& states, const py::handle& lengths,
-                             const py::handle& out, float scale, int threads) {
+                             const py::handle& out, float scale, bool reverse, int threads) {
   const int64_t B = query.shape(0), R = query.shape(1), dim = query.shape(3);
   py::array held = py::array::ensure(states);
   if (!held || held.ndim() != 4) throw py::value_error("states must be a 4-D array [B, L, 1, dim]");
@@ -653,18 +653,18 @@ void encoder_attention_typed(const py::array& query, const py::handle& states, c
   const auto s = strided_rows<T>(states, "states", {B, L, 1, dim});
   T* dst = typed_array<T>(out, "out", {B, R, dim}, true);
   py::gil_scoped_release release;
-  fastjudge::encoder_attention<T>(q, s, keys.data(), dst, B, R, dim, scale, threads);
+  fastjudge::encoder_attention<T>(q, s, keys.data(), dst, B, R, dim, scale, reverse, threads);
 }
 
 void encoder_attention(const py::handle& query, const py::handle& states, const py::handle& lengths,
-                       const py::handle& out, float scale, int threads) {
+                       const py::handle& out, float scale, bool reverse, int threads) {
   py::array q = py::isinstance<py::array>(query) ? py::reinterpret_borrow<py::array>(query) : py::array();
   if (!q || q.ndim() != 4 || q.shape(2) != 1) throw py::value_error("query must be a 4-D array [B, R, 1, dim]");
   if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
   if (q.dtype().kind() == 'f' && q.itemsize() == 4) {
-    encoder_attention_typed<float>(q, states, lengths, out, scale, threads);
+    encoder_attention_typed<float>(q, states, lengths, out, scale, reverse, threads);
   } else if ((q.dtype().kind() == 'i' || q.dtype().kind() == 'u') && q.itemsize() == 2) {
-    encoder_attention_typed<uint16_t>(q, states, lengths, out, scale, threads);
+    encoder_attention_typed<uint16_t>(q, states, lengths, out, scale, reverse, threads);
   } else {
     throw py::value_error("query must be float32, or bfloat16 as 16-bit integers");
   }
@@ -690,15 +690,17 @@ CPU has it: the softmax weights rounded to bfloat16 before the weighted sum, as 
 eager path and SDPA round them) rather than the portable float32 path (float32 weights).
 wanted: True (the default) or False sets the choice for the process; returns what is in use.)doc");
   m.def("encoder_attention", &encoder_attention, py::arg("query"), py::arg("states"), py::arg("lengths"),
-        py::arg("out"), py::arg("scale"), py::arg("threads") = 1,
+        py::arg("out"), py::arg("scale"), py::arg("reverse") = false, py::arg("threads") = 1,
         R"doc(Attention of query rows [B, R, 1, dim] over states [B, L, 1, dim] that are both the keys
 and the values (T5's reassociated cross-attention), written into out [B, R, dim]:
 out[b, r] = sum over j < lengths[b] of softmax_j(scale * q[b, r] . s[b, j]) s[b, j], each row's
 states read once (an online softmax over blocks of keys). lengths: int64 [B], each in [0, L]; a
 row with none gets zeros. Arrays all float32, or all bfloat16 as 16-bit integer arrays of their
 bits; query and states read in place with any strides but contiguous rows, out C-contiguous;
-dim a multiple of 16. threads: at most this many, used only where the work pays for them.
-Raises ValueError on arrays of another dtype, layout or shape.)doc");
+dim a multiple of 16. reverse: the rows in reverse order, with the same results (calls over the
+same states that alternate it start where the last one ended, on states still in cache).
+threads: at most this many, used only where the work pays for them. Raises ValueError on arrays
+of another dtype, layout or shape.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]

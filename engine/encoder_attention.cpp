@@ -11,24 +11,26 @@
 namespace fastjudge {
 namespace {
 
-// Query rows a unit of work takes (its outputs stay in cache across the key blocks), keys a
+// Query rows a unit of work takes (its outputs stay in cache across the key blocks), and keys a
 // block (64 keys of d_model 512: 128 KiB of float32, in the L2 cache for the weighted sum right
-// after the scores), and the register block of the scores: four keys by four queries.
+// after the scores).
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kBlockKeys = 64;
-constexpr int kKeys = 4, kQueries = 4;
 
 // One thread for each 4 MFLOP: below that a thread's start costs more than its share.
 constexpr double kFlopsPerThread = 4e6;
 
 // scores[q * kBlockKeys + j] = queries[q] . keys[j] for q < rows (a multiple of kQueries; the
-// queries zero past the real ones), j < n: four keys by four queries at a time, each pair's
-// products summed over the lanes at the end. A last short block of keys repeats its last key
-// (its scores are never read). ahead: how far on the next block's keys lie (0: none), fetched
-// into cache a line at a time as this block's are read.
+// queries zero past the real ones), j < n: a register block of 16 / kQueries keys by kQueries
+// queries at a time (16 accumulators), each pair's products summed over the lanes at the end. A
+// last short block of keys repeats its last key (its scores are never read). ahead: how far on
+// the next block's keys lie (0: none), fetched into cache a line at a time as this block's are
+// read.
+template <int kQueries>
 __attribute__((always_inline)) inline void block_scores(const float* queries, int64_t rows, const float* keys,
                                                         int64_t ldk, int64_t n, int64_t dim, float* scores,
                                                         int64_t ahead) {
+  constexpr int kKeys = kLanes / kQueries;
   for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
     const float* key[kKeys];
     for (int k = 0; k < kKeys; ++k) key[k] = keys + std::min<int64_t>(k0 + k, n - 1) * ldk;
@@ -58,7 +60,9 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<T>& qu
                                                         int64_t R, int64_t dim, float scale, float* queries,
                                                         float* sums, float* scores, float* block) {
   constexpr bool wide = std::is_same_v<T, float>;
-  const int64_t padded = (rows + kQueries - 1) / kQueries * kQueries;
+  // four queries a register block where they fill it, else two (six rows: no padded row)
+  const bool fours = rows % 4 == 0 || rows > 8;
+  const int64_t padded = fours ? (rows + 3) / 4 * 4 : (rows + 1) / 2 * 2;
   for (int64_t r = 0; r < padded; ++r) {
     for (int64_t d = 0; d < dim; d += kLanes)
       store(queries + r * dim + d, r < rows ? load_floats(query.row(b, r0 + r, 0) + d) : Floats{});
@@ -80,7 +84,11 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<T>& qu
     }
     // the next block's states, fetched while this one computes (float32 states are read in place)
     const int64_t ahead = wide && j0 + kBlockKeys < length ? kBlockKeys * ldk : 0;
-    block_scores(queries, padded, keys, ldk, n, dim, scores, ahead);
+    if (fours) {
+      block_scores<4>(queries, padded, keys, ldk, n, dim, scores, ahead);
+    } else {
+      block_scores<2>(queries, padded, keys, ldk, n, dim, scores, ahead);
+    }
     for (int64_t r = 0; r < rows; ++r) {  // the online softmax: weights against the running maximum
       float* w = scores + r * kBlockKeys;
       for (int64_t j = n; j < kBlockKeys; ++j) w[j] = -__builtin_inff();
@@ -115,16 +123,19 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<T>& qu
   }
 }
 
-// units [first, last): unit u is row u / groups, its (u % groups)-th group of query rows
+// units [first, last) of `units`, in reverse order where asked (the last unit first): unit u is
+// row u / groups, its (u % groups)-th group of query rows
 template <typename T>
 __attribute__((always_inline)) inline void attend_units(const StridedRows<T>& query, const StridedRows<T>& states,
                                                         const int64_t* lengths, T* out, int64_t R, int64_t dim,
-                                                        float scale, int64_t first, int64_t last) {
+                                                        float scale, int64_t units, bool reverse, int64_t first,
+                                                        int64_t last) {
   const int64_t groups = (R + kGroupRows - 1) / kGroupRows;
   const std::unique_ptr<float[]> queries(new float[kGroupRows * dim]), sums(new float[kGroupRows * dim]);
   const std::unique_ptr<float[]> scores(new float[kGroupRows * kBlockKeys]);
   const std::unique_ptr<float[]> block(new float[std::is_same_v<T, float> ? 0 : kBlockKeys * dim]);
-  for (int64_t u = first; u < last; ++u) {
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t u = reverse ? units - 1 - i : i;
     const int64_t b = u / groups, r0 = (u % groups) * kGroupRows;
     attend_group(query, states, lengths[b], out, b, r0, std::min(kGroupRows, R - r0), R, dim, scale, queries.get(),
                  sums.get(), scores.get(), block.get());
@@ -133,22 +144,23 @@ __attribute__((always_inline)) inline void attend_units(const StridedRows<T>& qu
 
 FASTJUDGE_CLONES
 void attend_units_f32(const StridedRows<float>& query, const StridedRows<float>& states, const int64_t* lengths,
-                      float* out, int64_t R, int64_t dim, float scale, int64_t first, int64_t last) {
-  attend_units(query, states, lengths, out, R, dim, scale, first, last);
+                      float* out, int64_t R, int64_t dim, float scale, int64_t units, bool reverse,
+                      int64_t first, int64_t last) {
+  attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
 }
 
 FASTJUDGE_CLONES
 void attend_units_bf16(const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& states,
-                       const int64_t* lengths, uint16_t* out, int64_t R, int64_t dim, float scale, int64_t first,
-                       int64_t last) {
-  attend_units(query, states, lengths, out, R, dim, scale, first, last);
+                       const int64_t* lengths, uint16_t* out, int64_t R, int64_t dim, float scale, int64_t units,
+                       bool reverse, int64_t first, int64_t last) {
+  attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
 }
 
 }  // namespace
 
 template <typename T>
 void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,
-                       int64_t B, int64_t R, int64_t dim, float scale, int threads) {
+                       int64_t B, int64_t R, int64_t dim, float scale, bool reverse, int threads) {
   if (B == 0 || R == 0 || dim == 0) return;
   const int64_t units = B * ((R + kGroupRows - 1) / kGroupRows);
   double keys = 0.0;
@@ -157,16 +169,16 @@ void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
   parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<T, float>) {
-      attend_units_f32(query, states, lengths, out, R, dim, scale, first, last);
+      attend_units_f32(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
     } else {
-      attend_units_bf16(query, states, lengths, out, R, dim, scale, first, last);
+      attend_units_bf16(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
     }
   });
 }
 
 template void encoder_attention<float>(const StridedRows<float>&, const StridedRows<float>&, const int64_t*, float*,
-                                       int64_t, int64_t, int64_t, float, int);
+                                       int64_t, int64_t, int64_t, float, bool, int);
 template void encoder_attention<uint16_t>(const StridedRows<uint16_t>&, const StridedRows<uint16_t>&,
-                                          const int64_t*, uint16_t*, int64_t, int64_t, int64_t, float, int);
+                                          const int64_t*, uint16_t*, int64_t, int64_t, int64_t, float, bool, int);
 
 }  // namespace fastjudge

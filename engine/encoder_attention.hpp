@@ -20,9 +20,11 @@ namespace fastjudge {
 // [B, R, 1, dim] and states [B, L, 1, dim] read in place (contiguous rows), out [B, R, dim]
 // C-contiguous; float32 or bfloat16 (as uint16 bits; arithmetic in float32, the output rounded
 // once). dim a multiple of 16; a row with no keys gets zeros. threads > 1 splits the rows'
-// groups of 16 queries among threads.
+// groups of 16 queries among threads. reverse: the rows in reverse order (the same results):
+// calls that alternate it over the same states start on those the last call read most
+// recently, still in cache when all of them are not.
 template <typename T>
 void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,
-                       int64_t B, int64_t R, int64_t dim, float scale, int threads);
+                       int64_t B, int64_t R, int64_t dim, float scale, bool reverse, int threads);
 
 }  // namespace fastjudge

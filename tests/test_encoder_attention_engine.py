@@ -72,16 +72,18 @@ def test_bfloat16_within_its_rounding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_states_and_threads_give_the_same_bits(dtype):
     """States read in place from a slice of a larger buffer (the pool's ``mem[:B, :L]``) give the
-    bits of a contiguous copy; 1, 2 and 4 threads give the same bits."""
+    bits of a contiguous copy; 1, 2 and 4 threads, the rows in either order, give the same
+    bits."""
     q, pool = inputs(5, 6, 160, 64, dtype)
     states, lengths = pool[:, :100], torch.tensor([100, 1, 37, 64, 99])
     assert not states.is_contiguous()
     want = attend_over_states(q, states.contiguous(), lengths, 1.0)
     for threads in (1, 2, 4):
-        out = torch.empty_like(q)
-        _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths.numpy(),
-                                  engine_array(out), 1.0, threads=threads)
-        assert torch.equal(out, want)
+        for reverse in (False, True):
+            out = torch.empty_like(q)
+            _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)),
+                                      lengths.numpy(), engine_array(out), 1.0, reverse=reverse, threads=threads)
+            assert torch.equal(out, want)
 
 
 def test_a_row_with_no_states_gets_zeros():

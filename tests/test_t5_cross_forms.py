@@ -16,6 +16,7 @@ import pytest
 from test_t5_decode import MAX_NEW, SHORT, padded, prompts, rating_ids, run_text, varied  # noqa: F401
 
 from fastjudge.backends.t5.backend import TorchT5Backend
+from fastjudge.backends.t5 import decode as t5_decode
 from fastjudge.backends.t5.decode import break_even_steps, projection_step
 from fastjudge.backends.t5.model import DecoderStep, T5Model
 
@@ -75,9 +76,14 @@ def test_the_budget_of_steps_picks_the_step(varied, prompts, padded, monkeypatch
     """By default a call projects after the break-even number of steps when its budget leaves as
     many again (rows that stopped before are never projected), and not at all for a shorter
     budget; a K/V pool that does not fit the state budget falls back to the reassociated form,
-    with the same tokens."""
+    with the same tokens. (The tiny shape's d_model is only 4 x d_kv, where the measured costs
+    never make a projection pay; the costs measured with SDPA for both forms, 4x and 14x the
+    GEMM rate, give it a break-even of 32 steps.)"""
+    monkeypatch.setattr(t5_decode, "REASSOCIATED_SLOWDOWN", 4.0)
+    monkeypatch.setattr(t5_decode, "PER_HEAD_SLOWDOWN", 14.0)
     backend = TorchT5Backend(varied, device="cpu", dtype="float32")
     steps = break_even_steps(backend.shape)
+    assert steps == 32
     assert projection_step(backend.shape, 2 * steps - 1) is None and projection_step(backend.shape, 2 * steps) == steps
     calls = spy_projections(monkeypatch)
     short = run_text(backend, prompts, max_new=MAX_NEW)
@@ -147,3 +153,22 @@ def test_per_head_cross_attention_engine_equals_sdpa(varied, prompts, positions)
     poisoned = xkv.masked_fill(torch.arange(16)[:, None] >= lengths[:, None, None, None, None], float("nan"))
     got = layer.cross_attention_heads(xq, poisoned, DecoderStep(None, None, None, None, enc_last=lengths - 1))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_break_even_of_the_flan_t5_shapes():
+    """With both forms in the engine, Flan-T5-small's shape (d_model 8 x d_kv) projects after
+    61 steps, wider models sooner (base 12x, large 16x); a model whose d_model is at most about
+    4.35 x d_kv never pays for a projection."""
+    from fastjudge.backends.t5.shape import T5Shape
+    from fastjudge.checkpoints import T5_SHAPES
+
+    def shape(name: str) -> T5Shape:
+        s = T5_SHAPES[name]
+        return T5Shape(vocab_size=100, d_model=s["d_model"], d_kv=s["d_kv"], num_heads=s["num_heads"],
+                       num_layers=s["num_layers"], num_decoder_layers=s["num_layers"], num_buckets=32,
+                       max_distance=128, eps=1e-6, gated=True, act="gelu_new", scale_decoder_outputs=False,
+                       decoder_start_token_id=0, eos_token_id=1)
+
+    assert break_even_steps(shape("small")) == 61
+    assert break_even_steps(shape("base")) < 61
+    assert break_even_steps(shape("tiny")) is None and projection_step(shape("tiny"), 10_000) is None

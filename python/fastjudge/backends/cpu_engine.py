@@ -47,12 +47,15 @@ def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def attend_over_states(q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_over_states(q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, scale: float,
+                       reverse: bool = False) -> torch.Tensor:
     """``_engine.encoder_attention`` of query rows ``q`` [B, R, D] over ``states`` [B, L, D], which
     are both the keys and the values (row ``b`` sees its first ``lengths[b]`` states), each row's
-    states read once; both read in place. Returns [B, R, D], contiguous."""
+    states read once; both read in place. ``reverse``: the rows in reverse order (the same
+    results; layers that alternate it start on the states the last one read most recently).
+    Returns [B, R, D], contiguous."""
     B, R, D = q.shape
     out = q.new_empty(B, R, D)
     _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths.numpy(),
-                              engine_array(out), scale, threads=torch.get_num_threads())
+                              engine_array(out), scale, reverse=reverse, threads=torch.get_num_threads())
     return out

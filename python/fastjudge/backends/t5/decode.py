@@ -40,13 +40,16 @@ from .shape import T5Shape
 
 # The cost estimate behind the choice of cross-attention form, in time per encoder token and
 # decoder layer, counted in FLOPs at the rate of the projections' GEMMs. Measured with torch 2.13
-# on a 2-core AVX-512 CPU, float32, Flan-T5-small's shape, 16 rows x ~1,100 encoder tokens (1
-# and 2 threads alike): the reassociated form's products (heads x positions rows against
-# d_model-wide encoder states) ran ~4x slower per FLOP than those GEMMs, the per-head form's
-# one-token attention (bound by reading K/V) ~14x slower per FLOP. For that shape the projection
-# pays for itself in 29 steps.
-REASSOCIATED_SLOWDOWN = 4.0
-PER_HEAD_SLOWDOWN = 14.0
+# on a 2-core AVX-512 CPU, float32, Flan-T5-small's shape, 16 rows x ~1,100 encoder tokens, two
+# threads, both forms in the engine (``model.attend_encoder``): the reassociated form (heads x
+# positions query rows over the d_model-wide encoder states, each row's states read once, and
+# the two einsums around it) ~2.3x slower per FLOP than those GEMMs, the per-head form's
+# one-token attention (bound by reading float32 K/V, 1.5x the encoder states' bytes per layer)
+# ~10x slower. For that shape the projection pays for itself in 61 steps (whole calls of 100 new
+# tokens: projecting from the first step 7.97 s, never 8.38 s, a step 23.9 against 33.2 ms).
+# (With SDPA for both forms they were 4x and 14x: 29 steps.)
+REASSOCIATED_SLOWDOWN = 2.3
+PER_HEAD_SLOWDOWN = 10.0
 
 
 def break_even_steps(shape: T5Shape) -> int | None:

@@ -113,12 +113,15 @@ class T5Block(torch.nn.Module):
     """One encoder or decoder block: ``norm``/``qkv``/``o`` (self-attention), in the decoder
     ``x_norm``/``x_q``/``x_kv``/``x_o`` (cross-attention; ``x_kv`` holds K and V, read as the
     tensors ``x_k``/``x_v`` by the reassociated form), ``ff_norm``/``wi``/``wo`` (feed-forward;
-    ``wi`` holds both gated inputs). The projections are :class:`dense.Dense` modules."""
+    ``wi`` holds both gated inputs). The projections are :class:`dense.Dense` modules.
+    ``index``: the block's place in its stack (odd blocks take the rows in reverse order where
+    the order is free, so that each starts on what the last one read most recently)."""
 
-    def __init__(self, shape: T5Shape, weights: dict):
+    def __init__(self, shape: T5Shape, weights: dict, index: int = 0):
         super().__init__()
         act = activation_name(shape.act)
         self.s, self.act = shape, ACTIVATIONS[act][0]
+        self.reverse_rows = index % 2 == 1
         for name, w in weights.items():
             if name in PROJECTIONS:  # a gated feed-forward's wi holds both inputs, gate first
                 setattr(self, name, Dense(w, gate=act if name == "wi" and shape.gated else None))
@@ -178,7 +181,7 @@ class T5Block(torch.nn.Module):
         d = mem.shape[-1]
         q = torch.einsum("bphk,hkd->bhpd", xq, self.x_k.view(h, dk, d)).reshape(B, h * P, d)
         if step.enc_lengths is not None and d % 16 == 0:  # the engine: each row's states read once
-            ctx = attend_over_states(q, mem, step.enc_lengths, scale=1.0)
+            ctx = attend_over_states(q, mem, step.enc_lengths, scale=1.0, reverse=self.reverse_rows)
         else:  # one head whose keys and values are the encoder states
             ctx = attend_encoder(q.unsqueeze(1), mem.unsqueeze(1), mem.unsqueeze(1), step)
         return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), self.x_v.view(h, dk, d)).reshape(B, P, h * dk)
@@ -243,7 +246,7 @@ class T5Model(torch.nn.Module):
             wi = [f"{ff}.DenseReluDense.wi{n}.weight" for n in (("_0", "_1") if shape.gated else ("",))]
             w.update(ff_norm=take(f"{ff}.layer_norm.weight"), wi=fuse([get(n) for n in wi], dtype),
                      wo=get(f"{ff}.DenseReluDense.wo.weight"))
-            return T5Block(shape, w)
+            return T5Block(shape, w, i)
 
         self.embed = _registered(take("shared.weight"))
         # a tied head is the embedding parameter itself, registered under both names
