@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from test_t5_decode import MAX_NEW, SHORT, padded, prompts, rating_ids, run_text, varied  # noqa: F401
 
-from fastjudge.backends.t5.backend import TorchT5Backend
 from fastjudge.backends.t5 import decode as t5_decode
+from fastjudge.backends.t5.backend import TorchT5Backend
 from fastjudge.backends.t5.decode import break_even_steps, projection_step
 from fastjudge.backends.t5.model import DecoderStep, T5Model
 
