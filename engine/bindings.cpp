@@ -670,6 +670,45 @@ void encoder_attention(const py::handle& query, const py::handle& states, const 
   }
 }
 
+// T5's reassociated cross-attention with its per-head maps
+template <typename T>
+void reassociated_attention_typed(const py::array& xq, const py::handle& w_k, const py::handle& w_v,
+                                  const py::handle& states, const py::handle& lengths, const py::handle& out,
+                                  float scale, bool reverse, int threads) {
+  const int64_t B = xq.shape(0), P = xq.shape(1), H = xq.shape(2), dk = xq.shape(3);
+  py::array held = py::array::ensure(states);
+  if (!held || held.ndim() != 4) throw py::value_error("states must be a 4-D array [B, L, 1, dim]");
+  const int64_t L = held.shape(1), dim = held.shape(3);
+  if (dim % 16 != 0) throw py::value_error("dim must be a multiple of 16");
+  const Int64Array keys = as_int64_vector(lengths, "lengths");
+  if (keys.shape(0) != B) throw py::value_error("lengths must have one entry per row");
+  for (int64_t b = 0; b < B; ++b) {
+    if (keys.at(b) < 0 || keys.at(b) > L) throw py::value_error("lengths must lie in [0, L]");
+  }
+  const T* x = typed_array<T>(xq, "xq", {B, P, H, dk});
+  const T* wk = typed_array<T>(w_k, "w_k", {H, dk, dim});
+  const T* wv = typed_array<T>(w_v, "w_v", {H, dk, dim});
+  const auto s = strided_rows<T>(states, "states", {B, L, 1, dim});
+  T* dst = typed_array<T>(out, "out", {B, P, H, dk}, true);
+  py::gil_scoped_release release;
+  fastjudge::reassociated_attention<T>(x, wk, wv, s, keys.data(), dst, B, P, H, dk, dim, scale, reverse, threads);
+}
+
+void reassociated_attention(const py::handle& xq, const py::handle& w_k, const py::handle& w_v,
+                            const py::handle& states, const py::handle& lengths, const py::handle& out, float scale,
+                            bool reverse, int threads) {
+  py::array x = py::isinstance<py::array>(xq) ? py::reinterpret_borrow<py::array>(xq) : py::array();
+  if (!x || x.ndim() != 4) throw py::value_error("xq must be a 4-D array [B, P, heads, d_kv]");
+  if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
+  if (x.dtype().kind() == 'f' && x.itemsize() == 4) {
+    reassociated_attention_typed<float>(x, w_k, w_v, states, lengths, out, scale, reverse, threads);
+  } else if ((x.dtype().kind() == 'i' || x.dtype().kind() == 'u') && x.itemsize() == 2) {
+    reassociated_attention_typed<uint16_t>(x, w_k, w_v, states, lengths, out, scale, reverse, threads);
+  } else {
+    throw py::value_error("xq must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
 void bind_cpu_threads(py::module_& m) {
   m.def(
       "cpu_thread_pool", [] { return fastjudge::process_openmp().parallel ? "openmp" : "threads"; },
@@ -701,6 +740,16 @@ dim a multiple of 16. reverse: the rows in reverse order, with the same results 
 same states that alternate it start where the last one ended, on states still in cache).
 threads: at most this many, used only where the work pays for them. Raises ValueError on arrays
 of another dtype, layout or shape.)doc");
+  m.def("reassociated_attention", &reassociated_attention, py::arg("xq"), py::arg("w_k"), py::arg("w_v"),
+        py::arg("states"), py::arg("lengths"), py::arg("out"), py::arg("scale"), py::arg("reverse") = false,
+        py::arg("threads") = 1,
+        R"doc(T5's reassociated cross-attention in one call: for each row b, position p and head h,
+q = w_k[h]^T xq[b, p, h] (the query in model space), ctx = encoder_attention of q over the row's
+states, out[b, p, h] = w_v[h] ctx. xq, out [B, P, heads, d_kv] and w_k, w_v [heads, d_kv, dim]
+C-contiguous; states [B, L, 1, dim] with contiguous rows; lengths int64 [B] in [0, L]; all
+float32, or all bfloat16 as 16-bit integer arrays of their bits (q and ctx held in float32, out
+rounded once); dim a multiple of 16. reverse and threads as for encoder_attention. Raises
+ValueError on arrays of another dtype, layout or shape.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]

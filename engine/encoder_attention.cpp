@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_parallel.hpp"
 #include "small_product.hpp"
@@ -53,10 +54,11 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
   }
 }
 
-// One row's group of query rows [r0, r0 + rows) over its first `length` states.
-template <typename T>
-__attribute__((always_inline)) inline void attend_group(const StridedRows<T>& query, const StridedRows<T>& states,
-                                                        int64_t length, T* out, int64_t b, int64_t r0, int64_t rows,
+// One row's group of query rows [r0, r0 + rows) over its first `length` states (queries of type
+// Q, states T, outputs O: float32 or bfloat16 bits each).
+template <typename Q, typename T, typename O>
+__attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& query, const StridedRows<T>& states,
+                                                        int64_t length, O* out, int64_t b, int64_t r0, int64_t rows,
                                                         int64_t R, int64_t dim, float scale, float* queries,
                                                         float* sums, float* scores, float* block) {
   constexpr bool wide = std::is_same_v<T, float>;
@@ -117,7 +119,7 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<T>& qu
     product(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    T* o = out + (b * R + r0 + r) * dim;
+    O* o = out + (b * R + r0 + r) * dim;
     const float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
     for (int64_t d = 0; d < dim; d += kLanes) store_floats(o + d, load(sums + r * dim + d) * inverse);
   }
@@ -125,9 +127,9 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<T>& qu
 
 // units [first, last) of `units`, in reverse order where asked (the last unit first): unit u is
 // row u / groups, its (u % groups)-th group of query rows
-template <typename T>
-__attribute__((always_inline)) inline void attend_units(const StridedRows<T>& query, const StridedRows<T>& states,
-                                                        const int64_t* lengths, T* out, int64_t R, int64_t dim,
+template <typename Q, typename T, typename O>
+__attribute__((always_inline)) inline void attend_units(const StridedRows<Q>& query, const StridedRows<T>& states,
+                                                        const int64_t* lengths, O* out, int64_t R, int64_t dim,
                                                         float scale, int64_t units, bool reverse, int64_t first,
                                                         int64_t last) {
   const int64_t groups = (R + kGroupRows - 1) / kGroupRows;
@@ -149,6 +151,14 @@ void attend_units_f32(const StridedRows<float>& query, const StridedRows<float>&
   attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
 }
 
+// float32 queries and outputs over bfloat16 states (the fused cross-attention of a bfloat16 model)
+FASTJUDGE_CLONES
+void attend_units_mixed(const StridedRows<float>& query, const StridedRows<uint16_t>& states, const int64_t* lengths,
+                        float* out, int64_t R, int64_t dim, float scale, int64_t units, bool reverse, int64_t first,
+                        int64_t last) {
+  attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
+}
+
 FASTJUDGE_CLONES
 void attend_units_bf16(const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& states,
                        const int64_t* lengths, uint16_t* out, int64_t R, int64_t dim, float scale, int64_t units,
@@ -156,7 +166,169 @@ void attend_units_bf16(const StridedRows<uint16_t>& query, const StridedRows<uin
   attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
 }
 
+// T5's per-head maps around the attention. A unit of work is one head-position pair (head h =
+// pair / P, position p = pair % P) and one slice of the weights it reads (64 columns of w_k[h],
+// four rows of w_v[h]), taken against every row in blocks of kMapRows: the slice stays in L1
+// while the rows pass over it.
+constexpr int64_t kMapRows = 4;
+constexpr int64_t kMapColumns = 4 * kLanes;
+constexpr int kMapOutputs = kLanes / kMapRows;  // four k a unit of the map back
+
+// queries into model space: q[b, h * P + p, c0 ..] = sum over k < dk of x[b, p, h, k] w[h, k, c0 ..]
+// for rows [b0, b0 + rows), in register blocks of four rows by NV vectors of columns (rows past
+// the block's repeat its last one, never stored)
+template <int NV, typename T>
+__attribute__((always_inline)) inline void map_query_block(const T* x, const T* w, float* q, int64_t b0, int64_t rows,
+                                                           int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t h,
+                                                           int64_t p, int64_t c0) {
+  const T* xr[kMapRows];
+  for (int r = 0; r < kMapRows; ++r) xr[r] = x + ((std::min<int64_t>(b0 + r, b0 + rows - 1) * P + p) * H + h) * dk;
+  Floats acc[kMapRows][NV] = {};
+  for (int64_t k = 0; k < dk; ++k) {
+    Floats wk[NV];
+    for (int v = 0; v < NV; ++v) wk[v] = load_floats(w + (h * dk + k) * dim + c0 + v * kLanes);
+    for (int r = 0; r < kMapRows; ++r) {
+      const float a = to_float(xr[r][k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * wk[v];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v) store(q + ((b0 + r) * H * P + h * P + p) * dim + c0 + v * kLanes, acc[r][v]);
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void map_queries(const T* x, const T* w, float* q, int64_t B, int64_t P,
+                                                       int64_t H, int64_t dk, int64_t dim, int64_t first,
+                                                       int64_t last) {
+  const int64_t slices = (dim + kMapColumns - 1) / kMapColumns;
+  for (int64_t u = first; u < last; ++u) {
+    const int64_t pair = u / slices, h = pair / P, p = pair % P;
+    const int64_t c0 = (u % slices) * kMapColumns, wide = std::min(kMapColumns, dim - c0);
+    for (int64_t b0 = 0; b0 < B; b0 += kMapRows) {
+      const int64_t rows = std::min(kMapRows, B - b0);
+      if (wide == kMapColumns) {
+        map_query_block<4>(x, w, q, b0, rows, P, H, dk, dim, h, p, c0);
+      } else {
+        for (int64_t c = c0; c < c0 + wide; c += kLanes) map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c);
+      }
+    }
+  }
+}
+
+// contexts back to head space: out[b, p, h, k] = ctx[b, h * P + p, :] . w[h, k, :] for the unit's
+// four k, four rows by four k at a time, each pair's products summed over the lanes at the end
+// (rows past B and k past dk repeat the last one, never stored)
+template <typename T>
+__attribute__((always_inline)) inline void map_contexts(const float* ctx, const T* w, T* out, int64_t B, int64_t P,
+                                                        int64_t H, int64_t dk, int64_t dim, int64_t first,
+                                                        int64_t last) {
+  constexpr int kOut = kMapOutputs;
+  const int64_t slices = (dk + kOut - 1) / kOut;
+  for (int64_t u = first; u < last; ++u) {
+    const int64_t pair = u / slices, h = pair / P, p = pair % P, k0 = (u % slices) * kOut;
+    const T* wr[kOut];
+    for (int k = 0; k < kOut; ++k) wr[k] = w + (h * dk + std::min<int64_t>(k0 + k, dk - 1)) * dim;
+    for (int64_t b0 = 0; b0 < B; b0 += kMapRows) {
+      const int64_t rows = std::min(kMapRows, B - b0);
+      const float* cr[kMapRows];
+      for (int r = 0; r < kMapRows; ++r)
+        cr[r] = ctx + (std::min<int64_t>(b0 + r, b0 + rows - 1) * H * P + h * P + p) * dim;
+      Floats acc[kMapRows * kOut] = {};
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        Floats c[kMapRows];
+        for (int r = 0; r < kMapRows; ++r) c[r] = load(cr[r] + d);
+        for (int k = 0; k < kOut; ++k) {
+          const Floats wk = load_floats(wr[k] + d);
+          for (int r = 0; r < kMapRows; ++r) acc[r * kOut + k] += c[r] * wk;
+        }
+      }
+      float sums[kLanes];
+      store(sums, lane_sums(acc));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int k = 0; k < kOut && k0 + k < dk; ++k)
+          from_float(sums[r * kOut + k], out + (((b0 + r) * P + p) * H + h) * dk + k0 + k);
+    }
+  }
+}
+
+FASTJUDGE_CLONES
+void map_queries_f32(const float* x, const float* w, float* q, int64_t B, int64_t P, int64_t H, int64_t dk,
+                     int64_t dim, int64_t first, int64_t last) {
+  map_queries(x, w, q, B, P, H, dk, dim, first, last);
+}
+
+FASTJUDGE_CLONES
+void map_queries_bf16(const uint16_t* x, const uint16_t* w, float* q, int64_t B, int64_t P, int64_t H, int64_t dk,
+                      int64_t dim, int64_t first, int64_t last) {
+  map_queries(x, w, q, B, P, H, dk, dim, first, last);
+}
+
+FASTJUDGE_CLONES
+void map_contexts_f32(const float* ctx, const float* w, float* out, int64_t B, int64_t P, int64_t H, int64_t dk,
+                      int64_t dim, int64_t first, int64_t last) {
+  map_contexts(ctx, w, out, B, P, H, dk, dim, first, last);
+}
+
+FASTJUDGE_CLONES
+void map_contexts_bf16(const float* ctx, const uint16_t* w, uint16_t* out, int64_t B, int64_t P, int64_t H,
+                       int64_t dk, int64_t dim, int64_t first, int64_t last) {
+  map_contexts(ctx, w, out, B, P, H, dk, dim, first, last);
+}
+
+// threads for `flops` of work: one for each kFlopsPerThread, at most `threads`
+int64_t workers_for(double flops, int threads) {
+  return std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
+}
+
 }  // namespace
+
+template <typename T>
+void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const StridedRows<T>& states,
+                            const int64_t* lengths, T* out, int64_t B, int64_t P, int64_t H, int64_t dk, int64_t dim,
+                            float scale, bool reverse, int threads) {
+  const int64_t R = H * P;
+  if (B == 0 || R == 0 || dk == 0) return;
+  // the queries in model space and the contexts, float32, kept from call to call (they only grow)
+  thread_local std::vector<float> scratch;
+  const auto held = static_cast<std::size_t>(2 * B * R * dim);
+  if (scratch.size() < held) scratch.resize(held);
+  float* q = scratch.data();
+  float* ctx = q + B * R * dim;
+  const int64_t map_workers = workers_for(2.0 * B * R * dk * dim, threads);
+  constexpr bool wide = std::is_same_v<T, float>;
+  parallel_ranges(R * ((dim + kMapColumns - 1) / kMapColumns), map_workers, 1, [&](int64_t first, int64_t last) {
+    if constexpr (wide) {
+      map_queries_f32(xq, w_k, q, B, P, H, dk, dim, first, last);
+    } else {
+      map_queries_bf16(xq, w_k, q, B, P, H, dk, dim, first, last);
+    }
+  });
+  const StridedRows<float> queries{q, R * dim, dim, 0};
+  const int64_t units = B * ((R + kGroupRows - 1) / kGroupRows);
+  double keys = 0.0;
+  for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
+  parallel_ranges(units, workers_for(4.0 * R * dim * keys, threads), 1, [&](int64_t first, int64_t last) {
+    if constexpr (wide) {
+      attend_units_f32(queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last);
+    } else {
+      attend_units_mixed(queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last);
+    }
+  });
+  parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), map_workers, 1, [&](int64_t first, int64_t last) {
+    if constexpr (wide) {
+      map_contexts_f32(ctx, w_v, out, B, P, H, dk, dim, first, last);
+    } else {
+      map_contexts_bf16(ctx, w_v, out, B, P, H, dk, dim, first, last);
+    }
+  });
+}
+
+template void reassociated_attention<float>(const float*, const float*, const float*, const StridedRows<float>&,
+                                            const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                            float, bool, int);
+template void reassociated_attention<uint16_t>(const uint16_t*, const uint16_t*, const uint16_t*,
+                                               const StridedRows<uint16_t>&, const int64_t*, uint16_t*, int64_t,
+                                               int64_t, int64_t, int64_t, int64_t, float, bool, int);
 
 template <typename T>
 void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,
@@ -165,9 +337,7 @@ void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states
   const int64_t units = B * ((R + kGroupRows - 1) / kGroupRows);
   double keys = 0.0;
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
-  const double flops = 4.0 * R * dim * keys;
-  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
-  parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
+  parallel_ranges(units, workers_for(4.0 * R * dim * keys, threads), 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<T, float>) {
       attend_units_f32(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
     } else {

@@ -27,4 +27,15 @@ template <typename T>
 void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,
                        int64_t B, int64_t R, int64_t dim, float scale, bool reverse, int threads);
 
+// T5's whole reassociated cross-attention for each row b and position p: its heads' queries
+// xq[b, p, h] (each of d_kv) mapped into model space through the key weights, q = w_k[h]^T
+// xq[b, p, h]; the attention above over the row's states; each context mapped back through the
+// value weights, out[b, p, h] = w_v[h] ctx. xq, out [B, P, H, dk] and w_k, w_v [H, dk, dim]
+// C-contiguous, of one type T (float32 or bfloat16 bits); the queries and contexts stay float32
+// between the three steps (kept by the calling thread from call to call), out rounded once.
+template <typename T>
+void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const StridedRows<T>& states,
+                            const int64_t* lengths, T* out, int64_t B, int64_t P, int64_t H, int64_t dk, int64_t dim,
+                            float scale, bool reverse, int threads);
+
 }  // namespace fastjudge

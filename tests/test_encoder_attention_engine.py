@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from fastjudge import _engine
-from fastjudge.backends.cpu_engine import attend_over_states, engine_array
+from fastjudge.backends.cpu_engine import engine_array
+
+
+def attend_over_states(q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths.numpy(),
+                              engine_array(out), scale, threads=torch.get_num_threads())
+    return out
 
 
 def reference(q: torch.Tensor, states: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
@@ -117,3 +124,80 @@ def test_refusals():
     with pytest.raises(ValueError, match="scale must be positive"):
         call(scale=0.0)
     assert torch.equal(out, torch.full_like(q, 7.0))
+
+
+def reassociated_reference(xq, w_k, w_v, states, lengths):
+    """transformers' T5 cross-attention per head over K = m W_k^T, V = m W_v^T (float64)."""
+    B, P, H, dk = xq.shape
+    out = torch.zeros(B, P, H, dk, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        m = states[b, :n].double()
+        for h in range(H):
+            k, v = m @ w_k[h].double().T, m @ w_v[h].double().T  # [n, dk]
+            out[b, :, h] = torch.softmax(xq[b, :, h].double() @ k.T, dim=-1) @ v
+    return out
+
+
+@pytest.mark.parametrize("P,dk", [(1, 64), (3, 64), (1, 10)])
+def test_reassociated_attention_against_per_head_kv(P, dk):
+    """``_engine.reassociated_attention`` (``cpu_engine.attend_reassociated``: the maps into and
+    out of model space around the attention, one call) against per-head attention over projected
+    K/V, as transformers' ``T5Attention.forward`` computes it: 5 rows (a block of four and one),
+    1 and 3 positions, d_kv a multiple of four and not, states past each row's length poisoned
+    with NaN; within float32 rounding."""
+    from fastjudge.backends.cpu_engine import attend_reassociated
+
+    g = torch.Generator().manual_seed(3)
+    B, H, d, lengths = 5, 6, 48, [9, 1, 70, 64, 33]
+    xq = torch.randn(B, P, H, dk, generator=g)
+    w_k, w_v = torch.randn(H, dk, d, generator=g) / d ** 0.5, torch.randn(H, dk, d, generator=g) / d ** 0.5
+    states = torch.randn(B, 70, d, generator=g)
+    for b, n in enumerate(lengths):
+        states[b, n:] = float("nan")
+    got = attend_reassociated(xq, w_k, w_v, states, torch.tensor(lengths))
+    torch.testing.assert_close(got.double(), reassociated_reference(xq, w_k, w_v, states, lengths),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(attend_reassociated(xq, w_k, w_v, states, torch.tensor(lengths), reverse=True), got)
+
+
+def test_reassociated_attention_bfloat16_and_threads():
+    """bfloat16 (queries and contexts held in float32 between the steps, the output rounded
+    once): within bfloat16 rounding of the float64 reference on the same values; 1, 2 and 4
+    threads give the same bits."""
+    g = torch.Generator().manual_seed(4)
+    B, P, H, dk, d, lengths = 6, 1, 6, 64, 64, [3, 130, 64, 65, 1, 100]
+    xq = torch.randn(B, P, H, dk, generator=g).bfloat16()
+    w_k = (torch.randn(H, dk, d, generator=g) / d ** 0.5).bfloat16()
+    w_v = (torch.randn(H, dk, d, generator=g) / d ** 0.5).bfloat16()
+    states = torch.randn(B, 130, d, generator=g).bfloat16()
+    outs = []
+    for threads in (1, 2, 4):
+        out = torch.empty_like(xq)
+        _engine.reassociated_attention(engine_array(xq), engine_array(w_k), engine_array(w_v),
+                                       engine_array(states.unsqueeze(2)), np.array(lengths), engine_array(out), 1.0,
+                                       threads=threads)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    torch.testing.assert_close(outs[0].double(), reassociated_reference(xq, w_k, w_v, states, lengths),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_reassociated_attention_refusals():
+    """Weights of another shape, a layout it cannot read in place, mixed dtypes: refused before
+    anything is written."""
+    xq, w = torch.randn(2, 1, 6, 8), torch.randn(6, 8, 16)
+    states, out = torch.randn(2, 4, 16), torch.full((2, 1, 6, 8), 7.0)
+
+    def call(xq=xq, w_k=w, w_v=w, states=states, out=out):
+        _engine.reassociated_attention(engine_array(xq), engine_array(w_k), engine_array(w_v),
+                                       engine_array(states.unsqueeze(2)), np.array([4, 4]), engine_array(out), 1.0)
+
+    with pytest.raises(ValueError, match="w_k must be"):
+        call(w_k=torch.randn(6, 8, 32))
+    with pytest.raises(ValueError, match="w_v must be"):
+        call(w_v=w.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="states must be"):
+        call(states=states.bfloat16())
+    with pytest.raises(ValueError, match="out must be"):
+        call(out=torch.empty(2, 1, 6, 4))
+    assert torch.equal(out, torch.full((2, 1, 6, 8), 7.0))

@@ -185,8 +185,9 @@ def test_repeated_requests_run_once(varied, prompts, padded, monkeypatch):
 def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions, form):
     """``T5Model.cross_attention`` (no K/V: queries mapped to model space over the encoder
     states) against softmax(q K^T) V over K = m W_k^T, V = m W_v^T per head, on rows of
-    different lengths, in each of its forms: the engine's attention over states that are keys
-    and values alike (``_engine.encoder_attention``, each row's length), its few-token attention
+    different lengths, in each of its forms: one engine call (``_engine.reassociated_attention``:
+    the maps into and out of model space around attention over states that are keys and values
+    alike, each row's length), the engine's few-token attention
     (each row's last key; both with the padded states poisoned with NaN), SDPA under the key
     mask."""
     model = t5_backend.model

@@ -47,15 +47,17 @@ def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def attend_over_states(q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, scale: float,
-                       reverse: bool = False) -> torch.Tensor:
-    """``_engine.encoder_attention`` of query rows ``q`` [B, R, D] over ``states`` [B, L, D], which
-    are both the keys and the values (row ``b`` sees its first ``lengths[b]`` states), each row's
-    states read once; both read in place. ``reverse``: the rows in reverse order (the same
-    results; layers that alternate it start on the states the last one read most recently).
-    Returns [B, R, D], contiguous."""
-    B, R, D = q.shape
-    out = q.new_empty(B, R, D)
-    _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths.numpy(),
-                              engine_array(out), scale, reverse=reverse, threads=torch.get_num_threads())
+def attend_reassociated(xq: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, states: torch.Tensor,
+                        lengths: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """T5's reassociated cross-attention as one engine call (``_engine.reassociated_attention``):
+    each head's query ``xq`` [B, P, H, dk] mapped into model space through ``w_k`` [H, dk, d],
+    attention with scale 1 over ``states`` [B, L, d], which are both the keys and the values (row
+    ``b`` sees its first ``lengths[b]``, each row's read once), and each context mapped back
+    through ``w_v`` [H, dk, d]. ``reverse``: the rows in reverse order (the same results; layers
+    that alternate it start on the states the last one read most recently). Returns [B, P, H,
+    dk]."""
+    out = torch.empty_like(xq)
+    _engine.reassociated_attention(engine_array(xq), engine_array(w_k), engine_array(w_v),
+                                   engine_array(states.unsqueeze(2)), lengths.numpy(), engine_array(out), 1.0,
+                                   reverse=reverse, threads=torch.get_num_threads())
     return out

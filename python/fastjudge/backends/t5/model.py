@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
-from ..cpu_engine import ENGINE_DTYPES, attend_in_engine, attend_over_states, engine_takes
+from ..cpu_engine import ENGINE_DTYPES, attend_in_engine, attend_reassociated, engine_takes
 from ..cpu_memory import keep_freed_memory
 from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
@@ -179,12 +179,13 @@ class T5Block(torch.nn.Module):
         ``xq`` [B, P, heads, d_kv] over encoder states ``mem`` [B, L, d], reassociated."""
         B, P, h, dk = xq.shape
         d = mem.shape[-1]
-        q = torch.einsum("bphk,hkd->bhpd", xq, self.x_k.view(h, dk, d)).reshape(B, h * P, d)
-        if step.enc_lengths is not None and d % 16 == 0:  # the engine: each row's states read once
-            ctx = attend_over_states(q, mem, step.enc_lengths, scale=1.0, reverse=self.reverse_rows)
-        else:  # one head whose keys and values are the encoder states
-            ctx = attend_encoder(q.unsqueeze(1), mem.unsqueeze(1), mem.unsqueeze(1), step)
-        return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), self.x_v.view(h, dk, d)).reshape(B, P, h * dk)
+        w_k, w_v = self.x_k.view(h, dk, d), self.x_v.view(h, dk, d)
+        if step.enc_lengths is not None and d % 16 == 0 and xq.is_contiguous():
+            # the engine: the maps and the attention in one call, each row's states read once
+            return attend_reassociated(xq, w_k, w_v, mem, step.enc_lengths, self.reverse_rows).view(B, P, h * dk)
+        q = torch.einsum("bphk,hkd->bhpd", xq, w_k).reshape(B, 1, h * P, d)
+        ctx = attend_encoder(q, mem.unsqueeze(1), mem.unsqueeze(1), step)  # one head: keys = values = states
+        return torch.einsum("bhpd,hkd->bphk", ctx.view(B, h, P, d), w_v).reshape(B, P, h * dk)
 
     def cross_attention_heads(self, xq: torch.Tensor, xkv: torch.Tensor, step: DecoderStep) -> torch.Tensor:
         """The same output from the encoder states' projected K/V ``xkv`` [B, 2, heads, L, d_kv]
