@@ -20,7 +20,9 @@ speed:
   once (:meth:`T5Model.project_cross`, one GEMM per layer) and read by every later step, as
   transformers does. Score-only rows (one step) use the first; greedy decoding switches to the
   second once its rows have run as many steps as the projection costs
-  (``decode.projection_step``).
+  (``decode.projection_step``). On the CPU both run in the engine: the reassociated form as one
+  call with its maps (``cpu_engine.attend_reassociated``, each row's states read once), the
+  per-head form on the few-token attention kernel; CUDA and traced graphs keep SDPA.
 """
 
 from __future__ import annotations
