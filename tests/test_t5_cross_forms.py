@@ -129,7 +129,7 @@ def test_projected_kv_in_float32_on_the_cpu(varied, prompts):  # noqa: F811
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want.bfloat16())
     # the engine's attention (what eager CPU steps take): float32 too, within float32 rounding of SDPA
-    step = DecoderStep(None, None, None, None, enc_last=torch.tensor([15, 8, 15]))
+    step = DecoderStep(None, None, None, None, enc_lengths=torch.tensor([16, 9, 16]))
     got = layer.cross_attention_heads(xq.float(), xkv, step)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -151,7 +151,7 @@ def test_per_head_cross_attention_engine_equals_sdpa(varied, prompts, positions)
     mask = torch.zeros(3, 1, 1, 16).masked_fill(torch.arange(16) >= lengths[:, None, None, None], float("-inf"))
     want = layer.cross_attention_heads(xq, xkv, DecoderStep(None, None, None, mask))
     poisoned = xkv.masked_fill(torch.arange(16)[:, None] >= lengths[:, None, None, None, None], float("nan"))
-    got = layer.cross_attention_heads(xq, poisoned, DecoderStep(None, None, None, None, enc_last=lengths - 1))
+    got = layer.cross_attention_heads(xq, poisoned, DecoderStep(None, None, None, None, enc_lengths=lengths))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -187,9 +187,8 @@ def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions,
     states) against softmax(q K^T) V over K = m W_k^T, V = m W_v^T per head, on rows of
     different lengths, in each of its forms: one engine call (``_engine.reassociated_attention``:
     the maps into and out of model space around attention over states that are keys and values
-    alike, each row's length), the engine's few-token attention
-    (each row's last key; both with the padded states poisoned with NaN), SDPA under the key
-    mask."""
+    alike, each row's length), the engine's few-token attention (for queries the one call does
+    not take; both with the padded states poisoned with NaN), SDPA under the key mask."""
     model = t5_backend.model
     s, layer = model.s, model.decoder[0]
     h, dk, d = s.num_heads, s.d_kv, s.d_model
@@ -204,9 +203,10 @@ def test_reassociated_cross_attention_equals_projected_kv(t5_backend, positions,
     if form == "states":
         mem[keys] = float("nan")
         step = DecoderStep(None, None, None, None, enc_lengths=torch.tensor(lengths))
-    elif form == "few-token":
+    elif form == "few-token":  # queries not contiguous: not the one call's
         mem[keys] = float("nan")
-        step = DecoderStep(None, None, None, None, enc_last=torch.tensor(lengths) - 1)
+        xq = torch.empty(*xq.shape[:-1], 2 * dk)[..., :dk].copy_(xq)
+        step = DecoderStep(None, None, None, None, enc_lengths=torch.tensor(lengths))
     else:
         bias = torch.zeros(len(lengths), max(lengths)).masked_fill(keys, float("-inf")).view(len(lengths), 1, 1, -1)
         step = DecoderStep(None, None, None, bias)

@@ -49,7 +49,6 @@ cannot lower the packed op on an opaque oneDNN tensor or call the engine, and co
 
 from __future__ import annotations
 
-import itertools
 from functools import partial
 
 import numpy as np
@@ -189,7 +188,6 @@ def _usable(x: torch.Tensor, weight: torch.Tensor, packed_for) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
-_panel_changes = itertools.count(1)
 _panels_version = 0
 
 
@@ -201,7 +199,7 @@ def panels_version() -> int:
 
 def _panels_changed() -> None:
     global _panels_version
-    _panels_version = next(_panel_changes)
+    _panels_version += 1
 
 
 class Dense(torch.nn.Module):

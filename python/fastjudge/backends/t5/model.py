@@ -100,15 +100,14 @@ class DecoderStep:
     """What every decoder block of one forward reads: each token's K/V column ``where`` [B, P]
     (the scratch column for padding) with its row index ``rows``, the self-attention mask
     [B, H, P, width] (position bias, causal), and for cross-attention either each row's
-    encoder length ``enc_lengths`` [B] and last key ``enc_last`` (the engine's attention, CPU) or
-    the encoder key mask ``key_mask`` [B, 1, 1, L] (SDPA)."""
+    encoder length ``enc_lengths`` [B] (the engine's attention, CPU) or the encoder key mask
+    ``key_mask`` [B, 1, 1, L] (SDPA)."""
 
     where: torch.Tensor
     rows: torch.Tensor
     self_mask: torch.Tensor
     key_mask: torch.Tensor | None
     enc_lengths: torch.Tensor | None = None
-    enc_last: torch.Tensor | None = None
 
 
 class T5Block(torch.nn.Module):
@@ -207,8 +206,8 @@ def attend_encoder(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     few-token attention, which reads the keys in place, with each row's last key as its offset
     (one query token sees keys up to ``offset``: its whole prompt); elsewhere SDPA under the key
     mask, the rows as one head's queries. T5 folds 1/sqrt(d_kv) into its weights: scale 1."""
-    if step.enc_last is not None:
-        return attend_in_engine(q, keys, values, offsets=step.enc_last, scale=1.0)
+    if step.enc_lengths is not None:
+        return attend_in_engine(q, keys, values, offsets=step.enc_lengths - 1, scale=1.0)
     B, _, R, D = q.shape
     K = keys.shape[1]
     ctx = F.scaled_dot_product_attention(q.view(B, K, R // K, D), keys, values, attn_mask=step.key_mask, scale=1.0)
@@ -325,14 +324,13 @@ class T5Model(torch.nn.Module):
         cross_dtype = pool.xkv.dtype if pool.projected else pool.mem.dtype  # the cross-attention's dtype
         if engine_takes(tokens) and cross_dtype in ENGINE_DTYPES:
             key_mask, enc_lengths = None, pool.enc_lengths[:B]
-            enc_last = enc_lengths - 1
         else:
             enc_keys = torch.arange(enc_width, device=device)[None, :]
             key_mask = torch.zeros(B, enc_width, dtype=cross_dtype, device=device).masked_fill(
                 enc_keys >= pool.enc_lengths[:B, None], float("-inf")).view(B, 1, 1, enc_width)
-            enc_lengths = enc_last = None
+            enc_lengths = None
         step = DecoderStep(where, torch.arange(B, device=device)[:, None].expand(B, P), self_mask, key_mask,
-                           enc_lengths, enc_last)
+                           enc_lengths)
         x = F.embedding(tokens, self.embed)
         mem = pool.mem[:B, :enc_width]
         for i, layer in enumerate(self.decoder):
