@@ -26,6 +26,7 @@
 #include "prefix_index.hpp"
 #include "qwen_step.hpp"
 #include "rms_norm.hpp"
+#include "t5_step.hpp"
 #include "triangular.hpp"
 
 namespace py = pybind11;
@@ -590,7 +591,7 @@ arrays of another dtype, layout or shape.)doc");
 template <typename T>
 void causal_attention_typed(const py::array& query, const py::handle& key, const py::handle& value,
                             const py::handle& out, float scale, const py::handle& offsets, const py::handle& counts,
-                            int threads) {
+                            const py::handle& bias, int threads) {
   const int64_t B = query.shape(0), S = query.shape(1), H = query.shape(2), dim = query.shape(3);
   py::array keys = py::array::ensure(key);
   if (!keys || keys.ndim() != 4) throw py::value_error("key must be a 4-D array [B, W, kv_heads, dim]");
@@ -614,22 +615,34 @@ void causal_attention_typed(const py::array& query, const py::handle& key, const
   const auto k = strided_rows<T>(key, "key", {B, W, Hkv, dim});
   const auto v = strided_rows<T>(value, "value", {B, W, Hkv, dim});
   T* dst = typed_array<T>(out, "out", {B, S, H, dim}, true);
-  const fastjudge::CausalProblem problem{B, S, W, H, Hkv, dim, scale, cached ? starts.data() : nullptr,
-                                         padded ? real.data() : nullptr};
+  fastjudge::CausalProblem problem{B, S, W, H, Hkv, dim, scale, cached ? starts.data() : nullptr,
+                                   padded ? real.data() : nullptr};
+  if (!bias.is_none()) {
+    const py::array table = py::array::ensure(bias);
+    if (!table || table.ndim() != 2 || table.shape(0) != H || table.shape(1) < W) {
+      throw py::value_error("bias must be [heads, distances] with a distance for each of the W keys");
+    }
+    problem.bias = typed_array<float>(bias, "bias", {H, table.shape(1)});
+    problem.bias_stride = table.shape(1);
+    if (!cached || S > fastjudge::kFewTokens || dim % 16 != 0) {
+      throw py::value_error("a bias needs offsets, at most " + std::to_string(fastjudge::kFewTokens) +
+                            " tokens a row and dim a multiple of 16");
+    }
+  }
   py::gil_scoped_release release;
   fastjudge::causal_attention(problem, q, k, v, dst, threads);
 }
 
 void causal_attention(const py::handle& query, const py::handle& key, const py::handle& value,
                       const py::handle& out, float scale, const py::handle& offsets, const py::handle& counts,
-                      int threads) {
+                      const py::handle& bias, int threads) {
   py::array q = py::isinstance<py::array>(query) ? py::reinterpret_borrow<py::array>(query) : py::array();
   if (!q || q.ndim() != 4) throw py::value_error("query must be a 4-D array [B, S, heads, dim]");
   if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
   if (q.dtype().kind() == 'f' && q.itemsize() == 4) {
-    causal_attention_typed<float>(q, key, value, out, scale, offsets, counts, threads);
+    causal_attention_typed<float>(q, key, value, out, scale, offsets, counts, bias, threads);
   } else if ((q.dtype().kind() == 'i' || q.dtype().kind() == 'u') && q.itemsize() == 2) {
-    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, counts, threads);
+    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, counts, bias, threads);
   } else {
     throw py::value_error("query must be float32, or bfloat16 as 16-bit integers");
   }
@@ -751,7 +764,8 @@ float32, or all bfloat16 as 16-bit integer arrays of their bits (q and ctx held 
 rounded once); dim a multiple of 16. reverse and threads as for encoder_attention. Raises
 ValueError on arrays of another dtype, layout or shape.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
-        py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("threads") = 1,
+        py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("bias") = py::none(),
+        py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]
 (query head h reads key head h // (H // kv_heads)), written into out [B, S, H, dim]:
 out[b, t, h] = sum over visible j of softmax_j(scale * q[b, t, h] . k[b, j]) v[b, j], where
@@ -759,6 +773,9 @@ query token t of row b sees the keys j <= min(offsets[b] + t, W - 1). offsets (i
 row's cached keys before its new tokens) may be None: then W must be S (a prompt's own keys).
 counts (int64 [B], each row's real tokens; None: all S): later tokens are padding, their
 outputs written as zeros and nothing computed for them.
+bias (float32 [H, n], n >= W; None: no bias): an additive bias by distance, T5's relative
+position bias: the score of query token t of head h on key j is scale * q . k +
+bias[h, offsets[b] + t - j]. It needs offsets, at most 4 tokens a row and dim a multiple of 16.
 Arrays are all float32, or all bfloat16 passed as 16-bit integer arrays of their bits (torch's
 tensor.view(torch.int16)); arithmetic runs in float32 and a bfloat16 output is rounded to nearest
 even. query, key and value are read in place with any strides but contiguous rows; out is
@@ -927,9 +944,40 @@ dtype, layout or shape.)doc");
 // Qwen decoding step
 // ---------------------------------------------------------------------------------------
 
+// Arrays a decoder binds once and keeps alive (a model's weights, its pool's buffers): each
+// checked as it is taken
+class BoundArrays {
+ protected:
+  const py::handle& keep(const py::handle& obj) {
+    kept_.push_back(py::reinterpret_borrow<py::object>(obj));
+    return obj;
+  }
+
+  // a projection's panels (W: float32, or bfloat16 input pairs) for `in` inputs and `out` outputs
+  template <typename W>
+  fastjudge::PackedWeight packed(const py::dict& layer, const char* key, int64_t in, int64_t out) {
+    if (!layer.contains(key)) throw py::value_error(std::string("layer lacks ") + key);
+    const py::handle panels = keep(layer[key]);
+    const int64_t per_word = std::is_floating_point_v<W> ? 1 : 2, columns = fastjudge::kPanelColumns;
+    return {typed_array<W>(panels, key, {(out + columns - 1) / columns, (in + per_word - 1) / per_word, columns}), in,
+            out};
+  }
+
+  template <typename T>
+  T* array(const py::dict& layer, const char* key, const std::vector<int64_t>& shape, bool writable = false) {
+    if (!layer.contains(key)) throw py::value_error(std::string("layer lacks ") + key);
+    return typed_array<T>(keep(layer[key]), key, shape, writable);
+  }
+
+  std::mutex stepping_;  // one step at a time: steps run without the GIL and share the buffers
+
+ private:
+  std::vector<py::object> kept_;
+};
+
 // A Qwen model's decoding step bound to its weights' panels and its state pool's buffers, which
 // it keeps alive: a step then hands over its tokens alone (engine/qwen_step.hpp).
-class QwenDecoder {
+class QwenDecoder : BoundArrays {
  public:
   QwenDecoder(const py::dict& shape, const py::list& layers, const py::handle& embed, const py::handle& lengths,
               const py::handle& positions) {
@@ -999,27 +1047,6 @@ class QwenDecoder {
   }
 
  private:
-  const py::handle& keep(const py::handle& obj) {
-    kept_.push_back(py::reinterpret_borrow<py::object>(obj));
-    return obj;
-  }
-
-  // a projection's panels (W: float32, or bfloat16 input pairs) for `in` inputs and `out` outputs
-  template <typename W>
-  fastjudge::PackedWeight packed(const py::dict& layer, const char* key, int64_t in, int64_t out) {
-    if (!layer.contains(key)) throw py::value_error(std::string("layer lacks ") + key);
-    const py::handle panels = keep(layer[key]);
-    const int64_t per_word = std::is_floating_point_v<W> ? 1 : 2, columns = fastjudge::kPanelColumns;
-    return {typed_array<W>(panels, key, {(out + columns - 1) / columns, (in + per_word - 1) / per_word, columns}), in,
-            out};
-  }
-
-  template <typename T>
-  T* array(const py::dict& layer, const char* key, const std::vector<int64_t>& shape, bool writable = false) {
-    if (!layer.contains(key)) throw py::value_error(std::string("layer lacks ") + key);
-    return typed_array<T>(keep(layer[key]), key, shape, writable);
-  }
-
   template <typename T, typename W>
   void bind_layers(const py::list& layers, const py::handle& embed) {
     auto& m = model_;
@@ -1065,13 +1092,132 @@ class QwenDecoder {
 
   fastjudge::QwenStepModel model_;
   fastjudge::QwenStepScratch scratch_;
-  std::mutex stepping_;  // one step at a time: steps run without the GIL and share the buffers
-  std::vector<py::object> kept_;
   py::object cos_, sin_;
   const void *cos_data_ = nullptr, *sin_data_ = nullptr;
   int64_t table_positions_ = 0;
   bool bf16_ = false;
 };
+
+// A T5 decoder's step bound to its weights' panels and its state pool's buffers, which it keeps
+// alive: a step then hands over its tokens alone (engine/t5_step.hpp).
+class T5Decoder : BoundArrays {
+ public:
+  T5Decoder(const py::dict& shape, const py::list& layers, const py::handle& embed, const py::handle& bias,
+            const py::dict& pool) {
+    auto& m = model_;
+    auto get = [&](const py::dict& from, const char* key) {
+      if (!from.contains(key)) throw py::value_error(std::string("missing ") + key);
+      return from[key];
+    };
+    m.d = get(shape, "d").cast<int64_t>(), m.H = get(shape, "heads").cast<int64_t>();
+    m.dk = get(shape, "d_kv").cast<int64_t>(), m.d_ff = get(shape, "d_ff").cast<int64_t>();
+    m.vocab = get(shape, "vocab").cast<int64_t>(), m.eps = get(shape, "eps").cast<float>();
+    m.activation = gate_activation(get(shape, "activation").cast<std::string>());
+    m.slots = get(pool, "slots").cast<int64_t>(), m.capacity = get(pool, "capacity").cast<int64_t>();
+    m.enc_capacity = get(pool, "enc_capacity").cast<int64_t>();
+    m.cross_slots = get(pool, "cross_slots").cast<int64_t>();
+    if (m.d < 1 || m.d % 16 || m.H < 1 || m.dk < 1 || m.dk % 16 || m.d_ff < 1 || m.vocab < 1 || m.slots < 1 ||
+        m.capacity < 1 || m.enc_capacity < 1 || m.cross_slots < 0) {
+      throw py::value_error("d and d_kv must be positive multiples of 16; heads, d_ff, vocab, slots and the "
+                            "capacities positive");
+    }
+    const py::array table = py::array::ensure(embed);
+    if (!table) throw py::value_error("embed must be an array [vocab, d]");
+    bf16_ = (table.dtype().kind() == 'i' || table.dtype().kind() == 'u') && table.itemsize() == 2;
+    if (bf16_) {
+      if (!fastjudge::bf16_dense_available()) throw py::value_error("bfloat16 steps need AVX512-BF16");
+      bind<uint16_t, uint32_t>(layers, embed, pool);
+    } else {
+      bind<float, float>(layers, embed, pool);
+    }
+    m.bias = typed_array<float>(keep(bias), "bias", {m.H, m.capacity + 1});
+  }
+
+  void step(const py::handle& tokens, const py::handle& counts, int64_t start, bool projected, const py::handle& out,
+            int threads) {
+    const py::array t = py::array::ensure(tokens);
+    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
+    const int64_t B = t.shape(0), S = t.shape(1);
+    const Int64Array rows = row_counts(counts, B, S);
+    const fastjudge::T5StepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
+                                       projected};
+    try {
+      if (bf16_) {
+        uint16_t* dst = typed_array<uint16_t>(out, "out", {B, S, model_.d}, true);
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(stepping_);
+        fastjudge::t5_decode_step(model_, input, dst, scratch_, threads);
+      } else {
+        float* dst = typed_array<float>(out, "out", {B, S, model_.d}, true);
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(stepping_);
+        fastjudge::t5_decode_step(model_, input, dst, scratch_, threads);
+      }
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
+  }
+
+ private:
+  template <typename T, typename W>
+  void bind(const py::list& layers, const py::handle& embed, const py::dict& pool) {
+    auto& m = model_;
+    const int64_t L = static_cast<int64_t>(py::len(layers)), H = m.H, dk = m.dk, inner = H * dk;
+    m.embed = typed_array<T>(keep(embed), "embed", {m.vocab, m.d});
+    m.mem = array<T>(pool, "mem", {m.slots, m.enc_capacity, m.d});
+    m.kv = array<float>(pool, "kv", {m.slots, L, 2, H, m.capacity + 1, dk}, true);
+    m.xkv = array<float>(pool, "xkv", {m.cross_slots, L, 2, H, m.enc_capacity, dk});
+    m.enc_lengths = array<int64_t>(pool, "enc_lengths", {m.slots});
+    m.dec_lengths = array<int64_t>(pool, "dec_lengths", {m.slots}, true);
+    for (const py::handle& item : layers) {
+      const py::dict layer = py::reinterpret_borrow<py::dict>(item);
+      fastjudge::T5StepLayer l;
+      l.norm = array<float>(layer, "norm", {m.d});
+      l.x_norm = array<float>(layer, "x_norm", {m.d});
+      l.ff_norm = array<float>(layer, "ff_norm", {m.d});
+      l.qkv = packed<W>(layer, "qkv", m.d, 3 * inner);
+      l.o = packed<W>(layer, "o", inner, m.d);
+      l.x_q = packed<W>(layer, "x_q", m.d, inner);
+      l.x_o = packed<W>(layer, "x_o", inner, m.d);
+      l.gate = packed<W>(layer, "gate", m.d, m.d_ff);
+      l.up = packed<W>(layer, "up", m.d, m.d_ff);
+      l.down = packed<W>(layer, "down", m.d_ff, m.d);
+      l.x_k = array<T>(layer, "x_k", {H, dk, m.d});
+      l.x_v = array<T>(layer, "x_v", {H, dk, m.d});
+      m.layers.push_back(l);
+    }
+  }
+
+  fastjudge::T5StepModel model_;
+  fastjudge::T5StepScratch scratch_;
+  bool bf16_ = false;
+};
+
+void bind_t5_step(py::module_& m) {
+  py::class_<T5Decoder>(m, "T5Decoder", R"doc(A T5 decoder's step as one engine call on the CPU, bound to its
+weights (the engine's panels, as dense_product takes them) and its state pool's buffers (read
+and written in place; the decoder keeps every array it was given alive).
+
+shape: dict of d, heads, d_kv, d_ff, vocab, eps, activation (the gate's: silu, gelu_tanh or
+relu). layers: one dict a layer: norm, x_norm, ff_norm ([d] float32), qkv, o, x_q, x_o, gate, up,
+down (panels), x_k, x_v [heads, d_kv, d] (the cross-attention's key and value weights).
+embed [vocab, d]: float32, or bfloat16 as 16-bit integers (the model's type, which every panel,
+x_k, x_v and mem share). bias [heads, capacity + 1] float32: the self-attention's bias of a key
+n positions before its query. pool: dict of slots, capacity, enc_capacity, cross_slots, mem
+[slots, enc_capacity, d], kv [slots, layers, 2, heads, capacity + 1, d_kv] float32, xkv
+[cross_slots, layers, 2, heads, enc_capacity, d_kv] float32, enc_lengths and dec_lengths int64
+[slots].)doc")
+      .def(py::init<const py::dict&, const py::list&, const py::handle&, const py::handle&, const py::dict&>(),
+           py::arg("shape"), py::arg("layers"), py::arg("embed"), py::arg("bias"), py::arg("pool"))
+      .def("step", &T5Decoder::step, py::arg("tokens"), py::arg("counts"), py::arg("start"), py::arg("projected"),
+           py::arg("out"), py::arg("threads") = 1,
+           R"doc(One step of tokens [B, S] int64 (at most 4 a row; row b: counts[b] real tokens, then padding)
+on slots start .. start + B - 1, the cross-attention per head over xkv when projected, else
+reassociated over mem: writes out [B, S, d] (the last layer's output, before the final norm),
+each layer's K/V for the real tokens, and advances dec_lengths by counts. Raises ValueError,
+before writing anything, on tokens outside the vocabulary, rows past the slots, positions past
+the capacity or encoder lengths outside [1, enc_capacity].)doc");
+}
 
 void bind_qwen_step(py::module_& m) {
   py::class_<QwenDecoder>(m, "QwenDecoder", R"doc(A Qwen model's decoding step as one engine call on the CPU,
@@ -1111,5 +1257,6 @@ PYBIND11_MODULE(_engine, m) {
   bind_dense(m);
   bind_rms_norm(m);
   bind_qwen_step(m);
+  bind_t5_step(m);
   bind_cpu_threads(m);
 }

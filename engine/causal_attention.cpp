@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -176,7 +177,6 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
 // a second product, each row's own later keys after. No value past a row's last key is read for
 // it, and a later key's score never reaches its softmax. bfloat16 keys and values go through
 // float32 blocks of kBlockKeys rows.
-constexpr int64_t kFewTokens = 4;
 constexpr int64_t kBlockKeys = 64;
 constexpr int64_t kLaneSumRows = 4;
 
@@ -261,7 +261,13 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
           for (int64_t j = 0; j < seen; ++j) w[j] = scores[j * kLanes + r];
         }
         const int64_t t = (r0 + r) % real, visible = p.last_key(offset, t) + 1;
-        const float inverse = softmax_row(w, visible - 1, width, p.scale);
+        float scale = p.scale;
+        if (p.bias) {  // scaled scores plus the bias of each key's distance, then a softmax of those
+          const float* bias = p.bias + (hk * group + (r0 + r) / real) * p.bias_stride + offset + t;
+          for (int64_t j = 0; j < visible; ++j) w[j] = w[j] * p.scale + bias[-j];
+          scale = 1.0f;
+        }
+        const float inverse = softmax_row(w, visible - 1, width, scale);
         for (int64_t j = 0; j < visible; ++j) w[j] = round_weights ? rounded<uint16_t>(w[j] * inverse) : w[j] * inverse;
       }
       for (int64_t j0 = 0; j0 < common; j0 += kBlockKeys) {
@@ -435,6 +441,7 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   [[maybe_unused]] const bool dot = bf16_dot_products();
   // a few new tokens after cached keys: no packing pass (attend_few_pairs)
   const bool few = p.offsets && p.S <= kFewTokens && p.dim % kLanes == 0;
+  if (p.bias && !few) throw std::invalid_argument("a position bias needs offsets, at most 4 tokens a row and dim a multiple of 16");
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
     if (few) {
       if constexpr (std::is_same_v<T, float>) {

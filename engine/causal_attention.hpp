@@ -20,12 +20,17 @@ namespace fastjudge {
 // Query token t of row b sees the keys j <= min(offset_b + t, W - 1): its row's cached keys
 // (offset_b of them: a prefix snapshot) and the new ones up to its own. offsets null: none
 // cached, W = S (causal attention over a prompt). counts: each row's real tokens (later ones
-// are padding, their outputs zeros, nothing computed for them); null: all S.
+// are padding, their outputs zeros, nothing computed for them); null: all S. bias: an additive
+// bias by distance (T5's relative position bias), the score of query token t of head h on key j
+// being scale * q . k + bias[h * bias_stride + offset_b + t - j]; only with offsets and at most
+// kFewTokens tokens a row (a decoding step's attention).
 struct CausalProblem {
   int64_t B, S, W, H, Hkv, dim;
   float scale;
   const int64_t* offsets;
   const int64_t* counts;
+  const float* bias = nullptr;
+  int64_t bias_stride = 0;
 
   int64_t last_key(int64_t offset, int64_t t) const { return t + offset < W ? t + offset : W - 1; }
 };
@@ -34,6 +39,8 @@ struct CausalProblem {
 // hk = h / (H / Hkv): query [B, S, H, dim], key and value [B, W, Hkv, dim], out [B, S, H, dim]
 // (C-contiguous, written), all float32 or all bfloat16 (as uint16 bits; arithmetic in float32,
 // the output rounded to nearest even). threads > 1 splits the B x Hkv pairs among threads.
+// Throws std::invalid_argument for a bias the few-token path does not take.
+constexpr int64_t kFewTokens = 4;
 void causal_attention(const CausalProblem& problem, const StridedRows<float>& query, const StridedRows<float>& key,
                       const StridedRows<float>& value, float* out, int threads);
 void causal_attention(const CausalProblem& problem, const StridedRows<uint16_t>& query,

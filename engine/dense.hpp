@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fastjudge {
 
@@ -38,5 +39,23 @@ void dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* pair_p
                    int64_t K, int64_t N, int threads);
 void gated_dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* gate_panels, const uint32_t* up_panels,
                          uint16_t* out, int64_t M, int64_t K, int64_t N, GateActivation activation, int threads);
+
+
+// A projection's weight as panels bound once (float32, or bfloat16 input pairs as 32-bit words):
+// `in` inputs, `out` outputs.
+struct PackedWeight {
+  const void* panels = nullptr;
+  int64_t in = 0, out = 0;
+};
+
+// The panels' element for a model type T: float32 weights, or bfloat16 input pairs in 32-bit words
+template <typename T>
+using PanelWord = std::conditional_t<std::is_same_v<T, float>, float, uint32_t>;
+
+// out [rows, w.out] = x [rows, w.in] (contiguous) W^T
+template <typename T>
+void project(const T* x, int64_t rows, const PackedWeight& w, T* out, int threads) {
+  dense_product(x, w.in, static_cast<const PanelWord<T>*>(w.panels), out, rows, w.in, w.out, threads);
+}
 
 }  // namespace fastjudge

@@ -12,6 +12,7 @@
 #include "delta_rule.hpp"
 #include "dense.hpp"
 #include "rms_norm.hpp"
+#include "step_ops.hpp"
 #include "vector_math.hpp"
 
 // This file is built without floating-point contraction (CMakeLists.txt): `a + b * c` is a
@@ -20,23 +21,6 @@
 
 namespace fastjudge {
 namespace {
-
-// The panels' element for a model type: float32 weights, or bfloat16 input pairs in 32-bit words
-template <typename T>
-using PanelWord = std::conditional_t<std::is_same_v<T, float>, float, uint32_t>;
-
-template <typename T>
-void project(const T* x, int64_t rows, const PackedWeight& w, T* out, int threads) {
-  dense_product(x, w.in, static_cast<const PanelWord<T>*>(w.panels), out, rows, w.in, w.out, threads);
-}
-
-// x <- x + y over n values, each sum rounded once to T (the residual stream)
-template <typename T>
-__attribute__((always_inline)) inline void add_into(T* x, const T* y, int64_t n) {
-  const int64_t full = n / kLanes * kLanes;
-  for (int64_t i = 0; i < full; i += kLanes) store_floats(x + i, load_floats(x + i) + load_floats(y + i));
-  for (int64_t i = full; i < n; ++i) from_float(to_float(x[i]) + to_float(y[i]), x + i);
-}
 
 // o <- o * sigmoid(gate) over n values (a multiple of kLanes), the sigmoid rounded to T first
 // (Qwen3.5's attention output gate, as `o * torch.sigmoid(gate)`)
@@ -65,8 +49,6 @@ __attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos,
 }
 
 // The ISA clones, one per element type (target_clones does not take templates)
-FASTJUDGE_CLONES void add_f32(float* x, const float* y, int64_t n) { add_into(x, y, n); }
-FASTJUDGE_CLONES void add_bf16(uint16_t* x, const uint16_t* y, int64_t n) { add_into(x, y, n); }
 FASTJUDGE_CLONES void gate_f32(float* o, const float* gate, int64_t n) { gate_into(o, gate, n); }
 FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* gate, int64_t n) { gate_into(o, gate, n); }
 FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
@@ -78,8 +60,6 @@ FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const 
   rotate_rows(x, cos, sin, out, heads, hd, half);
 }
 
-void add(float* x, const float* y, int64_t n) { add_f32(x, y, n); }
-void add(uint16_t* x, const uint16_t* y, int64_t n) { add_bf16(x, y, n); }
 void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
 void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
 void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
@@ -88,12 +68,6 @@ void rotate(const float* x, const float* cos, const float* sin, float* out, int6
 void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
             int64_t half) {
   rotate_bf16(x, cos, sin, out, heads, hd, half);
-}
-
-// v holds at least n values (grown, never shrunk or cleared)
-template <typename T>
-void hold(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
 template <typename T>

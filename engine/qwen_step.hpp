@@ -15,14 +15,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace fastjudge {
+#include "dense.hpp"
 
-// A projection's weight as dense.hpp's panels (float32, or bfloat16 input pairs as 32-bit words):
-// `in` inputs, `out` outputs.
-struct PackedWeight {
-  const void* panels = nullptr;
-  int64_t in = 0, out = 0;
-};
+namespace fastjudge {
 
 // One decoder layer: its norms (float32 [d], zero-centred ones already as 1 + w), the gated MLP
 // (silu), and either full attention or a Gated DeltaNet mixer, with the pool buffers it updates.

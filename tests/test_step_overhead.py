@@ -49,13 +49,17 @@ def test_qwen_json_step_costs_the_same_at_any_row_count(qwen_backend):
 def t5_profile(t5_backend, rows: int) -> dict:
     rng = np.random.default_rng(rows)
     reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]
+    t5_backend.run(reqs)  # warm-up: a pool that fits the call, and the engine's step bound to it
     return profile_decoding(lambda: t5_backend.run(reqs))
 
 
 def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend):
+    """The model's step issues the same ops at 1 and 6 rows (on the CPU one engine call and its
+    way in); around it the loop's own work differs only by rows leaving at different steps."""
     one, many = t5_profile(t5_backend, 1), t5_profile(t5_backend, 6)
     assert one["syncs"] <= 2 and many["syncs"] <= 2
-    assert abs(many["ops"] - one["ops"]) <= 0.1 * one["ops"]
+    assert many["step_ops"] == one["step_ops"]
+    assert abs(many["ops"] - one["ops"]) <= 0.2 * one["ops"]
 
 
 def test_views_are_counted_apart():

@@ -14,6 +14,8 @@ once, not per step), divided by the steps taken (``STEP_LABEL`` events):
 * ``syncs``: ``aten::_local_scalar_dense`` / ``aten::item`` events plus the engine's labelled
   host copies (``backends.profiling``: on the CPU a ``.cpu()`` has no event of its own);
 * ``ops``: top-level aten ops (those not issued from inside another aten op): the launches;
+* ``step_ops``: of those, the ones inside the model's step (``STEP_LABEL``), without the loop's
+  own work around it (picking tokens, rows leaving and joining);
 * ``views``: of those, the ops that only make another view of a tensor's memory (``VIEW_OPS``:
   no kernel on any device; on the CPU every tensor handed to the engine's kernels is viewed
   through numpy, which issues ``detach``, ``resolve_conj`` and ``resolve_neg``);
@@ -46,8 +48,8 @@ def _inside(t: float, spans) -> bool:
 
 def count_steps(events) -> dict:
     """Per-step ``syncs``, ``ops`` and ``ms`` of profiler ``events`` (module notes)."""
-    decode, prefill = _spans(events, DECODE_LABEL), _spans(events, PREFILL_LABEL)
-    syncs = ops = views = 0
+    decode, prefill, step_spans = _spans(events, DECODE_LABEL), _spans(events, PREFILL_LABEL), _spans(events, STEP_LABEL)
+    syncs = ops = views = step_ops = 0
     for e in events:
         t = e.time_range.start
         if not _inside(t, decode) or _inside(t, prefill):
@@ -59,9 +61,11 @@ def count_steps(events) -> dict:
         top = e.name.startswith("aten::") and parent is None
         ops += top
         views += top and e.name in VIEW_OPS
+        step_ops += top and _inside(t, step_spans)
     wall = sum(b - a for a, b in decode) - sum(b - a for a, b in prefill if _inside(a, decode))
-    steps = max(sum(_inside(a, decode) for a, _ in _spans(events, STEP_LABEL)), 1)
-    return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, views=views / steps, ms=wall / 1000 / steps)
+    steps = max(sum(_inside(a, decode) for a, _ in step_spans), 1)
+    return dict(steps=steps, syncs=syncs / steps, ops=ops / steps, step_ops=step_ops / steps, views=views / steps,
+                ms=wall / 1000 / steps)
 
 
 def profile_decoding(run: Callable[[], object]) -> dict:

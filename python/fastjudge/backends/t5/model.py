@@ -42,6 +42,7 @@ from ..cpu_memory import keep_freed_memory
 from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
+from .engine_step import engine_step
 from .shape import T5Shape
 
 
@@ -263,6 +264,7 @@ class T5Model(torch.nn.Module):
         self.dec_final_norm = _registered(take("decoder.final_layer_norm.weight"))
         self.encoder = torch.nn.ModuleList(block("encoder", i, dense) for i in range(shape.num_layers))
         self.decoder = torch.nn.ModuleList(block("decoder", i, take) for i in range(shape.num_decoder_layers))
+        self.engine_step_cache = None  # engine_step.engine_step's decoder for the last pool
         # position biases, grown outside compiled code (non-persistent: they follow the device)
         self.register_buffer("_enc_bias", torch.empty(0, device=device), persistent=False)
         self.register_buffer("_dec_bias", torch.empty(0, device=device), persistent=False)
@@ -284,6 +286,14 @@ class T5Model(torch.nn.Module):
         if self._dec_bias.shape[-1] < length:
             self._dec_bias = self._bias(self.dec_bias_table, max(length, 128), False)
         return self._dec_bias[:, :length, :length]
+
+    def decoder_bias_by_distance(self, capacity: int) -> torch.Tensor:
+        """The decoder self-attention's bias [heads, capacity + 1] (float32) of a key ``n``
+        positions before its query: the bias table at the causal bucket of distance ``n``, the
+        values :meth:`decoder_bias` holds (the engine's step adds them by distance)."""
+        distance = -torch.arange(capacity + 1, device=self.dec_bias_table.device)
+        buckets = relative_position_bucket(distance, False, self.s.num_buckets, self.s.max_distance)
+        return F.embedding(buckets, self.dec_bias_table.detach()).t().float().contiguous()
 
     def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
@@ -311,6 +321,9 @@ class T5Model(torch.nn.Module):
         attention reads the first ``width`` decoder positions, cross-attention the first
         ``enc_width`` encoder states (each row masked to its own prompt): reassociated over
         ``pool.mem``, or per head over ``pool.xkv`` while ``pool.projected``."""
+        engine = engine_step(self, pool, tokens)
+        if engine is not None:  # the CPU: the whole step as one engine call
+            return engine(tokens, counts, pool, pool.projected)
         B, P = tokens.shape
         device = tokens.device
         steps = torch.arange(P, device=device)

@@ -57,6 +57,7 @@ class T5View:
     """Slots ``start .. stop - 1`` of a pool, every tensor a view."""
 
     def __init__(self, pool: "T5Pool", start: int, stop: int):
+        self.pool, self.start = pool, start
         self.capacity = pool.capacity
         self.mem, self.kv, self.xkv = pool.mem[start:stop], pool.kv[start:stop], pool.xkv[start:stop]
         self.projected = pool.projected
