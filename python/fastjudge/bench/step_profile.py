@@ -48,7 +48,8 @@ def _inside(t: float, spans) -> bool:
 
 def count_steps(events) -> dict:
     """Per-step ``syncs``, ``ops`` and ``ms`` of profiler ``events`` (module notes)."""
-    decode, prefill, step_spans = _spans(events, DECODE_LABEL), _spans(events, PREFILL_LABEL), _spans(events, STEP_LABEL)
+    decode, prefill = _spans(events, DECODE_LABEL), _spans(events, PREFILL_LABEL)
+    step_spans = _spans(events, STEP_LABEL)
     syncs = ops = views = step_ops = 0
     for e in events:
         t = e.time_range.start
