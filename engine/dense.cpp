@@ -18,6 +18,7 @@ namespace {
 constexpr int64_t kRowGroup = 64;
 // One thread for each 1 MFLOP: below that a wake-up of the team costs more than its share.
 constexpr double kFlopsPerThread = 1e6;
+constexpr double kWeightBytesPerThread = 256 * 1024;
 
 template <typename X, typename W>
 struct Problem {
@@ -150,7 +151,9 @@ void run(const Problem<X, W>& s, int threads) {
   const int64_t panels = (s.N + kPanelColumns - 1) / kPanelColumns;
   const int64_t units = panels * ((s.M + kRowGroup - 1) / kRowGroup);
   const double flops = 2.0 * s.M * s.K * s.N * (s.up_panels ? 2 : 1);
-  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
+  const double bytes = double(s.K) * s.N * sizeof(W) * (s.up_panels ? 2 : 1);
+  const int64_t workers = std::min<int64_t>(
+      threads, static_cast<int64_t>(std::max(flops / kFlopsPerThread, bytes / kWeightBytesPerThread)) + 1);
   parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<X, float>) {
       run_units(s, first, last);

@@ -20,6 +20,8 @@ constexpr int64_t kBlockKeys = 64;
 
 // One thread for each 4 MFLOP: below that a thread's start costs more than its share.
 constexpr double kFlopsPerThread = 4e6;
+// ... and one for each 256 KiB of weights a map reads
+constexpr double kWeightBytesPerThread = 256 * 1024;
 
 // scores[q * kBlockKeys + j] = queries[q] . keys[j] for q < rows (a multiple of kQueries; the
 // queries zero past the real ones), j < n: a register block of 16 / kQueries keys by kQueries
@@ -294,7 +296,12 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
   if (scratch.size() < held) scratch.resize(held);
   float* q = scratch.data();
   float* ctx = q + B * R * dim;
-  const int64_t map_workers = workers_for(2.0 * B * R * dk * dim, threads);
+  // a map's weights (H x dk x dim) stream from memory at a decoding step's few rows: a thread
+  // for each kWeightBytesPerThread of them too
+  const double map_bytes = static_cast<double>(H * dk * dim * sizeof(T));
+  const int64_t map_workers = std::min<int64_t>(
+      threads, static_cast<int64_t>(std::max(2.0 * B * R * dk * dim / kFlopsPerThread,
+                                             map_bytes / kWeightBytesPerThread)) + 1);
   constexpr bool wide = std::is_same_v<T, float>;
   parallel_ranges(R * ((dim + kMapColumns - 1) / kMapColumns), map_workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
