@@ -188,6 +188,27 @@ inline int64_t real_max(const CausalProblem& p) {
   return most;
 }
 
+// Asks for the keys and values a pair sees to be brought into cache while the pair before it
+// computes: a decoding step's few queries do little work on each key, and a row's cached keys
+// are seldom in cache (a step's weights stream through it), so otherwise each pair would wait on
+// its keys' first reads.
+template <typename T>
+__attribute__((always_inline)) inline void fetch_keys(const CausalProblem& p, const StridedRows<T>& key,
+                                                      const StridedRows<T>& value, int64_t pair) {
+  constexpr int64_t kLine = 64;
+  const int64_t b = pair / p.Hkv, hk = pair % p.Hkv, real = p.counts ? p.counts[b] : p.S;
+  if (real == 0) return;
+  const int64_t seen = p.last_key(p.offsets[b], real - 1) + 1, bytes = p.dim * int64_t(sizeof(T));
+  for (int64_t j = 0; j < seen; ++j) {
+    const char* k = reinterpret_cast<const char*>(key.row(b, j, hk));
+    const char* v = reinterpret_cast<const char*>(value.row(b, j, hk));
+    for (int64_t at = 0; at < bytes; at += kLine) {
+      __builtin_prefetch(k + at);
+      __builtin_prefetch(v + at);
+    }
+  }
+}
+
 template <typename T>
 __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem& p, const StridedRows<T>& query,
                                                             const StridedRows<T>& key, const StridedRows<T>& value,
@@ -216,6 +237,7 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
   for (int64_t pair = first; pair < last; ++pair) {
     const Pair pr = start_pair(p, pair, out);
     const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, real = pr.real;
+    if (pair + 1 < last) fetch_keys(p, key, value, pair + 1);
     // query row r: head hk * group + r / real, token r % real
     for (int64_t r0 = 0; r0 < group * real; r0 += kLanes) {
       const int64_t rows = std::min<int64_t>(kLanes, group * real - r0);
