@@ -23,6 +23,10 @@ speed:
   (``decode.projection_step``). On the CPU both run in the engine: the reassociated form as one
   call with its maps (``cpu_engine.attend_reassociated``, each row's states read once), the
   per-head form on the few-token attention kernel; CUDA and traced graphs keep SDPA.
+* **A step as one engine call on the CPU.** :meth:`T5Model.forward` hands an eager CPU step of
+  at most four tokens a row to ``engine_step`` (``_engine.T5Decoder``: every layer, the self-
+  attention's position bias added by distance, either cross-attention form); the tensor ops
+  below are the path of every other step and the reference it is tested against.
 """
 
 from __future__ import annotations
