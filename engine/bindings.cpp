@@ -969,9 +969,29 @@ class BoundArrays {
     return typed_array<T>(keep(layer[key]), key, shape, writable);
   }
 
-  std::mutex stepping_;  // one step at a time: steps run without the GIL and share the buffers
+  // step(dst) on out (`shape`, the model's type: bfloat16 bits or float32), without the GIL and
+  // one step at a time (steps share the decoder's buffers); invalid_argument becomes ValueError
+  template <typename Step>
+  void run_step(bool bf16, const py::handle& out, const std::vector<int64_t>& shape, Step step) {
+    try {
+      if (bf16) {
+        uint16_t* dst = typed_array<uint16_t>(out, "out", shape, true);
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(stepping_);
+        step(dst);
+      } else {
+        float* dst = typed_array<float>(out, "out", shape, true);
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(stepping_);
+        step(dst);
+      }
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
+  }
 
  private:
+  std::mutex stepping_;
   std::vector<py::object> kept_;
 };
 
@@ -1029,21 +1049,8 @@ class QwenDecoder : BoundArrays {
     const Int64Array rows = row_counts(counts, B, S);
     const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
                                          cos_data_, sin_data_, table_positions_};
-    try {
-      if (bf16_) {
-        uint16_t* dst = typed_array<uint16_t>(out, "out", {B, S, model_.d}, true);
-        py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(stepping_);
-        fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads);
-      } else {
-        float* dst = typed_array<float>(out, "out", {B, S, model_.d}, true);
-        py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(stepping_);
-        fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads);
-      }
-    } catch (const std::invalid_argument& e) {
-      throw py::value_error(e.what());
-    }
+    run_step(bf16_, out, {B, S, model_.d},
+             [&](auto* dst) { fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads); });
   }
 
  private:
@@ -1141,21 +1148,8 @@ class T5Decoder : BoundArrays {
     const Int64Array rows = row_counts(counts, B, S);
     const fastjudge::T5StepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
                                        projected};
-    try {
-      if (bf16_) {
-        uint16_t* dst = typed_array<uint16_t>(out, "out", {B, S, model_.d}, true);
-        py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(stepping_);
-        fastjudge::t5_decode_step(model_, input, dst, scratch_, threads);
-      } else {
-        float* dst = typed_array<float>(out, "out", {B, S, model_.d}, true);
-        py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(stepping_);
-        fastjudge::t5_decode_step(model_, input, dst, scratch_, threads);
-      }
-    } catch (const std::invalid_argument& e) {
-      throw py::value_error(e.what());
-    }
+    run_step(bf16_, out, {B, S, model_.d},
+             [&](auto* dst) { fastjudge::t5_decode_step(model_, input, dst, scratch_, threads); });
   }
 
  private:
