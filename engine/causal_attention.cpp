@@ -24,6 +24,8 @@ constexpr int kTile = 2 * kRows;
 
 // One thread for each 4 MFLOP of attention: below that a thread's start costs more than its share.
 constexpr double kFlopsPerThread = 4e6;
+// ... and, for a decoding step's few tokens, one for each 256 KiB of keys and values they read
+constexpr double kKeyBytesPerThread = 256 * 1024;
 
 inline int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step * step; }
 
@@ -459,10 +461,16 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   if (pairs == 0 || p.S == 0 || p.dim == 0) return;
   // two products, each query over its visible keys (at most W, the causal half past the offset)
   const double flops = 4.0 * p.B * p.H * p.S * p.dim * std::max<double>(1.0, p.W - p.S / 2.0);
-  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
+  double work = flops / kFlopsPerThread;
   [[maybe_unused]] const bool dot = bf16_dot_products();
   // a few new tokens after cached keys: no packing pass (attend_few_pairs)
   const bool few = p.offsets && p.S <= kFewTokens && p.dim % kLanes == 0;
+  if (few) {  // little work on each key, read from memory: a thread for each kKeyBytesPerThread too
+    double keys = 0.0;
+    for (int64_t b = 0; b < p.B; ++b) keys += static_cast<double>(std::min(p.offsets[b] + p.S, p.W));
+    work = std::max(work, 2.0 * p.Hkv * keys * p.dim * sizeof(T) / kKeyBytesPerThread);
+  }
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(work) + 1);
   if (p.bias && !few) throw std::invalid_argument("a position bias needs offsets, at most 4 tokens a row and dim a multiple of 16");
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
     if (few) {
