@@ -190,17 +190,22 @@ inline int64_t real_max(const CausalProblem& p) {
   return most;
 }
 
-// Asks for the keys and values a pair sees to be brought into cache while the pair before it
-// computes: a decoding step's few queries do little work on each key, and a row's cached keys
-// are seldom in cache (a step's weights stream through it), so otherwise each pair would wait on
-// its keys' first reads.
+// Asks for the first keys and values a pair sees (up to kFetchBytes of each) to be brought into
+// cache while the pair before it computes: a decoding step's few queries do little work on each
+// key, and a row's cached keys are seldom in cache (a step's weights stream through it), so
+// otherwise each pair would wait on its keys' first reads. Only the first: the hardware streams
+// the rest of a long row once it is read in order, and fetching all of it would push the current
+// pair's keys out of the cache.
+constexpr int64_t kFetchBytes = 4096;
+
 template <typename T>
 __attribute__((always_inline)) inline void fetch_keys(const CausalProblem& p, const StridedRows<T>& key,
                                                       const StridedRows<T>& value, int64_t pair) {
   constexpr int64_t kLine = 64;
   const int64_t b = pair / p.Hkv, hk = pair % p.Hkv, real = p.counts ? p.counts[b] : p.S;
   if (real == 0) return;
-  const int64_t seen = p.last_key(p.offsets[b], real - 1) + 1, bytes = p.dim * int64_t(sizeof(T));
+  const int64_t bytes = p.dim * int64_t(sizeof(T));
+  const int64_t seen = std::min(p.last_key(p.offsets[b], real - 1) + 1, std::max<int64_t>(1, kFetchBytes / bytes));
   for (int64_t j = 0; j < seen; ++j) {
     const char* k = reinterpret_cast<const char*>(key.row(b, j, hk));
     const char* v = reinterpret_cast<const char*>(value.row(b, j, hk));
