@@ -18,6 +18,7 @@ namespace {
 constexpr int64_t kRowGroup = 64;
 // One thread for each 1 MFLOP: below that a wake-up of the team costs more than its share.
 constexpr double kFlopsPerThread = 1e6;
+// ... and one for each 256 KiB of weights: a few rows' product is bound by reading them from memory
 constexpr double kWeightBytesPerThread = 256 * 1024;
 
 template <typename X, typename W>
