@@ -24,6 +24,8 @@ namespace fastjudge {
 // bias by distance (T5's relative position bias), the score of query token t of head h on key j
 // being scale * q . k + bias[h * bias_stride + offset_b + t - j]; only with offsets and at most
 // kFewTokens tokens a row (a decoding step's attention).
+constexpr int64_t kFewTokens = 4;  // rows of at most this many new tokens take the few-token path
+
 struct CausalProblem {
   int64_t B, S, W, H, Hkv, dim;
   float scale;
@@ -40,7 +42,6 @@ struct CausalProblem {
 // (C-contiguous, written), all float32 or all bfloat16 (as uint16 bits; arithmetic in float32,
 // the output rounded to nearest even). threads > 1 splits the B x Hkv pairs among threads.
 // Throws std::invalid_argument for a bias the few-token path does not take.
-constexpr int64_t kFewTokens = 4;
 void causal_attention(const CausalProblem& problem, const StridedRows<float>& query, const StridedRows<float>& key,
                       const StridedRows<float>& value, float* out, int threads);
 void causal_attention(const CausalProblem& problem, const StridedRows<uint16_t>& query,
