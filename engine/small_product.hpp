@@ -15,14 +15,16 @@ constexpr int kProductRows = 4;
 constexpr int kMaxVectors = 4;
 
 // c[r][:NV lanes] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + :], r < R, in
-// increasing k
-template <int R, int NV>
+// increasing k; with kFetch, the line at fetch + k * fetch_step is fetched into L2 at each k
+template <int R, int NV, bool kFetch = false>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                                                int64_t ldc, int64_t depth, bool accumulate) {
+                                                int64_t ldc, int64_t depth, bool accumulate,
+                                                const char* fetch = nullptr, int64_t fetch_step = 0) {
   Floats acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(c + r * ldc + v * kLanes) : Floats{};
   for (int64_t k = 0; k < depth; ++k) {
+    if constexpr (kFetch) __builtin_prefetch(fetch + k * fetch_step, 0, 2);
     Floats bk[NV];
     for (int v = 0; v < NV; ++v) bk[v] = load(b + k * ldb + v * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -34,24 +36,33 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-template <int R>
+template <int R, bool kFetch = false>
 __attribute__((always_inline)) inline void tile_columns(int vectors, const float* a, int64_t lda, const float* b,
                                                         int64_t ldb, float* c, int64_t ldc, int64_t depth,
-                                                        bool accumulate) {
+                                                        bool accumulate, const char* fetch, int64_t fetch_step) {
   switch (vectors) {
-    case 1: return tile<R, 1>(a, lda, b, ldb, c, ldc, depth, accumulate);
-    case 2: return tile<R, 2>(a, lda, b, ldb, c, ldc, depth, accumulate);
-    case 3: return tile<R, 3>(a, lda, b, ldb, c, ldc, depth, accumulate);
-    default: return tile<R, 4>(a, lda, b, ldb, c, ldc, depth, accumulate);
+    case 1: return tile<R, 1, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    case 2: return tile<R, 2, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    case 3: return tile<R, 3, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    default: return tile<R, 4, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
   }
 }
 
 // C (= or +=) A B for A [rows, depth] (row stride lda), B [depth, cols] (ldb), C [rows, cols]
 // (ldc), cols a multiple of kLanes. lower: A is zero right of its diagonal, so the rows from i0
-// on sum only k < i0 + kProductRows.
+// on sum only k < i0 + kProductRows. kFetch: the fetch_bytes from fetch on are fetched into L2
+// while the blocks compute, evenly over their steps (a stream the next call will read).
+template <bool kFetch = false>
 __attribute__((always_inline)) inline void product(const float* A, int64_t lda, const float* B, int64_t ldb,
                                                    float* C, int64_t ldc, int64_t rows, int64_t depth, int64_t cols,
-                                                   bool accumulate, bool lower = false) {
+                                                   bool accumulate, bool lower = false, const char* fetch = nullptr,
+                                                   int64_t fetch_bytes = 0) {
+  int64_t fetch_step = 0;
+  if constexpr (kFetch) {
+    const int64_t steps = (cols + kMaxVectors * kLanes - 1) / (kMaxVectors * kLanes) *
+                          ((rows + kProductRows - 1) / kProductRows) * depth;
+    fetch_step = std::max<int64_t>(1, fetch_bytes / std::max<int64_t>(1, steps));
+  }
   for (int64_t c0 = 0; c0 < cols; c0 += kMaxVectors * kLanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (cols - c0) / kLanes));
     for (int64_t i0 = 0; i0 < rows; i0 += kProductRows) {
@@ -60,11 +71,12 @@ __attribute__((always_inline)) inline void product(const float* A, int64_t lda, 
       const float* a = A + i0 * lda;
       float* c = C + i0 * ldc + c0;
       switch (r) {
-        case 1: tile_columns<1>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-        case 2: tile_columns<2>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-        case 3: tile_columns<3>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
-        default: tile_columns<4>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate); break;
+        case 1: tile_columns<1, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 2: tile_columns<2, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 3: tile_columns<3, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        default: tile_columns<4, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
       }
+      if constexpr (kFetch) fetch += k * fetch_step;
     }
   }
 }

@@ -259,6 +259,36 @@ def test_engine_product_any_shape(out_features, rows):
         assert rel_err(got, F.linear(x, w)) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 16, 32])
+@pytest.mark.parametrize("gated", [False, True])
+def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated):
+    """A group of a few rows (5 to 32: a decoding step's) reads each panel in slices of inputs,
+    keeping partial sums between them, while one row reads it whole: every row's outputs must
+    be the same bits as that row projected alone (each output sums its inputs in the same
+    order), over input widths that end mid-slice and several panels, on one thread and two."""
+    if dtype == torch.bfloat16 and not BF16_ENGINE:
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    g = torch.Generator().manual_seed(rows)
+    w, up = (torch.randn(200, 301, generator=g) / 301 ** 0.5 for _ in range(2))
+    wide = torch.randn(rows, 320, generator=g)
+    panels, up_panels = (dense.pack_panels(m.to(dtype)) for m in (w, up))
+
+    def project(x: torch.Tensor, threads: int) -> torch.Tensor:
+        out = torch.empty(x.shape[0], 200, dtype=dtype)
+        xa, oa = dense.engine_array(x), dense.engine_array(out)
+        if gated:
+            _engine.gated_dense_product(xa, panels, up_panels, oa, "gelu_tanh", threads)
+        else:
+            _engine.dense_product(xa, panels, oa, threads)
+        return out
+
+    x = wide.to(dtype)[:, 7:308]
+    alone = torch.cat([project(x[r:r + 1], 1) for r in range(rows)])
+    for threads in (1, 2):
+        assert torch.equal(project(x, threads), alone)
+
+
 def test_decoding_only_projections_keep_one_copy():
     """``Dense(w, prompts=False)`` (a full-vocabulary head) keeps the engine's panels alone where
     the engine takes the weight, and runs them at every row count; oneDNN's copy where it does
