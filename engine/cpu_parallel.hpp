@@ -12,8 +12,24 @@
 // one at load time (ifunc), so the module stays portable.
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
 #define FASTJUDGE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define FASTJUDGE_VERSIONS 1
 #else
 #define FASTJUDGE_CLONES
+#define FASTJUDGE_VERSIONS 0
+#endif
+
+// FASTJUDGE_VERSIONED(name, body, Args) defines void name(const Args&) as body<true> built for
+// AVX-512 and body<false> built for AVX2 and for the baseline ISA, one picked at load time (C++
+// function multiversioning): a clone whose body knows it has AVX-512 registers, which hold()
+// (vector_math.hpp) needs.
+#if FASTJUDGE_VERSIONS
+#define FASTJUDGE_VERSIONED(name, body, Args)                                          \
+  __attribute__((target("avx512f"))) void name(const Args& a) { body<true>(a); }  \
+  __attribute__((target("avx2"))) void name(const Args& a) { body<false>(a); }    \
+  __attribute__((target("default"))) void name(const Args& a) { body<false>(a); }
+#else
+#define FASTJUDGE_VERSIONED(name, body, Args) \
+  void name(const Args& a) { body<false>(a); }
 #endif
 
 namespace fastjudge {

@@ -68,7 +68,7 @@ __attribute__((always_inline)) inline void panel_product(const float* x, int64_t
   for (int64_t k0 = 0; k0 < K; k0 += kSliceDepth) {
     const int64_t depth = std::min(kSliceDepth, K - k0);
     const float* slice = panel + k0 * kPanelColumns;
-    product<true>(x + k0, row_stride, slice, kPanelColumns, out, ldc, rows, depth, kPanelColumns, k0 > 0, false,
+    product<false, true>(x + k0, row_stride, slice, kPanelColumns, out, ldc, rows, depth, kPanelColumns, k0 > 0, false,
                   reinterpret_cast<const char*>(slice) + ahead, depth * kPanelColumns * sizeof(float));
   }
 }

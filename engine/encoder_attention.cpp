@@ -28,8 +28,8 @@ constexpr double kWeightBytesPerThread = 256 * 1024;
 // queries at a time (16 accumulators), each pair's products summed over the lanes at the end. A
 // last short block of keys repeats its last key (its scores are never read). ahead: how far on
 // the next block's keys lie (0: none), fetched into cache a line at a time as this block's are
-// read.
-template <int kQueries>
+// read. kZmm: built for AVX-512 (hold()).
+template <int kQueries, bool kZmm>
 __attribute__((always_inline)) inline void block_scores(const float* queries, int64_t rows, const float* keys,
                                                         int64_t ldk, int64_t n, int64_t dim, float* scores,
                                                         int64_t ahead) {
@@ -41,10 +41,14 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
       Floats acc[kKeys * kQueries] = {};
       for (int64_t d = 0; d < dim; d += kLanes) {
         Floats q[kQueries];
-        for (int i = 0; i < kQueries; ++i) q[i] = load(queries + (q0 + i) * dim + d);
+        for (int i = 0; i < kQueries; ++i) {
+          q[i] = load(queries + (q0 + i) * dim + d);
+          hold<kZmm>(q[i]);
+        }
         for (int k = 0; k < kKeys; ++k) {
           if (ahead && q0 == 0) __builtin_prefetch(key[k] + d + ahead);
-          const Floats kv = load(key[k] + d);
+          Floats kv = load(key[k] + d);
+          hold<kZmm>(kv);
           for (int i = 0; i < kQueries; ++i) acc[k * kQueries + i] += kv * q[i];
         }
       }
@@ -58,7 +62,7 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
 
 // One row's group of query rows [r0, r0 + rows) over its first `length` states (queries of type
 // Q, states T, outputs O: float32 or bfloat16 bits each).
-template <typename Q, typename T, typename O>
+template <bool kZmm, typename Q, typename T, typename O>
 __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& query, const StridedRows<T>& states,
                                                         int64_t length, O* out, int64_t b, int64_t r0, int64_t rows,
                                                         int64_t R, int64_t dim, float scale, float* queries,
@@ -89,9 +93,9 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     // the next block's states, fetched while this one computes (float32 states are read in place)
     const int64_t ahead = wide && j0 + kBlockKeys < length ? kBlockKeys * ldk : 0;
     if (fours) {
-      block_scores<4>(queries, padded, keys, ldk, n, dim, scores, ahead);
+      block_scores<4, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
     } else {
-      block_scores<2>(queries, padded, keys, ldk, n, dim, scores, ahead);
+      block_scores<2, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
     }
     for (int64_t r = 0; r < rows; ++r) {  // the online softmax: weights against the running maximum
       float* w = scores + r * kBlockKeys;
@@ -118,7 +122,7 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
       }
       for (int i = 0; i < kLanes; ++i) total[r] += added[i];
     }
-    product(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
+    product<kZmm>(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     O* o = out + (b * R + r0 + r) * dim;
@@ -127,46 +131,43 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
   }
 }
 
+// One call's attention: queries of type Q over states T into outputs O
+template <typename Q, typename T, typename O>
+struct Attend {
+  const StridedRows<Q>& query;
+  const StridedRows<T>& states;
+  const int64_t* lengths;
+  O* out;
+  int64_t R, dim;
+  float scale;
+  int64_t units;
+  bool reverse;
+  int64_t first, last;
+};
+
 // units [first, last) of `units`, in reverse order where asked (the last unit first): unit u is
 // row u / groups, its (u % groups)-th group of query rows
-template <typename Q, typename T, typename O>
-__attribute__((always_inline)) inline void attend_units(const StridedRows<Q>& query, const StridedRows<T>& states,
-                                                        const int64_t* lengths, O* out, int64_t R, int64_t dim,
-                                                        float scale, int64_t units, bool reverse, int64_t first,
-                                                        int64_t last) {
-  const int64_t groups = (R + kGroupRows - 1) / kGroupRows;
+template <bool kZmm, typename Q, typename T, typename O>
+__attribute__((always_inline)) inline void attend_units(const Attend<Q, T, O>& a) {
+  const int64_t groups = (a.R + kGroupRows - 1) / kGroupRows, dim = a.dim;
   const std::unique_ptr<float[]> queries(new float[kGroupRows * dim]), sums(new float[kGroupRows * dim]);
   const std::unique_ptr<float[]> scores(new float[kGroupRows * kBlockKeys]);
   const std::unique_ptr<float[]> block(new float[std::is_same_v<T, float> ? 0 : kBlockKeys * dim]);
-  for (int64_t i = first; i < last; ++i) {
-    const int64_t u = reverse ? units - 1 - i : i;
+  for (int64_t i = a.first; i < a.last; ++i) {
+    const int64_t u = a.reverse ? a.units - 1 - i : i;
     const int64_t b = u / groups, r0 = (u % groups) * kGroupRows;
-    attend_group(query, states, lengths[b], out, b, r0, std::min(kGroupRows, R - r0), R, dim, scale, queries.get(),
-                 sums.get(), scores.get(), block.get());
+    attend_group<kZmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(kGroupRows, a.R - r0), a.R, dim,
+                       a.scale, queries.get(), sums.get(), scores.get(), block.get());
   }
 }
 
-FASTJUDGE_CLONES
-void attend_units_f32(const StridedRows<float>& query, const StridedRows<float>& states, const int64_t* lengths,
-                      float* out, int64_t R, int64_t dim, float scale, int64_t units, bool reverse,
-                      int64_t first, int64_t last) {
-  attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
-}
-
+using AttendF32 = Attend<float, float, float>;
 // float32 queries and outputs over bfloat16 states (the fused cross-attention of a bfloat16 model)
-FASTJUDGE_CLONES
-void attend_units_mixed(const StridedRows<float>& query, const StridedRows<uint16_t>& states, const int64_t* lengths,
-                        float* out, int64_t R, int64_t dim, float scale, int64_t units, bool reverse, int64_t first,
-                        int64_t last) {
-  attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
-}
-
-FASTJUDGE_CLONES
-void attend_units_bf16(const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& states,
-                       const int64_t* lengths, uint16_t* out, int64_t R, int64_t dim, float scale, int64_t units,
-                       bool reverse, int64_t first, int64_t last) {
-  attend_units(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
-}
+using AttendMixed = Attend<float, uint16_t, float>;
+using AttendBF16 = Attend<uint16_t, uint16_t, uint16_t>;
+FASTJUDGE_VERSIONED(attend_units_f32, attend_units, AttendF32)
+FASTJUDGE_VERSIONED(attend_units_mixed, attend_units, AttendMixed)
+FASTJUDGE_VERSIONED(attend_units_bf16, attend_units, AttendBF16)
 
 // T5's per-head maps around the attention. A unit of work is one head-position pair (head h =
 // pair / P, position p = pair % P) and one slice of the weights it reads (64 columns of w_k[h],
@@ -316,9 +317,9 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
   parallel_ranges(units, workers_for(4.0 * R * dim * keys, threads), 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
-      attend_units_f32(queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last);
+      attend_units_f32(AttendF32{queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last});
     } else {
-      attend_units_mixed(queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last);
+      attend_units_mixed(AttendMixed{queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last});
     }
   });
   parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), map_workers, 1, [&](int64_t first, int64_t last) {
@@ -346,9 +347,9 @@ void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
   parallel_ranges(units, workers_for(4.0 * R * dim * keys, threads), 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<T, float>) {
-      attend_units_f32(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
+      attend_units_f32(AttendF32{query, states, lengths, out, R, dim, scale, units, reverse, first, last});
     } else {
-      attend_units_bf16(query, states, lengths, out, R, dim, scale, units, reverse, first, last);
+      attend_units_bf16(AttendBF16{query, states, lengths, out, R, dim, scale, units, reverse, first, last});
     }
   });
 }

@@ -35,6 +35,15 @@ typedef float Floats __attribute__((vector_size(64)));
 typedef int32_t Ints __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
+// In a body built for AVX-512 (kZmm), keeps v in a register for the FMAs that read it: GCC
+// otherwise folds the load of a vector that several FMAs read into each of them, and a core that
+// loads one 64-byte vector a cycle then waits on its loads (the reassociated cross-attention's
+// scores: 18 loads for 16 FMAs). Elsewhere (no 64-byte registers) it does nothing.
+template <bool kZmm>
+__attribute__((always_inline)) inline void hold(Floats& v) {
+  if constexpr (kZmm) asm("" : "+v"(v));
+}
+
 inline Floats load(const float* p) {
   Floats v;
   std::memcpy(&v, p, sizeof v);
@@ -72,6 +81,15 @@ inline Floats lane_sums(const Floats (&v)[16]) {
 }
 
 inline Floats splat(float x) { return Floats{} + x; }
+
+// *p in every lane of a register, for FMAs that each read it: one broadcast, which the compiler
+// can neither fold into each FMA (a load apiece) nor build lane by lane. Only in bodies built for
+// AVX-512.
+__attribute__((always_inline)) inline Floats held_broadcast(const float* p) {
+  Floats v;
+  asm("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
 
 // n rounded up to whole vectors of lanes
 inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
