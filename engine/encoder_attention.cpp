@@ -176,18 +176,24 @@ FASTJUDGE_VERSIONED(attend_units_bf16, attend_units, AttendBF16)
 constexpr int64_t kMapRows = 4;
 constexpr int64_t kMapColumns = 4 * kLanes;
 constexpr int kMapOutputs = kLanes / kMapRows;  // four k a unit of the map back
+// Rows up to which a map fetches its next unit's weights ahead (past them it is compute-bound;
+// one block of kMapRows has no later block to gain from it)
+constexpr int64_t kMapFetchRows = 32;
 
 // queries into model space: q[b, h * P + p, c0 ..] = sum over k < dk of x[b, p, h, k] w[h, k, c0 ..]
 // for rows [b0, b0 + rows), in register blocks of four rows by NV vectors of columns (rows past
 // the block's repeat its last one, never stored)
+// fetch: the next unit's weight rows (w rows of the same head, kMapColumns further on), a line
+// of each fetched into L2 at every k (null: none)
 template <int NV, typename T>
 __attribute__((always_inline)) inline void map_query_block(const T* x, const T* w, float* q, int64_t b0, int64_t rows,
                                                            int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t h,
-                                                           int64_t p, int64_t c0) {
+                                                           int64_t p, int64_t c0, const char* fetch) {
   const T* xr[kMapRows];
   for (int r = 0; r < kMapRows; ++r) xr[r] = x + ((std::min<int64_t>(b0 + r, b0 + rows - 1) * P + p) * H + h) * dk;
   Floats acc[kMapRows][NV] = {};
   for (int64_t k = 0; k < dk; ++k) {
+    if (fetch) __builtin_prefetch(fetch + k * dim * sizeof(T), 0, 2);
     Floats wk[NV];
     for (int v = 0; v < NV; ++v) wk[v] = load_floats(w + (h * dk + k) * dim + c0 + v * kLanes);
     for (int r = 0; r < kMapRows; ++r) {
@@ -207,12 +213,21 @@ __attribute__((always_inline)) inline void map_queries(const T* x, const T* w, f
   for (int64_t u = first; u < last; ++u) {
     const int64_t pair = u / slices, h = pair / P, p = pair % P;
     const int64_t c0 = (u % slices) * kMapColumns, wide = std::min(kMapColumns, dim - c0);
-    for (int64_t b0 = 0; b0 < B; b0 += kMapRows) {
+    // a few rows read the unit's weights from memory: the next unit's (the same head's next
+    // columns, or the next head's first) are fetched while these compute, a line of each of its
+    // rows per row block, so its first block does not wait on them
+    const int64_t next_c0 = c0 + kMapColumns < dim ? c0 + kMapColumns : 0;
+    const int64_t next_h = next_c0 ? h : (pair + 1) / P;
+    const T* next = u + 1 < last && next_h < H ? w + next_h * dk * dim + next_c0 : nullptr;
+    for (int64_t b0 = 0, line = 0; b0 < B; b0 += kMapRows, ++line) {
       const int64_t rows = std::min(kMapRows, B - b0);
+      const char* fetch = next && line * kLanes < kMapColumns && B > kMapRows && B <= kMapFetchRows
+                              ? reinterpret_cast<const char*>(next + line * kLanes) : nullptr;
       if (wide == kMapColumns) {
-        map_query_block<4>(x, w, q, b0, rows, P, H, dk, dim, h, p, c0);
+        map_query_block<4>(x, w, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
       } else {
-        for (int64_t c = c0; c < c0 + wide; c += kLanes) map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c);
+        for (int64_t c = c0; c < c0 + wide; c += kLanes)
+          map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c, c == c0 ? fetch : nullptr);
       }
     }
   }
@@ -231,13 +246,23 @@ __attribute__((always_inline)) inline void map_contexts(const float* ctx, const 
     const int64_t pair = u / slices, h = pair / P, p = pair % P, k0 = (u % slices) * kOut;
     const T* wr[kOut];
     for (int k = 0; k < kOut; ++k) wr[k] = w + (h * dk + std::min<int64_t>(k0 + k, dk - 1)) * dim;
-    for (int64_t b0 = 0; b0 < B; b0 += kMapRows) {
+    // the next unit's weight rows (the next kOut rows of w, or the next head's first), fetched
+    // while these compute as map_queries fetches
+    const int64_t next_k = k0 + kOut < dk ? k0 + kOut : 0, next_h = next_k ? h : (pair + 1) / P;
+    const char* next = u + 1 < last && next_h < H ? reinterpret_cast<const char*>(w + (next_h * dk + next_k) * dim)
+                                                  : nullptr;
+    const int64_t fetch_bytes = kOut * dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t b0 = 0, block = 0; b0 < B; b0 += kMapRows, ++block) {
       const int64_t rows = std::min(kMapRows, B - b0);
+      const int64_t blocks = (B + kMapRows - 1) / kMapRows;
+      const char* fetch = next && B > kMapRows && B <= kMapFetchRows ? next + block * fetch_bytes / blocks : nullptr;
+      const int64_t fetch_step = fetch_bytes / blocks / std::max<int64_t>(1, dim / kLanes);
       const float* cr[kMapRows];
       for (int r = 0; r < kMapRows; ++r)
         cr[r] = ctx + (std::min<int64_t>(b0 + r, b0 + rows - 1) * H * P + h * P + p) * dim;
       Floats acc[kMapRows * kOut] = {};
       for (int64_t d = 0; d < dim; d += kLanes) {
+        if (fetch) __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
         Floats c[kMapRows];
         for (int r = 0; r < kMapRows; ++r) c[r] = load(cr[r] + d);
         for (int k = 0; k < kOut; ++k) {
