@@ -182,9 +182,8 @@ constexpr int64_t kMapFetchRows = 32;
 
 // queries into model space: q[b, h * P + p, c0 ..] = sum over k < dk of x[b, p, h, k] w[h, k, c0 ..]
 // for rows [b0, b0 + rows), in register blocks of four rows by NV vectors of columns (rows past
-// the block's repeat its last one, never stored)
-// fetch: the next unit's weight rows (w rows of the same head, kMapColumns further on), a line
-// of each fetched into L2 at every k (null: none)
+// the block's repeat its last one, never stored); fetch: a line of each of the next unit's weight
+// rows, fetched into L2 at every k (null: none)
 template <int NV, typename T>
 __attribute__((always_inline)) inline void map_query_block(const T* x, const T* w, float* q, int64_t b0, int64_t rows,
                                                            int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t h,
@@ -251,10 +250,9 @@ __attribute__((always_inline)) inline void map_contexts(const float* ctx, const 
     const int64_t next_k = k0 + kOut < dk ? k0 + kOut : 0, next_h = next_k ? h : (pair + 1) / P;
     const char* next = u + 1 < last && next_h < H ? reinterpret_cast<const char*>(w + (next_h * dk + next_k) * dim)
                                                   : nullptr;
-    const int64_t fetch_bytes = kOut * dim * static_cast<int64_t>(sizeof(T));
+    const int64_t fetch_bytes = kOut * dim * static_cast<int64_t>(sizeof(T)), blocks = (B + kMapRows - 1) / kMapRows;
     for (int64_t b0 = 0, block = 0; b0 < B; b0 += kMapRows, ++block) {
       const int64_t rows = std::min(kMapRows, B - b0);
-      const int64_t blocks = (B + kMapRows - 1) / kMapRows;
       const char* fetch = next && B > kMapRows && B <= kMapFetchRows ? next + block * fetch_bytes / blocks : nullptr;
       const int64_t fetch_step = fetch_bytes / blocks / std::max<int64_t>(1, dim / kLanes);
       const float* cr[kMapRows];
