@@ -172,13 +172,15 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
 // pair's grouped query rows, 16 at a time, take their scores against the keys read in place,
 // with no packing pass (which would cost as much as the products themselves for a handful of
 // queries). Up to kLaneSumRows query rows: each key's products with a query summed across
-// lanes, 16 keys at a time (lane_sums); more: one product with the keys as its rows and the
-// queries transposed as its 16 columns (a key's dims against all rows at once). Then a softmax
-// per query row, its weights normalised (and, where bfloat16 attention takes bfloat16 dot
-// products, rounded to bfloat16 as there), and the weighted values: the keys every row sees as
-// a second product, each row's own later keys after. No value past a row's last key is read for
-// it, and a later key's score never reaches its softmax. bfloat16 keys and values go through
-// float32 blocks of kBlockKeys rows.
+// lanes (few_row_scores); more: one product with the keys as its rows and the queries
+// transposed as its 16 columns (a key's dims against all rows at once). Then a softmax per
+// query row, its weights normalised (and, where bfloat16 attention takes bfloat16 dot products,
+// rounded to bfloat16 as there), and the weighted values: the keys every row sees as a second
+// product, each row's own later keys after. No value past a row's last key is read for it, and a
+// later key's score never reaches its softmax. bfloat16 keys and values are widened to float32
+// in registers as they load, except the keys of the transposed product, which go through
+// float32 blocks of kBlockKeys rows (converting every block through a buffer made the context of
+// a bfloat16 decoding step compute-bound: 0.76 ms for 11 MB at 16 rows).
 constexpr int64_t kBlockKeys = 64;
 constexpr int64_t kLaneSumRows = 4;
 
@@ -216,7 +218,56 @@ __attribute__((always_inline)) inline void fetch_keys(const CausalProblem& p, co
   }
 }
 
-template <typename T>
+// The scores of R query rows (row r at q + r * dim) against m keys (key k at keys + k * ldk,
+// float32 or bfloat16), into w[r * ldw + k]: each the sum of the row's products with the key lane
+// by lane over dim / 16 vectors in increasing order, then across its lanes. One lane_sums call
+// (whose tree is the same for each of its 16 vectors: a row's bits do not depend on R) sums
+// 16 / R keys of every row, so each key vector is loaded once for all R rows, and its 16 sums
+// stay in registers (a loop over a runtime count of keys kept them in memory).
+template <int R, bool kZmm, typename K>
+__attribute__((always_inline)) inline void few_row_scores(const float* q, int64_t dim, const K* keys, int64_t ldk,
+                                                          int64_t m, float* w, int64_t ldw) {
+  constexpr int kKeys = kLanes / R;
+  int64_t k0 = 0;
+  for (; k0 + kKeys <= m; k0 += kKeys) {
+    const K* block = keys + k0 * ldk;
+    Floats acc[kLanes] = {};  // indexed by constants only: held in registers
+#pragma GCC unroll 16
+    for (int k = 0; k < kKeys; ++k) {
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        Floats kd = load_floats(block + k * ldk + d);
+        if constexpr (R > 1) hold<kZmm>(kd);
+        for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load(q + r * dim + d) * kd;
+      }
+    }
+    float sums[kLanes];
+    store(sums, lane_sums(acc));
+    for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, kKeys, w + r * ldw + k0);
+  }
+  if (k0 == m) return;
+  const int n = static_cast<int>(m - k0);
+  Floats acc[kLanes] = {};
+  for (int k = 0; k < n; ++k)
+    for (int64_t d = 0; d < dim; d += kLanes)
+      for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load(q + r * dim + d) * load_floats(keys + (k0 + k) * ldk + d);
+  float sums[kLanes];
+  store(sums, lane_sums(acc));
+  for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, n, w + r * ldw + k0);
+}
+
+template <bool kZmm, typename K>
+__attribute__((always_inline)) inline void few_row_scores(int64_t rows, const float* q, int64_t dim,
+                                                          const K* keys, int64_t ldk, int64_t m, float* w,
+                                                          int64_t ldw) {
+  switch (rows) {
+    case 1: return few_row_scores<1, kZmm>(q, dim, keys, ldk, m, w, ldw);
+    case 2: return few_row_scores<2, kZmm>(q, dim, keys, ldk, m, w, ldw);
+    case 3: return few_row_scores<3, kZmm>(q, dim, keys, ldk, m, w, ldw);
+    default: return few_row_scores<4, kZmm>(q, dim, keys, ldk, m, w, ldw);
+  }
+}
+
+template <bool kZmm, typename T>
 __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem& p, const StridedRows<T>& query,
                                                             const StridedRows<T>& key, const StridedRows<T>& value,
                                                             T* out, bool round_weights, int64_t first, int64_t last) {
@@ -228,7 +279,7 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
   const std::unique_ptr<float[]> weights(new float[kLanes * ldw]);
   const std::unique_ptr<float[]> scores(new float[group * real_max(p) > kLaneSumRows ? ldw * kLanes : 0]);
   const std::unique_ptr<float[]> block(new float[wide ? 0 : kBlockKeys * dim]);
-  // rows [j0, j0 + n) of keys or values in float32: in place, or converted into block
+  // rows [j0, j0 + n) of keys in float32: in place, or converted into block
   auto rows_of = [&](const StridedRows<T>& x, int64_t b, int64_t hk, int64_t j0, int64_t n)
       __attribute__((always_inline)) -> std::pair<const float*, int64_t> {
     if constexpr (wide) {
@@ -264,24 +315,12 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
       }
       for (int64_t j0 = 0; j0 < seen; j0 += kBlockKeys) {
         const int64_t n = std::min(kBlockKeys, seen - j0);
-        const auto [keys, ldk] = rows_of(key, b, hk, j0, n);
         if (!lanes) {
-          product(keys, ldk, sums.get(), kLanes, scores.get() + j0 * kLanes, kLanes, n, dim, kLanes, false);
+          const auto [keys, ldk] = rows_of(key, b, hk, j0, n);
+          product<kZmm>(keys, ldk, sums.get(), kLanes, scores.get() + j0 * kLanes, kLanes, n, dim, kLanes, false);
           continue;
         }
-        for (int64_t k0 = 0; k0 < n; k0 += kLanes) {
-          const int64_t m = std::min<int64_t>(kLanes, n - k0);
-          for (int64_t r = 0; r < rows; ++r) {
-            Floats acc[kLanes];
-            for (int64_t k = 0; k < kLanes; ++k) {
-              acc[k] = Floats{};
-              if (k >= m) continue;
-              const float* kj = keys + (k0 + k) * ldk;
-              for (int64_t d = 0; d < dim; d += kLanes) acc[k] += load(queries.get() + r * dim + d) * load(kj + d);
-            }
-            store(weights.get() + r * ldw + j0 + k0, lane_sums(acc));
-          }
-        }
+        few_row_scores<kZmm>(rows, queries.get(), dim, key.row(b, j0, hk), key.token, n, weights.get() + j0, ldw);
       }
       const int64_t width = round_up(seen, kLanes);
       for (int64_t r = 0; r < rows; ++r) {
@@ -299,12 +338,8 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
         const float inverse = softmax_row(w, visible - 1, width, scale);
         for (int64_t j = 0; j < visible; ++j) w[j] = round_weights ? rounded<uint16_t>(w[j] * inverse) : w[j] * inverse;
       }
-      for (int64_t j0 = 0; j0 < common; j0 += kBlockKeys) {
-        const int64_t n = std::min(kBlockKeys, common - j0);
-        const auto [values, ldv] = rows_of(value, b, hk, j0, n);
-        product(weights.get() + j0, ldw, values, ldv, sums.get(), dim, rows, n, dim, j0 > 0);
-      }
-      if (common == 0) std::fill_n(sums.get(), kLanes * dim, 0.0f);
+      // the values read where they lie (bfloat16 ones widened in registers as they load)
+      product<kZmm>(weights.get(), ldw, value.row(b, 0, hk), value.token, sums.get(), dim, rows, common, dim, false);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = hk * group + (r0 + r) / real, t = (r0 + r) % real;
         float* o = sums.get() + r * dim;
@@ -320,18 +355,23 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
   }
 }
 
-FASTJUDGE_CLONES
-void attend_few_f32(const CausalProblem& p, const StridedRows<float>& query, const StridedRows<float>& key,
-                    const StridedRows<float>& value, float* out, int64_t first, int64_t last) {
-  attend_few_pairs(p, query, key, value, out, false, first, last);
+// attend_few_pairs' arguments, for its builds (FASTJUDGE_VERSIONED)
+template <typename T>
+struct FewPairs {
+  const CausalProblem& p;
+  const StridedRows<T>&query, &key, &value;
+  T* out;
+  bool round_weights;
+  int64_t first, last;
+};
+
+template <bool kZmm, typename T>
+__attribute__((always_inline)) inline void attend_few(const FewPairs<T>& a) {
+  attend_few_pairs<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.first, a.last);
 }
 
-FASTJUDGE_CLONES
-void attend_few_bf16(const CausalProblem& p, const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& key,
-                     const StridedRows<uint16_t>& value, uint16_t* out, bool round_weights, int64_t first,
-                     int64_t last) {
-  attend_few_pairs(p, query, key, value, out, round_weights, first, last);
-}
+FASTJUDGE_VERSIONED(attend_few_f32, attend_few, FewPairs<float>)
+FASTJUDGE_VERSIONED(attend_few_bf16, attend_few, FewPairs<uint16_t>)
 
 // the ISA clones, one per element type (target_clones does not take templates)
 FASTJUDGE_CLONES
@@ -480,9 +520,9 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
     if (few) {
       if constexpr (std::is_same_v<T, float>) {
-        attend_few_f32(p, query, key, value, out, first, last);
+        attend_few_f32({p, query, key, value, out, false, first, last});
       } else {
-        attend_few_bf16(p, query, key, value, out, dot, first, last);
+        attend_few_bf16({p, query, key, value, out, dot, first, last});
       }
       return;
     }

@@ -15,10 +15,10 @@ constexpr int kProductRows = 4;
 constexpr int kMaxVectors = 4;
 
 // c[r][:NV lanes] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + :], r < R, in
-// increasing k; with kFetch, the line at fetch + k * fetch_step is fetched into L2 at each k;
-// kZmm: built for AVX-512 (hold())
-template <int R, int NV, bool kZmm = false, bool kFetch = false>
-__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+// increasing k (b float32, or bfloat16 bits widened as they load); with kFetch, the line at
+// fetch + k * fetch_step is fetched into L2 at each k; kZmm: built for AVX-512 (hold())
+template <int R, int NV, bool kZmm = false, bool kFetch = false, typename TB = float>
+__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const TB* b, int64_t ldb, float* c,
                                                 int64_t ldc, int64_t depth, bool accumulate,
                                                 const char* fetch = nullptr, int64_t fetch_step = 0) {
   Floats acc[R][NV];
@@ -28,7 +28,7 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     if constexpr (kFetch) __builtin_prefetch(fetch + k * fetch_step, 0, 2);
     Floats bk[NV];
     for (int v = 0; v < NV; ++v) {
-      bk[v] = load(b + k * ldb + v * kLanes);
+      bk[v] = load_floats(b + k * ldb + v * kLanes);
       if constexpr (R > 1) hold<kZmm>(bk[v]);
     }
     for (int r = 0; r < R; ++r) {
@@ -45,25 +45,25 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-template <int R, bool kZmm = false, bool kFetch = false>
-__attribute__((always_inline)) inline void tile_columns(int vectors, const float* a, int64_t lda, const float* b,
+template <int R, bool kZmm = false, bool kFetch = false, typename TB = float>
+__attribute__((always_inline)) inline void tile_columns(int vectors, const float* a, int64_t lda, const TB* b,
                                                         int64_t ldb, float* c, int64_t ldc, int64_t depth,
                                                         bool accumulate, const char* fetch, int64_t fetch_step) {
   switch (vectors) {
-    case 1: return tile<R, 1, kZmm, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
-    case 2: return tile<R, 2, kZmm, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
-    case 3: return tile<R, 3, kZmm, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
-    default: return tile<R, 4, kZmm, kFetch>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    case 1: return tile<R, 1, kZmm, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    case 2: return tile<R, 2, kZmm, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    case 3: return tile<R, 3, kZmm, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+    default: return tile<R, 4, kZmm, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
   }
 }
 
-// C (= or +=) A B for A [rows, depth] (row stride lda), B [depth, cols] (ldb), C [rows, cols]
-// (ldc), cols a multiple of kLanes. lower: A is zero right of its diagonal, so the rows from i0
-// on sum only k < i0 + kProductRows. kFetch: the fetch_bytes from fetch on are fetched into L2
+// C (= or +=) A B for A [rows, depth] (row stride lda), B [depth, cols] (ldb; float32, or
+// bfloat16 bits), C [rows, cols] (ldc), cols a multiple of kLanes. lower: A is zero right of its
+// diagonal, so the rows from i0 on sum only k < i0 + kProductRows. kFetch: the fetch_bytes from fetch on are fetched into L2
 // while the blocks compute, evenly over their steps (a stream the next call will read). kZmm:
 // built for AVX-512 (hold()).
-template <bool kZmm = false, bool kFetch = false>
-__attribute__((always_inline)) inline void product(const float* A, int64_t lda, const float* B, int64_t ldb,
+template <bool kZmm = false, bool kFetch = false, typename TB = float>
+__attribute__((always_inline)) inline void product(const float* A, int64_t lda, const TB* B, int64_t ldb,
                                                    float* C, int64_t ldc, int64_t rows, int64_t depth, int64_t cols,
                                                    bool accumulate, bool lower = false, const char* fetch = nullptr,
                                                    int64_t fetch_bytes = 0) {
@@ -81,10 +81,10 @@ __attribute__((always_inline)) inline void product(const float* A, int64_t lda, 
       const float* a = A + i0 * lda;
       float* c = C + i0 * ldc + c0;
       switch (r) {
-        case 1: tile_columns<1, kZmm, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
-        case 2: tile_columns<2, kZmm, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
-        case 3: tile_columns<3, kZmm, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
-        default: tile_columns<4, kZmm, kFetch>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 1: tile_columns<1, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 2: tile_columns<2, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 3: tile_columns<3, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        default: tile_columns<4, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
       }
       if constexpr (kFetch) fetch += k * fetch_step;
     }

@@ -218,6 +218,37 @@ def test_few_new_tokens_never_read_later_keys(dtype, S, bf16_form):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 3, 4])
+@pytest.mark.parametrize("hd", [16, 64, 128])
+def test_few_token_groups_give_each_query_its_own_bits(dtype, group, hd, bf16_form):
+    """The few-token kernel scores a key head's group of queries together (each key read once for
+    all of them, 16 / group keys a lane-sum): every query's output has the same bits as that
+    query attending alone (a group of one), whatever the group and wherever a row's keys end
+    in a block; against transformers' eager attention too. Keys and values are read in place,
+    bfloat16 ones widened as they load."""
+    gen = torch.Generator().manual_seed(group * hd)
+    B, kv_heads, W = 3, 2, 130
+    offsets = torch.tensor([0, 37, 129])  # 1, 38 and 130 keys a row
+    pool = torch.randn(2, B, kv_heads, W + 5, hd, generator=gen).to(dtype)
+    keys, values = pool[0, :, :, :W].transpose(1, 2), pool[1, :, :, :W].transpose(1, 2)
+    q = torch.randn(B, 1, kv_heads * group, hd, generator=gen).to(dtype)
+
+    def attend(q):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        _engine.causal_attention(engine_array(q), engine_array(keys), engine_array(values), engine_array(out),
+                                 hd ** -0.5, offsets.numpy(), threads=2)
+        return out
+
+    grouped = attend(q)
+    for r in range(group):
+        heads = [hk * group + r for hk in range(kv_heads)]  # one query of each key head's group
+        assert torch.equal(attend(q[:, :, heads].contiguous()), grouped[:, :, heads])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    want = masked_reference(q, keys.transpose(1, 2), values.transpose(1, 2), offsets)
+    torch.testing.assert_close(grouped.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_same_bits_on_any_number_of_threads(dtype, bf16_form):
     """Each (row, key head) pair is computed alone, so the split over threads changes nothing."""
     q, k, v = layer_inputs(5, 150, 4, 2, 64, dtype=dtype, seed=7)
