@@ -11,8 +11,8 @@ On a random-weight checkpoint of ``--shape`` (the ``mini`` Qwen3.5 by default), 
   reading of the longer context costs the step, its cache effects included;
 * whole step: a decoding step as a judge runs it (``backend.run`` of the rows decoding
   ``--new-tokens`` against one token, after a cached prefix), the time inside its engine calls
-  counted apart: the rest (``host``) is the final norm and LM head, the pick and the loop's
-  bookkeeping.
+  counted apart (greedy text rows: the step with its final norm, LM head and pick,
+  ``EngineStep.pick``): the rest (``host``) is the loop's bookkeeping.
 
 The bound of the engine step is ``bench.roofline``'s (its FLOPs at the machine's measured GEMM
 peak, its bytes at the measured read bandwidth, the larger of the two; the LM head left out),
@@ -76,20 +76,26 @@ def engine_steps(backend, rows: int, contexts: tuple[int, ...], calls: int) -> l
 
 @contextmanager
 def engine_time():
-    """Seconds spent inside engine steps while the block runs: a list whose one entry grows."""
-    spent, call = [0.0], EngineStep.__call__
+    """Seconds spent inside engine steps (``EngineStep`` calls and picks) while the block runs:
+    a list whose one entry grows."""
+    spent = [0.0]
+    originals = {name: getattr(EngineStep, name) for name in ("__call__", "pick")}
 
-    def timed(self, *args):
-        start = time.perf_counter()
-        out = call(self, *args)
-        spent[0] += time.perf_counter() - start
-        return out
+    def timing(run):
+        def timed(self, *args):
+            start = time.perf_counter()
+            out = run(self, *args)
+            spent[0] += time.perf_counter() - start
+            return out
+        return timed
 
-    EngineStep.__call__ = timed
+    for name, run in originals.items():
+        setattr(EngineStep, name, timing(run))
     try:
         yield spent
     finally:
-        EngineStep.__call__ = call
+        for name, run in originals.items():
+            setattr(EngineStep, name, run)
 
 
 def whole_step(backend, rows: int, cached: int, new_tokens: int, repeats: int) -> tuple[float, float]:

@@ -1053,6 +1053,29 @@ class QwenDecoder : BoundArrays {
              [&](auto* dst) { fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads); });
   }
 
+  void set_head(const py::handle& final_norm, const py::handle& panels, int64_t outputs) {
+    if (outputs < 1) throw py::value_error("the head needs at least one output");
+    py::dict head;
+    head["final_norm"] = final_norm, head["panels"] = panels;
+    model_.final_norm = array<float>(head, "final_norm", {model_.d});
+    model_.head = bf16_ ? packed<uint32_t>(head, "panels", model_.d, outputs)
+                        : packed<float>(head, "panels", model_.d, outputs);
+  }
+
+  void step_pick(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& hidden,
+                 const py::handle& picks, int threads) {
+    const py::array t = py::array::ensure(tokens);
+    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
+    const int64_t B = t.shape(0), S = t.shape(1);
+    if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
+    const Int64Array rows = row_counts(counts, B, S);
+    const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
+                                         cos_data_, sin_data_, table_positions_};
+    int64_t* chosen = typed_array<int64_t>(picks, "picks", {B}, true);
+    run_step(bf16_, hidden, {B, model_.d},
+             [&](auto* dst) { fastjudge::qwen_decode_pick(model_, input, dst, chosen, scratch_, threads); });
+  }
+
  private:
   template <typename T, typename W>
   void bind_layers(const py::list& layers, const py::handle& embed) {
@@ -1237,7 +1260,17 @@ panel, taps, K/V and conv state share). lengths, positions: the pool's int64 [sl
 start .. start + B - 1: writes out [B, S, d] (the last layer's output, before the final norm),
 each layer's state for the real tokens, and advances lengths and positions by counts. Raises
 ValueError, before writing anything, on tokens outside the vocabulary, rows past the slots,
-keys past the capacity or positions past the rotary tables.)doc");
+keys past the capacity or positions past the rotary tables.)doc")
+      .def("set_head", &QwenDecoder::set_head, py::arg("final_norm"), py::arg("panels"), py::arg("outputs"),
+           R"doc(The head step_pick runs: the final norm [d] float32 and the output projection's panels
+(as dense_product takes them) of `outputs` outputs (kept alive).)doc")
+      .def("step_pick", &QwenDecoder::step_pick, py::arg("tokens"), py::arg("counts"), py::arg("start"),
+           py::arg("hidden"), py::arg("picks"), py::arg("threads") = 1,
+           R"doc(step, then greedy decoding's pick in the same call: writes hidden [B, d] (each row's
+last real token's output, before the final norm; the last column where counts[b] is 0) and
+picks [B] int64 (the index of the largest of that row's logits, final norm and head applied in
+the model's type: the first of equal ones, the first NaN, as torch's argmax). Raises ValueError
+as step does, or where no head was set.)doc");
 }
 }  // namespace
 

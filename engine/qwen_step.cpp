@@ -70,13 +70,60 @@ void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_
   rotate_bf16(x, cos, sin, out, heads, hd, half);
 }
 
+// picks[b] = the index of row b's largest logit, as torch's argmax picks it: the first of equal
+// maxima, the first NaN where a row has one
+template <typename T>
+int64_t greedy_pick(const T* row, int64_t V) {
+  int64_t best = 0;
+  float top = to_float(row[0]);
+  if (std::isnan(top)) return 0;
+  for (int64_t v = 1; v < V; ++v) {
+    const float x = to_float(row[v]);
+    if (std::isnan(x)) return v;
+    if (x > top) top = x, best = v;
+  }
+  return best;
+}
+
+template <typename T>
+void greedy_picks(const T* logits, int64_t B, int64_t V, int64_t* picks, int threads) {
+  constexpr int64_t kLogitsPerThread = 1 << 16;
+  parallel_ranges(B, std::min<int64_t>(threads, B * V / kLogitsPerThread + 1), 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) picks[b] = greedy_pick(logits + b * V, V);
+  });
+}
+
 template <typename T>
 class Step {
  public:
   Step(const QwenStepModel& m, const QwenStepInput& in, QwenStepBuffers<T>& buffers, int threads)
       : m_(m), in_(in), threads_(threads), buf_(buffers) {}
 
+  // the step's output rows [B * S, d] into out
   void run(T* out) {
+    layers();
+    std::memcpy(out, buf_.x.data(), in_.B * in_.S * m_.d * sizeof(T));
+  }
+
+  // each row's last real token: its hidden state into hidden [B, d] and the greedy pick of its
+  // logits into picks [B]; the final norm and the head as the model's own ops run them on those
+  // rows (the engine's RMSNorm and projection: the same bits at any row count)
+  void pick(T* hidden, int64_t* picks) {
+    if (!m_.final_norm || !m_.head.panels) throw std::invalid_argument("the decoder has no head");
+    layers();
+    const int64_t B = in_.B, S = in_.S, d = m_.d, V = m_.head.out;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t last = in_.counts[b] > 0 ? in_.counts[b] - 1 : S - 1;  // as a [-1] index picks
+      std::memcpy(hidden + b * d, &buf_.x[(b * S + last) * d], d * sizeof(T));
+    }
+    rms_norm(hidden, d, d, m_.final_norm, buf_.normed.data(), B, 1, d, m_.eps, threads_);
+    hold(buf_.logits, B * V);
+    project(buf_.normed.data(), B, m_.head, buf_.logits.data(), threads_);
+    greedy_picks(buf_.logits.data(), B, V, picks, threads_);
+  }
+
+ private:
+  void layers() {
     check();
     const int64_t N = in_.B * in_.S, d = m_.d;
     const int64_t qkv_width = m_.H * m_.hd * (m_.output_gate ? 2 : 1) + 2 * m_.Hkv * m_.hd;
@@ -107,14 +154,12 @@ class Step {
       project(buf_.wide.data(), N, layer.down, buf_.mixed.data(), threads_);
       add(buf_.x.data(), buf_.mixed.data(), N * d);
     }
-    std::memcpy(out, buf_.x.data(), N * d * sizeof(T));
     for (int64_t b = 0; b < in_.B; ++b) {
       m_.lengths[in_.start + b] += in_.counts[b];
       m_.positions[in_.start + b] += in_.counts[b];
     }
   }
 
- private:
   // Everything the step reads, before anything is written
   void check() const {
     if (in_.start < 0 || in_.start + in_.B > m_.slots) throw std::invalid_argument("rows past the pool's slots");
@@ -208,6 +253,17 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
                       QwenStepScratch& scratch, int threads) {
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
   Step<uint16_t>(model, input, scratch.bf16, threads).run(out);
+}
+
+void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, float* hidden, int64_t* picks,
+                      QwenStepScratch& scratch, int threads) {
+  Step<float>(model, input, scratch.f32, threads).pick(hidden, picks);
+}
+
+void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, uint16_t* hidden, int64_t* picks,
+                      QwenStepScratch& scratch, int threads) {
+  if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
+  Step<uint16_t>(model, input, scratch.bf16, threads).pick(hidden, picks);
 }
 
 }  // namespace fastjudge

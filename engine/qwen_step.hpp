@@ -51,6 +51,10 @@ struct QwenStepModel {
   const void* embed = nullptr;  // [vocab, d], the model's type
   int64_t *lengths = nullptr, *positions = nullptr;  // the pool's [slots]: keys held, next position
   std::vector<QwenStepLayer> layers;
+  // the greedy pick's head (qwen_decode_pick): the final norm [d] float32 and the output
+  // projection (d inputs, one output a token); unset where only qwen_decode_step runs
+  const float* final_norm = nullptr;
+  PackedWeight head;
 };
 
 // The step's input: tokens [B, S] (row b's first counts[b] real, the rest padding) continuing
@@ -70,6 +74,7 @@ struct QwenStepInput {
 template <typename T>
 struct QwenStepBuffers {
   std::vector<T> x, normed, mixed, wide, heads, attended;  // heads: rotated queries and keys
+  std::vector<T> logits;                                   // the greedy pick's [B, head outputs]
 };
 
 struct QwenStepScratch {
@@ -87,6 +92,16 @@ struct QwenStepScratch {
 void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, QwenStepScratch& scratch,
                       int threads);
 void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out,
+                      QwenStepScratch& scratch, int threads);
+
+// The same step, then greedy decoding's pick without a trip through the host: each row's last real
+// token's output (column counts[b] - 1; the last column where counts[b] is 0) into hidden [B, d],
+// and picks [B] the index of the largest of its logits (final norm, then the head, in the model's
+// type), the first of equal ones, as torch's argmax of the same logits. Throws
+// std::invalid_argument where the model has no head.
+void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, float* hidden, int64_t* picks,
+                      QwenStepScratch& scratch, int threads);
+void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, uint16_t* hidden, int64_t* picks,
                       QwenStepScratch& scratch, int threads);
 
 }  // namespace fastjudge

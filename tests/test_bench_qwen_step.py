@@ -16,11 +16,13 @@ from fastjudge import _engine  # noqa: E402
 
 
 def test_engine_time_counts_only_inside_the_step():
-    """The timing hook restores ``EngineStep.__call__`` and adds only what runs inside it."""
-    call = bench_qwen_step.EngineStep.__call__
+    """The timing hook restores ``EngineStep.__call__`` and ``EngineStep.pick`` and adds only
+    what runs inside them."""
+    step = bench_qwen_step.EngineStep
+    call, pick = step.__call__, step.pick
     with bench_qwen_step.engine_time() as spent:
-        assert bench_qwen_step.EngineStep.__call__ is not call
-    assert bench_qwen_step.EngineStep.__call__ is call and spent == [0.0]
+        assert step.__call__ is not call and step.pick is not pick
+    assert step.__call__ is call and step.pick is pick and spent == [0.0]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -197,3 +197,112 @@ def test_refusals_write_nothing(model_dir):
     pool.lengths[1] = before.lengths[1]
     for ours, theirs in zip(pool.state_dict().values(), before.state_dict().values()):
         assert torch.equal(ours, theirs)
+
+
+def step_and_pick_both_ways(model, pool, new, counts):
+    """The same step as one engine call with its greedy pick (``run_pick_step``) on ``pool`` and
+    as ``run_step`` then ``model.logits`` and ``argmax`` on a copy of it: (picks, hidden, the
+    step's hidden at each row's last real token, its logits' argmax, the two pools)."""
+    other = copy.deepcopy(pool)
+    other.held = pool.held.copy()
+    hidden = torch.empty(len(new) + 2, model.s.hidden, dtype=model.embed.dtype)  # wider, as the loop's
+    picks = qwen_model.run_pick_step(model, pool, 0, new, counts, hidden)
+    out = qwen_model.run_step(model, other, 0, new, counts)
+    last = out[torch.arange(len(new)), torch.tensor(counts) - 1]
+    return picks, hidden[:len(new)], last, model.logits(last).argmax(-1), pool, other
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,width", [(1, 1), (5, 1), (16, 1), (4, 3)])
+def test_pick_step_gives_the_argmax_of_the_models_logits(model_dir, dtype, rows, width):
+    """``EngineStep.pick`` (one engine call: the step, the final norm, the head, the argmax)
+    against the step, ``QwenModel.logits`` and ``torch.argmax`` run apart: the same hidden
+    states bit for bit, the same tokens, the same pool."""
+    b = backend(model_dir, dtype)
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(rows * 10 + width)
+    pool, _, _ = filled_pool(model, rng, rows, vocab)
+    for _ in range(3):
+        counts = rng.integers(1, width + 1, size=rows).tolist()
+        new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+        picks, hidden, last, argmax, pool, other = step_and_pick_both_ways(model, pool, new, counts)
+        assert picks is not None and picks.dtype == np.int64
+        assert torch.equal(hidden, last) and picks.tolist() == argmax.tolist()
+        assert_same_state(pool, other, exact=True)
+        assert pool.held.tolist() == other.held.tolist()
+
+
+def test_pick_takes_the_first_of_equal_logits_and_the_first_nan(model_dir):
+    """The engine's greedy pick breaks ties and meets NaN as ``torch.argmax`` does (the first
+    of equal maxima; the first NaN), on a head made to give them: rows of the head repeated
+    (ties), and rows of infinities of both signs (inf - inf: NaN)."""
+    from fastjudge.backends.dense import engine_linear, pack_panels
+    from fastjudge.backends.qwen.engine_step import EngineStep
+
+    b = backend(model_dir)
+    model, vocab = b.model, b.model.embed.shape[0]
+    d = model.s.hidden
+    rng = np.random.default_rng(11)
+    for case in ("ties", "nan"):
+        pool, _, _ = filled_pool(model, rng, 3, vocab)
+        head = torch.randn(70, d)
+        if case == "ties":  # every logit 0 but outputs 3 and 40-69, equal: the largest are ties
+            head.zero_()
+            head[3] = head[40:] = torch.randn(d)
+        else:
+            head[[9, 33]] = torch.where(torch.arange(d) % 2 == 0, torch.inf, -torch.inf)
+        step = EngineStep(model, pool)
+        step.decoder.set_head(model.final_norm.numpy(), pack_panels(head), head.shape[0])
+        new = torch.tensor(rng.integers(5, vocab, size=(3, 1)))
+        hidden = torch.empty(3, d)
+        picks = step.pick(new, np.ones(3, dtype=np.int64), 0, CAPACITY, hidden)
+        normed = torch.empty_like(hidden)
+        _engine.rms_norm(hidden.numpy()[:, None], model.final_norm.numpy()[None], normed.numpy()[:, None],
+                         model.s.eps, 1)
+        logits = engine_linear(normed, pack_panels(head), head.shape[0])
+        assert picks.tolist() == logits.argmax(-1).tolist()
+        if case == "nan":
+            assert logits[:, 9].isnan().all() and picks.tolist() == [9, 9, 9]
+        else:  # the first zero or the first of the equal outputs
+            assert (logits[:, 40:] == logits[:, 3:4]).all() and set(picks.tolist()) <= {0, 3}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_text_decoding_with_and_without_the_picking_step(model_dir, dtype, monkeypatch):
+    """Text rows decoded with the step's own pick give the tokens decoding with the host's pick
+    gives (``model.logits`` of the hidden states, ``argmax``, one copy): rows stopping at stop
+    tokens on different steps, rows joining as others leave (``max_decode_rows``), the decode
+    counters alike."""
+    from fastjudge.backends.qwen import backend as qwen_backend
+    from fastjudge.runtime.requests import Request, Text
+
+    b = backend(model_dir, dtype)
+    vocab = b.model.embed.shape[0]
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(5, vocab, size=30)
+    prompts = [np.concatenate([prefix, rng.integers(5, vocab, size=int(n))]) for n in rng.integers(2, 9, size=7)]
+    picked = []
+
+    def counting(*args, **kwargs):
+        picks = real(*args, **kwargs)
+        picked.append(picks is not None)
+        return picks
+
+    def decode():
+        b.reset_decode_stats()
+        outs = b.run([Request(i, p, Text(12), prefix_len=len(prefix)) for i, p in enumerate(prompts)])
+        return [o.token_ids for o in outs], dict(b.decode_stats)
+
+    real = qwen_backend.run_pick_step
+    b.max_decode_rows = 3
+    first, _ = decode()
+    # stop tokens that rows meet at different steps: a token some row picks early
+    stops = {tokens[k] for tokens, k in zip(first, (2, 5, 8)) if len(tokens) > k}
+    monkeypatch.setattr(b.codec, "eos_token_ids", frozenset(stops))
+    monkeypatch.setattr(qwen_backend, "run_pick_step", counting)
+    ours, our_stats = decode()
+    monkeypatch.setattr(qwen_backend, "run_pick_step", lambda *args, **kwargs: None)
+    theirs, their_stats = decode()
+    assert ours == theirs and our_stats == their_stats
+    assert any(picked) and all(picked)
+    assert len({len(t) for t in ours}) > 1  # rows left on different steps

@@ -8,8 +8,10 @@ of all rows are filled on the host into one ``[rows, ceil(V/32)]`` bitmask
 (``runtime.grammar.TokenMask``) and applied to the batch's logits in one call; one argmax picks
 every row's token; and **one** device-to-host copy brings the chosen ids (with the tracked
 logits, when the spec tracks any) to the host. Everything else -- grammar state, stop tokens,
-budgets, which rows leave -- is decided on the host from that copy. Three things keep every row
-of every model step doing real work:
+budgets, which rows leave -- is decided on the host from that copy. Text rows with no tracked
+ids, where the CPU engine runs the step, have the step pick their next tokens in its own call
+(``pick_step``: final norm, head and argmax there, the same tokens), and the host gets the ids
+without a logits tensor. Three things keep every row of every model step doing real work:
 
 * **Jump-forward** (``jump_forward=True``): where the grammar allows exactly one token next,
   greedy decoding must pick it whatever the logits (the masked argmax has one finite entry), so
@@ -71,11 +73,13 @@ class _Chooser:
         self.mask = mask  # runtime.grammar.TokenMask, or None for Text
         self.stats = stats
 
-    def choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[list[int]]:
+    def choose(self, rows: Sequence[_Row], logits: torch.Tensor | None,
+               picked: np.ndarray | None = None) -> list[list[int]]:
         """The tokens each row (in slot order) feeds the model next: where the grammar forces
         the very next token, the forced run; else the token chosen from its row of ``logits``
-        [rows, V] (float32, masked in place) and the forced run after it. Empty when the row
-        ended on a stop token."""
+        [rows, V] (float32, masked in place), or ``picked`` (host int64 [rows]: text rows whose
+        step picked them already, no logits given), and the forced run after it. Empty when the
+        row ended on a stop token."""
         feeds: list[list[int]] = [[] for _ in rows]
         choosing, from_logits = [], []  # rows choosing; (row, token index, slot) tracked from logits
         for j, row in enumerate(rows):
@@ -85,11 +89,14 @@ class _Chooser:
                 choosing.append(j)
         if not choosing and not from_logits:
             return feeds
-        tracked = logits[:, self.track] if self.track is not None else None  # before masking
-        if self.mask is not None:
-            self.mask.apply(logits)
-        picked = logits.argmax(-1, keepdim=True).to(logits.dtype)  # ids exact in float32 (< 2**24)
-        host = to_host(torch.cat([picked, tracked], 1) if tracked is not None else picked).tolist()
+        if picked is not None:
+            host = picked[:, None].tolist()
+        else:
+            tracked = logits[:, self.track] if self.track is not None else None  # before masking
+            if self.mask is not None:
+                self.mask.apply(logits)
+            best = logits.argmax(-1, keepdim=True).to(logits.dtype)  # ids exact in float32 (< 2**24)
+            host = to_host(torch.cat([best, tracked], 1) if tracked is not None else best).tolist()
         for row, t, j in from_logits:
             row.tracked[t] = host[j][1:]
         for j in choosing:
@@ -146,7 +153,9 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
                   prefill: Callable[[Sequence[Request], int], torch.Tensor],
                   step: Callable[[torch.Tensor, list[int]], torch.Tensor],
                   eos_token_ids: set[int], jump_forward: bool = False, mask=None,
-                  stats: dict | None = None) -> tuple[list[Output], int]:
+                  stats: dict | None = None,
+                  pick_step: Callable[[torch.Tensor, list[int], torch.Tensor], np.ndarray | None] | None = None
+                  ) -> tuple[list[Output], int]:
     """Greedy decoding of ``batch`` (one Text/Json spec). ``matchers``: per row, a grammar
     matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``pool``: the
     state pool; at most ``max_rows`` rows decode at once (its leading slots), the others
@@ -155,13 +164,18 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
     counts)``: one model step of the live rows (``model.run_step`` on the leading slots). ``stats``: counters
     ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
     jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
-    Returns the outputs and the number of tokens run through the model."""
+    ``pick_step(tokens, counts, hidden)``: for Text rows with no tracked ids, the same step with
+    the next tokens' greedy pick in it (``model.run_pick_step``), writing the rows' last hidden
+    states into ``hidden`` and returning the picks, or None where it does not run (``step``
+    then). Returns the outputs and the number of tokens run through the model."""
     with record_function(DECODE_LABEL):
         return _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask,
-                       {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats)
+                       {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats,
+                       pick_step)
 
 
-def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask, stats):
+def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask, stats,
+            pick_step):
     spec = batch[0].spec
     track_ids = getattr(spec, "track_ids", ())
     rows = [_Row(r, m) for r, m in zip(batch, matchers)]
@@ -171,6 +185,9 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
     blocks: list[torch.Tensor] = []  # tracked logits of forced tokens, on the device
     chooser = None
     fed_total = 0
+    # text rows with nothing tracked may have their next tokens picked by the step itself
+    picking = pick_step if mask is None and not track_ids else None
+    picks = None  # the live rows' tokens picked by the last step (host int64), or None
     while waiting or live:
         if waiting and len(live) < max_rows:  # refill: newcomers take the free slots
             new = [waiting.popleft() for _ in range(min(max_rows - len(live), len(waiting)))]
@@ -181,7 +198,10 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
                 chooser = _Chooser(jump_forward, eos_token_ids, spec.max_new_tokens, track, mask, stats)
             hidden[len(live): len(live) + len(new)] = h
             live += new
-        feeds = chooser.choose([rows[i] for i in live], model.logits(hidden[: len(live)]))
+            picks = None  # every live row picks from its logits, in one batch as before
+        live_rows = [rows[i] for i in live]
+        feeds = chooser.choose(live_rows, None, picks) if picks is not None else \
+            chooser.choose(live_rows, model.logits(hidden[: len(live)]))
         # a finished row still takes this step only to fill tracked logits of forced tokens
         _leave(pool, hidden, live, feeds, lambda row: row.done and not _awaits_step(row), rows)
         if not live:
@@ -192,12 +212,17 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
         width = max(counts)
         tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds]).to(hidden.device)
         with record_function(STEP_LABEL):
-            out = step(tokens, counts)
-        last = torch.tensor(counts).to(out.device) - 1
-        hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
-        if track_ids and width > 1:
-            _track_forced(model, [rows[i] for i in live], out, chooser.track, blocks)
-        _leave(pool, hidden, live, feeds, lambda row: row.done, rows)
+            picks = picking(tokens, counts, hidden) if picking is not None else None
+            if picks is None:
+                out = step(tokens, counts)
+        if picks is None:
+            last = torch.tensor(counts).to(out.device) - 1
+            hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
+            if track_ids and width > 1:
+                _track_forced(model, [rows[i] for i in live], out, chooser.track, blocks)
+        origin = _leave(pool, hidden, live, feeds, lambda row: row.done, rows)
+        if picks is not None:
+            picks = picks[origin]
     _bring_tracked(rows, blocks)
     return [_output(r, track_ids) for r in rows], fed_total
 
@@ -207,14 +232,16 @@ def _awaits_step(row: _Row) -> bool:
     return any(isinstance(t, int) for t in row.tracked)
 
 
-def _leave(pool: StatePool, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> None:
+def _leave(pool: StatePool, hidden: torch.Tensor, live: list[int], feeds: list, gone, rows) -> list[int]:
     """Rows for which ``gone(row)`` holds free their slots; the last live rows take them
-    (``slots.compact``), their states and last hidden states moved in one batch."""
+    (``slots.compact``), their states and last hidden states moved in one batch. Returns, for
+    each live slot now, the slot it was in."""
     origin = compact(len(live), [j for j, i in enumerate(live) if gone(rows[i])])
     live[:], feeds[:] = [live[i] for i in origin], [feeds[i] for i in origin]
     moves = [(src, dst) for dst, src in enumerate(origin) if src != dst]
     if moves:
         pool.move(*(list(x) for x in zip(*moves)), hidden)
+    return origin
 
 
 def _track_forced(model: QwenModel, rows: Sequence[_Row], out: torch.Tensor, track: torch.Tensor,

@@ -185,24 +185,59 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
     held = pool.held[start:start + B]
     host_counts = np.asarray(counts, dtype=np.int64)
     rows = row_bucket(B)
-    if compiled is not None and start == 0 and not images and rows <= pool.slots:
+    if _compiled_runs(compiled, pool, start, B, images):
         wide = width_bucket(k)
         full = tokens.new_zeros(rows, wide)
         full[:B, :k] = tokens
         n = torch.tensor(np.pad(host_counts, (0, rows - B))).to(tokens.device, non_blocking=True)
         x = compiled((rows, wide, pool.capacity), full, n, pool, pool.capacity)[:B, :k]
     else:
-        fresh = not held.any()
-        engine = None if fresh or images else engine_step(model, pool, B, k)
-        shared = None
-        if (not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu"
-                and (engine is None or B > ENGINE_STEP_SHARED_MAX_ROWS)):
-            shared = pool.shared_prefix(start, start + B, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)
-        if engine is not None and shared is None:
+        fresh, engine, shared = _eager_route(model, pool, start, tokens, held, images)
+        if engine is not None:
             x = engine(tokens, host_counts, start, int(held.max()) + k)
         else:
             width = int((held + host_counts).max()) if B else 0
             n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
-            x = model(tokens, n, pool.view(start, start + B), width, fresh=bool(fresh), shared=shared, **images)
+            x = model(tokens, n, pool.view(start, start + B), width, fresh=fresh, shared=shared, **images)
     held += host_counts
     return x
+
+
+def run_pick_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor, counts: Sequence[int],
+                  hidden: torch.Tensor, compiled=None) -> np.ndarray | None:
+    """:func:`run_step` of text rows that then pick their next tokens greedily, where the engine
+    runs the step and holds the model's head (``engine_step.EngineStep.pick``): one engine call
+    writes each row's last real hidden state into ``hidden[:B]`` and returns the picks (int64
+    [B] on the host: what ``model.logits`` of those states and an argmax give). Else None, and
+    nothing has run: :func:`run_step` then."""
+    B, k = tokens.shape
+    held = pool.held[start:start + B]
+    if _compiled_runs(compiled, pool, start, B, {}):
+        return None
+    _, engine, _ = _eager_route(model, pool, start, tokens, held, {})
+    if engine is None or not engine.picks:
+        return None
+    host_counts = np.asarray(counts, dtype=np.int64)
+    picks = engine.pick(tokens, host_counts, start, int(held.max()) + k, hidden[:B])
+    held += host_counts
+    return picks
+
+
+def _compiled_runs(compiled, pool: StatePool, start: int, B: int, images: dict) -> bool:
+    # whether run_step takes the compiled forward: text rows in the leading slots, in a bucket
+    return compiled is not None and start == 0 and not images and row_bucket(B) <= pool.slots
+
+
+def _eager_route(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor, held: torch.Tensor,
+                 images: dict) -> tuple[bool, object, SharedPrefix | None]:
+    """How an eager step of ``tokens`` on slots ``start ..`` runs (``run_step``'s notes):
+    whether its rows start empty, the engine's step (or None: the tensor ops) and the prefix
+    columns its rows share by snapshot (or None)."""
+    B, k = tokens.shape
+    fresh = not held.any()
+    engine = None if fresh or images else engine_step(model, pool, B, k)
+    shared = None
+    if (not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu"
+            and (engine is None or B > ENGINE_STEP_SHARED_MAX_ROWS)):
+        shared = pool.shared_prefix(start, start + B, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)
+    return bool(fresh), engine if shared is None else None, shared
