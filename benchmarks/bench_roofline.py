@@ -185,7 +185,8 @@ def qwen_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         seconds, _ = timed(lambda: backend.run(requests(prompts, Choice((7, 8)), len(prefix))), device, args.repeats)
         out.append(dict(stage="Qwen score-only suffix step", work=f"{rows}x{suffix} after {len(prefix)}",
                         prepared=prepared, seconds=seconds,
-                        cost=rl.qwen_forward_cost(dims, rows, suffix, len(prefix), tdt, logits_rows=0),
+                        cost=rl.qwen_forward_cost(dims, rows, suffix, len(prefix), tdt, logits_rows=0,
+                                                  shared=len(prefix)),
                         dtype=dtype))
         for rows in args.decode_rows:
             prompts = [np.concatenate([prefix, ids(8)]) for _ in range(rows)]
@@ -195,7 +196,7 @@ def qwen_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
             ctx = len(prefix) + 8 + args.decode_tokens // 2
             out.append(dict(stage=f"Qwen decode step, {rows} rows", work=f"ctx {ctx}, {steps} steps",
                             prepared=prepared, seconds=s, profiled_seconds=profiled,
-                            cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt), dtype=dtype))
+                            cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt, shared=len(prefix)), dtype=dtype))
         out += vision_stages(backend, model_dir, cfg, device, tdt, dtype, prepared, args)
     return out
 

@@ -591,7 +591,8 @@ arrays of another dtype, layout or shape.)doc");
 template <typename T>
 void causal_attention_typed(const py::array& query, const py::handle& key, const py::handle& value,
                             const py::handle& out, float scale, const py::handle& offsets, const py::handle& counts,
-                            const py::handle& bias, int threads) {
+                            const py::handle& bias, int64_t shared_columns, const py::handle& shared_from,
+                            int threads) {
   const int64_t B = query.shape(0), S = query.shape(1), H = query.shape(2), dim = query.shape(3);
   py::array keys = py::array::ensure(key);
   if (!keys || keys.ndim() != 4) throw py::value_error("key must be a 4-D array [B, W, kv_heads, dim]");
@@ -629,20 +630,31 @@ void causal_attention_typed(const py::array& query, const py::handle& key, const
                             " tokens a row and dim a multiple of 16");
     }
   }
+  Int64Array sources;
+  if (!shared_from.is_none()) {
+    sources = as_int64_vector(shared_from, "shared_from");
+    if (!cached || sources.shape(0) != B) throw py::value_error("shared_from needs offsets and one entry per row");
+    for (int64_t b = 0; b < B; ++b) {
+      if (sources.at(b) < 0 || sources.at(b) >= B) throw py::value_error("shared_from must name rows of the batch");
+    }
+    problem.shared_columns = shared_columns, problem.shared_from = sources.data();
+  }
   py::gil_scoped_release release;
   fastjudge::causal_attention(problem, q, k, v, dst, threads);
 }
 
 void causal_attention(const py::handle& query, const py::handle& key, const py::handle& value,
                       const py::handle& out, float scale, const py::handle& offsets, const py::handle& counts,
-                      const py::handle& bias, int threads) {
+                      const py::handle& bias, int64_t shared_columns, const py::handle& shared_from, int threads) {
   py::array q = py::isinstance<py::array>(query) ? py::reinterpret_borrow<py::array>(query) : py::array();
   if (!q || q.ndim() != 4) throw py::value_error("query must be a 4-D array [B, S, heads, dim]");
   if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
   if (q.dtype().kind() == 'f' && q.itemsize() == 4) {
-    causal_attention_typed<float>(q, key, value, out, scale, offsets, counts, bias, threads);
+    causal_attention_typed<float>(q, key, value, out, scale, offsets, counts, bias, shared_columns, shared_from,
+                                  threads);
   } else if ((q.dtype().kind() == 'i' || q.dtype().kind() == 'u') && q.itemsize() == 2) {
-    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, counts, bias, threads);
+    causal_attention_typed<uint16_t>(q, key, value, out, scale, offsets, counts, bias, shared_columns, shared_from,
+                                     threads);
   } else {
     throw py::value_error("query must be float32, or bfloat16 as 16-bit integers");
   }
@@ -765,7 +777,7 @@ rounded once); dim a multiple of 16. reverse and threads as for encoder_attentio
 ValueError on arrays of another dtype, layout or shape.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("bias") = py::none(),
-        py::arg("threads") = 1,
+        py::arg("shared_columns") = 0, py::arg("shared_from") = py::none(), py::arg("threads") = 1,
         R"doc(Causal softmax attention of query [B, S, H, dim] over key and value [B, W, kv_heads, dim]
 (query head h reads key head h // (H // kv_heads)), written into out [B, S, H, dim]:
 out[b, t, h] = sum over visible j of softmax_j(scale * q[b, t, h] . k[b, j]) v[b, j], where
@@ -776,6 +788,11 @@ outputs written as zeros and nothing computed for them.
 bias (float32 [H, n], n >= W; None: no bias): an additive bias by distance, T5's relative
 position bias: the score of query token t of head h on key j is scale * q . k +
 bias[h, offsets[b] + t - j]. It needs offsets, at most 4 tokens a row and dim a multiple of 16.
+shared_from (int64 [B]; None: each row reads its own keys), with shared_columns: rows whose
+first shared_columns keys and values are the same (one prefix snapshot's) may read them from row
+shared_from[b]; where the few-token path takes it (no bias, at most 4 queries of a key head a
+row, every row's offset at least shared_columns), each block of them is read once for all the
+rows that share it, with the same output bits.
 Arrays are all float32, or all bfloat16 passed as 16-bit integer arrays of their bits (torch's
 tensor.view(torch.int16)); arithmetic runs in float32 and a bfloat16 output is rounded to nearest
 even. query, key and value are read in place with any strides but contiguous rows; out is
@@ -1042,13 +1059,16 @@ class QwenDecoder : BoundArrays {
     cos_data_ = cos_data, sin_data_ = sin_data, table_positions_ = P;
   }
 
-  void step(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& out, int threads) {
+  void step(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& out, int threads,
+            int64_t shared_columns, const py::handle& shared_from) {
     const py::array t = py::array::ensure(tokens);
     if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
     const int64_t B = t.shape(0), S = t.shape(1);
     const Int64Array rows = row_counts(counts, B, S);
+    const Int64Array sources = shared_rows(shared_from, B);
     const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
-                                         cos_data_, sin_data_, table_positions_};
+                                         cos_data_, sin_data_, table_positions_, shared_columns,
+                                         shared_from.is_none() ? nullptr : sources.data()};
     run_step(bf16_, out, {B, S, model_.d},
              [&](auto* dst) { fastjudge::qwen_decode_step(model_, input, dst, scratch_, threads); });
   }
@@ -1063,20 +1083,33 @@ class QwenDecoder : BoundArrays {
   }
 
   void step_pick(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& hidden,
-                 const py::handle& picks, int threads) {
+                 const py::handle& picks, int threads, int64_t shared_columns, const py::handle& shared_from) {
     const py::array t = py::array::ensure(tokens);
     if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
     const int64_t B = t.shape(0), S = t.shape(1);
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
     const Int64Array rows = row_counts(counts, B, S);
+    const Int64Array sources = shared_rows(shared_from, B);
     const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
-                                         cos_data_, sin_data_, table_positions_};
+                                         cos_data_, sin_data_, table_positions_, shared_columns,
+                                         shared_from.is_none() ? nullptr : sources.data()};
     int64_t* chosen = typed_array<int64_t>(picks, "picks", {B}, true);
     run_step(bf16_, hidden, {B, model_.d},
              [&](auto* dst) { fastjudge::qwen_decode_pick(model_, input, dst, chosen, scratch_, threads); });
   }
 
  private:
+  // a step's shared_from (int64 [B], each a row of the step), or an empty array for None
+  static Int64Array shared_rows(const py::handle& shared_from, int64_t B) {
+    if (shared_from.is_none()) return Int64Array();
+    Int64Array sources = as_int64_vector(shared_from, "shared_from");
+    if (sources.shape(0) != B) throw py::value_error("shared_from must have one entry per row");
+    for (int64_t b = 0; b < B; ++b) {
+      if (sources.at(b) < 0 || sources.at(b) >= B) throw py::value_error("shared_from must name rows of the step");
+    }
+    return sources;
+  }
+
   template <typename T, typename W>
   void bind_layers(const py::list& layers, const py::handle& embed) {
     auto& m = model_;
@@ -1255,17 +1288,22 @@ panel, taps, K/V and conv state share). lengths, positions: the pool's int64 [sl
       .def("set_rotary", &QwenDecoder::set_rotary, py::arg("cos"), py::arg("sin"),
            R"doc(The rotary tables cos, sin [positions, head_dim] in the model's type (kept alive).)doc")
       .def("step", &QwenDecoder::step, py::arg("tokens"), py::arg("counts"), py::arg("start"), py::arg("out"),
-           py::arg("threads") = 1,
+           py::arg("threads") = 1, py::arg("shared_columns") = 0, py::arg("shared_from") = py::none(),
            R"doc(One step of tokens [B, S] int64 (row b: counts[b] real tokens, then padding) on slots
 start .. start + B - 1: writes out [B, S, d] (the last layer's output, before the final norm),
-each layer's state for the real tokens, and advances lengths and positions by counts. Raises
-ValueError, before writing anything, on tokens outside the vocabulary, rows past the slots,
-keys past the capacity or positions past the rotary tables.)doc")
+each layer's state for the real tokens, and advances lengths and positions by counts.
+shared_from (int64 [B], rows of the step; None: each row reads its own keys), with
+shared_columns: rows whose first shared_columns keys and values are the same in every attention
+layer (loaded from one prefix snapshot) read them from row shared_from[b], each block once for
+all the rows that share it (causal_attention's shared_from: the same bits). Raises ValueError,
+before writing anything, on tokens outside the vocabulary, rows past the slots, keys past the
+capacity or positions past the rotary tables.)doc")
       .def("set_head", &QwenDecoder::set_head, py::arg("final_norm"), py::arg("panels"), py::arg("outputs"),
            R"doc(The head step_pick runs: the final norm [d] float32 and the output projection's panels
 (as dense_product takes them) of `outputs` outputs (kept alive).)doc")
       .def("step_pick", &QwenDecoder::step_pick, py::arg("tokens"), py::arg("counts"), py::arg("start"),
-           py::arg("hidden"), py::arg("picks"), py::arg("threads") = 1,
+           py::arg("hidden"), py::arg("picks"), py::arg("threads") = 1, py::arg("shared_columns") = 0,
+           py::arg("shared_from") = py::none(),
            R"doc(step, then greedy decoding's pick in the same call: writes hidden [B, d] (each row's
 last real token's output, before the final norm; the last column where counts[b] is 0) and
 picks [B] int64 (the index of the largest of that row's logits, final norm and head applied in

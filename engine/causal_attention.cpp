@@ -355,6 +355,152 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
   }
 }
 
+// Rows of a few-token step that share their first keys (CausalProblem::shared_from): a key head
+// and up to kSharedRows rows that read one row's shared columns, rows order[first .. last). The
+// shared keys and values are read block by block for all of them while the block is in cache.
+constexpr int64_t kSharedRows = 8;
+
+struct SharedUnit {
+  int64_t hk, first, last;
+};
+
+// attend_few_pairs for SharedUnits [first, last), with its arithmetic: each score is a
+// few_row_scores sum (whose bits do not depend on which keys or rows it is computed with), each
+// softmax runs over the row's whole score row as there, and each weighted sum adds its keys'
+// terms in increasing order (the shared blocks, then the row's own keys) as one product over
+// the row's own values would: every output has the bits attend_few_pairs gives it.
+template <bool kZmm, typename T>
+__attribute__((always_inline)) inline void attend_few_shared(const CausalProblem& p, const StridedRows<T>& query,
+                                                             const StridedRows<T>& key, const StridedRows<T>& value,
+                                                             T* out, bool round_weights, const int64_t* order,
+                                                             const SharedUnit* units, int64_t first, int64_t last) {
+  const int64_t S = p.S, dim = p.dim, group = p.H / p.Hkv, ldw = round_up(p.W, kLanes), C = p.shared_columns;
+  constexpr int64_t kMostRows = kSharedRows * kLaneSumRows;  // query rows of a unit
+  const std::unique_ptr<float[]> queries(new float[kMostRows * dim]), sums(new float[kMostRows * dim]);
+  const std::unique_ptr<float[]> weights(new float[kMostRows * ldw]);
+  for (int64_t u = first; u < last; ++u) {
+    const SharedUnit& unit = units[u];
+    const int64_t hk = unit.hk, rows_in = unit.last - unit.first, from = p.shared_from[order[unit.first]];
+    Pair pairs[kSharedRows];
+    int64_t base[kSharedRows + 1] = {0};  // row i's queries: base[i] .. base[i + 1] (head-major, as there)
+    for (int64_t i = 0; i < rows_in; ++i) {
+      const int64_t b = order[unit.first + i];
+      const Pair pr = pairs[i] = start_pair(p, b * p.Hkv + hk, out);
+      for (int64_t r = 0; r < group * pr.real; ++r) {
+        const T* q = query.row(b, r % pr.real, hk * group + r / pr.real);
+        for (int64_t d = 0; d < dim; ++d) queries[(base[i] + r) * dim + d] = to_float(q[d]);
+      }
+      base[i + 1] = base[i] + group * pr.real;
+    }
+    for (int64_t j0 = 0; j0 < C; j0 += kBlockKeys) {  // the shared keys, each block for every row
+      const int64_t n = std::min(kBlockKeys, C - j0);
+      for (int64_t i = 0; i < rows_in; ++i) {
+        if (base[i + 1] == base[i]) continue;
+        few_row_scores<kZmm>(base[i + 1] - base[i], queries.get() + base[i] * dim, dim, key.row(from, j0, hk),
+                             key.token, n, weights.get() + base[i] * ldw + j0, ldw);
+      }
+    }
+    for (int64_t i = 0; i < rows_in; ++i) {  // each row's own keys, then its softmaxes
+      const Pair& pr = pairs[i];
+      const int64_t rows = base[i + 1] - base[i];
+      if (rows == 0) continue;
+      float* w = weights.get() + base[i] * ldw;
+      for (int64_t j0 = C; j0 < pr.seen; j0 += kBlockKeys) {
+        few_row_scores<kZmm>(rows, queries.get() + base[i] * dim, dim, key.row(pr.b, j0, hk), key.token,
+                             std::min(kBlockKeys, pr.seen - j0), w + j0, ldw);
+      }
+      const int64_t width = round_up(pr.seen, kLanes);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = w + r * ldw;
+        const int64_t visible = p.last_key(pr.offset, r % pr.real) + 1;
+        const float inverse = softmax_row(row, visible - 1, width, p.scale);
+        for (int64_t j = 0; j < visible; ++j) {
+          row[j] = round_weights ? rounded<uint16_t>(row[j] * inverse) : row[j] * inverse;
+        }
+      }
+    }
+    for (int64_t j0 = 0; j0 < C; j0 += kBlockKeys) {  // the shared values, each block for every query
+      product<kZmm>(weights.get() + j0, ldw, value.row(from, j0, hk), value.token, sums.get(), dim, base[rows_in],
+                    std::min(kBlockKeys, C - j0), dim, j0 > 0);
+    }
+    for (int64_t i = 0; i < rows_in; ++i) {  // each row's own values: those all its queries see, then the rest
+      const Pair& pr = pairs[i];
+      const int64_t rows = base[i + 1] - base[i];
+      if (rows == 0) continue;
+      const int64_t common = p.last_key(pr.offset, 0) + 1;
+      float* w = weights.get() + base[i] * ldw;
+      product<kZmm>(w + C, ldw, value.row(pr.b, C, hk), value.token, sums.get() + base[i] * dim, dim, rows, common - C,
+                    dim, true);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = hk * group + r / pr.real, t = r % pr.real;
+        float* o = sums.get() + (base[i] + r) * dim;
+        for (int64_t j = common; j <= p.last_key(pr.offset, t); ++j) {
+          const float wj = w[r * ldw + j];
+          const T* v = value.row(pr.b, j, hk);
+          for (int64_t d = 0; d < dim; ++d) o[d] += wj * to_float(v[d]);
+        }
+        T* dst = out + ((pr.b * S + t) * p.H + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) from_float(o[d], dst + d);
+      }
+    }
+  }
+}
+
+// attend_few_shared's arguments, for its builds
+template <typename T>
+struct FewShared {
+  const CausalProblem& p;
+  const StridedRows<T>&query, &key, &value;
+  T* out;
+  bool round_weights;
+  const int64_t* order;
+  const SharedUnit* units;
+  int64_t first, last;
+};
+
+template <bool kZmm, typename T>
+__attribute__((always_inline)) inline void attend_shared(const FewShared<T>& a) {
+  attend_few_shared<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.order, a.units, a.first, a.last);
+}
+
+FASTJUDGE_VERSIONED(attend_shared_f32, attend_shared, FewShared<float>)
+FASTJUDGE_VERSIONED(attend_shared_bf16, attend_shared, FewShared<uint16_t>)
+
+// Whether a few-token problem's rows read their shared keys together (attend_few_shared): a
+// sharing given, no bias, at most kLaneSumRows queries of a key head a row (the lane-sum
+// scores, whose bits do not depend on the rows beside them) and every row's cached keys past
+// the shared ones, read from a row of the problem
+inline bool reads_shared(const CausalProblem& p) {
+  if (!p.shared_from || p.shared_columns <= 0 || p.bias || p.shared_columns > p.W) return false;
+  if (p.H / p.Hkv * real_max(p) > kLaneSumRows) return false;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t from = p.shared_from[b];
+    if (from < 0 || from >= p.B || p.offsets[b] < p.shared_columns || p.offsets[from] < p.shared_columns) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The rows in order of the row they read shared keys from, and the units: for each key head,
+// runs of at most kSharedRows rows that read the same row's
+inline std::vector<SharedUnit> shared_units(const CausalProblem& p, std::vector<int64_t>& order) {
+  order.resize(static_cast<std::size_t>(p.B));
+  for (int64_t b = 0; b < p.B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return p.shared_from[x] < p.shared_from[y]; });
+  std::vector<SharedUnit> units;
+  for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+    for (int64_t i = 0; i < p.B;) {
+      int64_t j = i + 1;
+      while (j < p.B && j - i < kSharedRows && p.shared_from[order[j]] == p.shared_from[order[i]]) ++j;
+      units.push_back({hk, i, j});
+      i = j;
+    }
+  }
+  return units;
+}
+
 // attend_few_pairs' arguments, for its builds (FASTJUDGE_VERSIONED)
 template <typename T>
 struct FewPairs {
@@ -517,6 +663,18 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   }
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(work) + 1);
   if (p.bias && !few) throw std::invalid_argument("a position bias needs offsets, at most 4 tokens a row and dim a multiple of 16");
+  if (few && reads_shared(p)) {
+    std::vector<int64_t> order;
+    const std::vector<SharedUnit> units = shared_units(p, order);
+    parallel_ranges(static_cast<int64_t>(units.size()), workers, 1, [&](int64_t first, int64_t last) {
+      if constexpr (std::is_same_v<T, float>) {
+        attend_shared_f32({p, query, key, value, out, false, order.data(), units.data(), first, last});
+      } else {
+        attend_shared_bf16({p, query, key, value, out, dot, order.data(), units.data(), first, last});
+      }
+    });
+    return;
+  }
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
     if (few) {
       if constexpr (std::is_same_v<T, float>) {

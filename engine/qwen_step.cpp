@@ -209,8 +209,9 @@ class Step {
         }
       }
     }
-    const CausalProblem problem{B, S, column, H, Hkv, hd, static_cast<float>(std::pow(double(hd), -0.5)),
-                                m_.lengths + in_.start, in_.counts};
+    CausalProblem problem{B, S, column, H, Hkv, hd, static_cast<float>(std::pow(double(hd), -0.5)),
+                          m_.lengths + in_.start, in_.counts};
+    problem.shared_columns = in_.shared_columns, problem.shared_from = in_.shared_from;
     const StridedRows<T> q{rotated, S * heads * hd, heads * hd, hd};
     const StridedRows<T> k{keys, row_floats, hd, column * hd};
     const StridedRows<T> v{values, row_floats, hd, column * hd};

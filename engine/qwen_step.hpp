@@ -67,6 +67,11 @@ struct QwenStepInput {
   int64_t B = 0, S = 0, start = 0;
   const void *cos = nullptr, *sin = nullptr;
   int64_t table_positions = 0;
+  // rows whose first shared_columns keys and values are the same in every attention layer (one
+  // prefix snapshot's): row b may read them from row shared_from[b] of the step (null: each
+  // reads its own; CausalProblem::shared_from)
+  int64_t shared_columns = 0;
+  const int64_t* shared_from = nullptr;
 };
 
 // Working buffers a decoder keeps from step to step, each [rows, width] of the model's type: they

@@ -249,6 +249,49 @@ def test_few_token_groups_give_each_query_its_own_bits(dtype, group, hd, bf16_fo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,kv_heads,hd,S,columns", [
+    (16, 8, 2, 64, 1, 448),  # decoding after a long shared prefix: 8 rows a key head, twice
+    (5, 8, 2, 64, 1, 37),    # shared columns ending inside a block
+    (7, 4, 2, 128, 2, 130),  # two new tokens a row, some padding
+    (9, 2, 1, 32, 1, 64),    # one key head, more rows than a unit
+    (4, 8, 2, 64, 2, 64),    # 8 queries of a key head a row: past the lane-sum rows, each row its own
+])
+def test_shared_columns_read_once_give_each_row_its_own_bits(dtype, B, H, kv_heads, hd, S, columns, bf16_form):
+    """Rows of two snapshots whose first ``columns`` keys and values are the same (each row's
+    own copy, as the state pool holds them) read them from one row of their snapshot
+    (``shared_from``): every output has the bits of each row reading its own. The other rows'
+    copies are spoiled with NaN in the shared run, so an output that read them would show it;
+    where the problem does not take the shared reading (more than four queries of a key head a
+    row), the rows read their own and the copies stay."""
+    gen = torch.Generator().manual_seed(B * hd + S)
+    W = columns + 40
+    offsets = columns + torch.randint(0, W - S - columns, (B,), generator=gen)
+    counts = torch.randint(0, S + 1, (B,), generator=gen)
+    counts[0] = S
+    snapshot = torch.arange(B) % 2
+    sources = torch.tensor([int(torch.nonzero(snapshot == snapshot[b])[0]) for b in range(B)])
+    keys, values = (torch.randn(B, W, kv_heads, hd, generator=gen).to(dtype) for _ in range(2))
+    for t in (keys, values):
+        t[:, :columns] = t[sources, :columns]
+    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
+
+    def attend(k, v, **sharing):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), hd ** -0.5,
+                                 offsets.numpy(), counts.numpy(), threads=2, **sharing)
+        return out
+
+    own = attend(keys, values)
+    takes = H // kv_heads * S <= 4
+    spoiled = [t.clone() for t in (keys, values)]
+    for t in spoiled if takes else ():
+        t[sources != torch.arange(B), :columns] = float("nan")
+    shared = attend(*spoiled, shared_columns=columns, shared_from=sources.numpy())
+    real = torch.arange(S)[None] < counts[:, None]
+    assert not own[real].isnan().any() and torch.equal(shared, own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_same_bits_on_any_number_of_threads(dtype, bf16_form):
     """Each (row, key head) pair is computed alone, so the split over threads changes nothing."""
     q, k, v = layer_inputs(5, 150, 4, 2, 64, dtype=dtype, seed=7)
@@ -306,6 +349,9 @@ def test_refuses_arrays_it_cannot_read_or_write():
         dict(counts=np.array([9])),                                # not one per row
         dict(key=torch.randn(2, 12, 2, 8).numpy(), value=torch.randn(2, 12, 2, 8).numpy()),  # W != S, no offsets
         dict(query=[[[[1.0]]]]),                                  # not an array
+        dict(shared_columns=4, shared_from=np.array([0, 0])),      # sharing without offsets
+        dict(offsets=np.array([0, 0]), shared_columns=4, shared_from=np.array([0, 2])),  # not a row
+        dict(offsets=np.array([0, 0]), shared_columns=4, shared_from=np.array([0])),  # not one per row
     ]
     for change in bad:
         with pytest.raises(ValueError):

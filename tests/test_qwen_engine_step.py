@@ -306,3 +306,47 @@ def test_greedy_text_decoding_with_and_without_the_picking_step(model_dir, dtype
     assert ours == theirs and our_stats == their_stats
     assert any(picked) and all(picked)
     assert len({len(t) for t in ours}) > 1  # rows left on different steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,width", [(5, 1), (12, 1), (4, 2)])
+def test_shared_prefix_columns_read_once_give_the_same_bits(model_dir, dtype, rows, width):
+    """An engine step whose rows share their first columns by snapshot (two snapshots, rows
+    interleaved), read once per snapshot (``EngineStep`` given a ``SharedPrefix``), against the
+    same step with every row reading its own copy: the same hidden states, picks and pool, bit
+    for bit. The shared run's other copies are spoiled with NaN: it reads only its snapshots'
+    first rows."""
+    from fastjudge.backends.qwen.pool import SharedPrefix
+
+    b = backend(model_dir, dtype)
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(rows + width)
+    pool, _, lengths = filled_pool(model, rng, rows, vocab)
+    columns = int(lengths.min())
+    firsts = (0, 1)
+    for kind, (keys, values) in zip(pool.kinds, pool.layers):
+        if kind == "full_attention":  # each row's first columns: its snapshot's
+            for t in (keys, values):
+                t[:rows, :, :columns] = t[torch.arange(rows) % 2, :, :columns]
+    shared = SharedPrefix(columns, [(first, torch.arange(first, rows, 2)) for first in firsts])
+    other = copy.deepcopy(pool)
+    attention_buffers = [t for kind, pair in zip(pool.kinds, pool.layers) if kind == "full_attention" for t in pair]
+    for t in attention_buffers:
+        t[2:rows, :, :columns] = float("nan")
+    step, twin = engine_step(model, pool, rows, width), engine_step(model, other, rows, width)
+    counts = rng.integers(1, width + 1, size=rows)
+    new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+    ours = step(new, counts, 0, CAPACITY, shared)
+    theirs = twin(new, counts, 0, CAPACITY)
+    assert torch.equal(ours, theirs)
+    twins = [t for kind, pair in zip(other.kinds, other.layers) if kind == "full_attention" for t in pair]
+    for t, u in zip(attention_buffers, twins):
+        t[2:rows, :, :columns] = u[2:rows, :, :columns]
+    assert_same_state(pool, other, exact=True)
+    hidden, hidden_twin = (torch.empty(rows, model.s.hidden, dtype=model.embed.dtype) for _ in range(2))
+    new = torch.tensor(rng.integers(5, vocab, size=(rows, 1)))
+    ones = np.ones(rows, dtype=np.int64)
+    picks = engine_step(model, pool, rows, 1).pick(new, ones, 0, CAPACITY, hidden, shared)
+    assert picks.tolist() == engine_step(model, other, rows, 1).pick(new, ones, 0, CAPACITY, hidden_twin).tolist()
+    assert torch.equal(hidden, hidden_twin)
+    assert_same_state(pool, other, exact=True)

@@ -85,6 +85,13 @@ def test_costs_scale_as_the_algorithms():
     steps += [rl.t5_decode_step_cost(d, 1, 50, p, torch.float32) for p in range(2)]
     assert gen.flops == pytest.approx(sum(c.flops for c in steps))
     assert gen.bytes == pytest.approx(sum(c.bytes for c in steps) - 2 * weights)
+    # a shared prefix's keys and values are read once a step, each row's own after them once a row
+    q = rl.QwenDims(hidden=256, ff=768, heads=4, kv_heads=2, head_dim=64, full_layers=3, linear_layers=3,
+                    key_heads=2, value_heads=4, key_dim=64, value_dim=64, conv_kernel=4, vocab=1000,
+                    gated_attention=True)
+    own, shared = (rl.qwen_forward_cost(q, 16, 1, 460, torch.float32, shared=s) for s in (0, 448))
+    column = 3 * 2 * 2 * 64 * 4  # a token's keys and values in every attention layer
+    assert own.flops == shared.flops and own.bytes - shared.bytes == 15 * 448 * column
     assert rl.bound_seconds(rl.Cost(1e9, 1e6), 1e9, 1e9) == (1.0, "compute")
     assert rl.bound_seconds(rl.Cost(1e6, 1e9), 1e9, 1e9) == (1.0, "memory")
 

@@ -92,10 +92,15 @@ def test_pool_groups_rows_by_snapshot(qwen3_dir):
     assert pool.shared_prefix(0, 4, min_keys=8, min_rows=1) is None
 
 
-def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("path", ["tensor ops", "engine"])
+def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, path, monkeypatch):
     """LAVE rationales of items sharing the demonstrations decoded together, their steps
-    reading the shared prefix once (thresholds lowered to the test model's size): every
-    row's tokens are transformers' ``generate`` on its whole prompt, and the shared path ran."""
+    reading the shared prefix once (thresholds lowered to the test model's size), by the
+    tensor ops (``attend_shared_prefix``) or by the engine's step (``EngineStep`` given the
+    sharing): every row's tokens are transformers' ``generate`` on its whole prompt, and the
+    shared path ran."""
+    from fastjudge.backends.qwen.engine_step import EngineStep
+
     backend = TorchQwenBackend(qwen3_dir, device=TEST_DEVICE, dtype="float32")
     hf = hf_model(qwen3_dir)
     judge = LaveJudge(backend, rationale=True)
@@ -109,11 +114,23 @@ def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, monkeypatch):
         calls.append(args[-1].columns)
         return shared_attention(*args)
 
-    shared_attention = attention.attend_shared_prefix
-    monkeypatch.setattr(attention, "attend_shared_prefix", counted)
-    monkeypatch.setattr(model, "SHARED_PREFIX_MIN_KEYS", 8)
-    monkeypatch.setattr(model, "SHARED_PREFIX_MIN_ROWS", 2)
-    monkeypatch.setattr(model, "ENGINE_STEP_SHARED_MAX_ROWS", 0)  # the shared path even for few rows
+    def counted_pick(self, *args):
+        if args[-1] is not None:
+            calls.append(args[-1].columns)
+        return engine_pick(self, *args)
+
+    if path == "engine":
+        if TEST_DEVICE != "cpu":
+            pytest.skip("the engine's step runs on the CPU")
+        engine_pick = EngineStep.pick
+        monkeypatch.setattr(EngineStep, "pick", counted_pick)
+        monkeypatch.setattr(model, "ENGINE_SHARED_MIN_KEYS", 8)
+    else:
+        shared_attention = attention.attend_shared_prefix
+        monkeypatch.setattr(attention, "attend_shared_prefix", counted)
+        monkeypatch.setattr(model, "SHARED_PREFIX_MIN_KEYS", 8)
+        monkeypatch.setattr(model, "SHARED_PREFIX_MIN_ROWS", 2)
+        monkeypatch.setattr(model, "engine_step", lambda *args: None)  # the tensor ops' step
     outs = backend.run(requests)
     assert calls and min(calls) >= min(r.prefix_len for r in requests) - 1
     eos = sorted(backend.codec.eos_token_ids)

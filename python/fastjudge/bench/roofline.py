@@ -197,16 +197,19 @@ class QwenDims:
 
 
 def qwen_forward_cost(d: QwenDims, rows: int, new_tokens: int, cached: int, dtype: torch.dtype,
-                      logits_rows: int | None = None) -> Cost:
+                      logits_rows: int | None = None, shared: int = 0) -> Cost:
     """``rows`` rows each running ``new_tokens`` tokens after ``cached`` cached positions, with
     the full-vocabulary LM head on ``logits_rows`` positions (default one a row; 0 for
-    score-only steps, whose few candidate rows of the head are not counted)."""
+    score-only steps, whose few candidate rows of the head are not counted). ``shared`` of the
+    cached positions are one prefix's, the same in every row: their keys and values are counted
+    once (the least a step must read), not once a row."""
     b = dtype_bytes(dtype)
     logits_rows = rows if logits_rows is None else logits_rows
     proj = 2 * d.layer_params * rows * new_tokens + 2 * d.hidden * d.vocab * logits_rows
     extra = rows * sum(d.token_flops(cached + i + 1) for i in range(new_tokens))
     weights = (d.layer_params + (d.hidden * d.vocab if logits_rows else 0)) * b
-    kv = rows * d.full_layers * 2 * d.kv_heads * d.head_dim * (cached + new_tokens) * b
+    columns = shared + rows * (cached - shared + new_tokens)
+    kv = d.full_layers * 2 * d.kv_heads * d.head_dim * columns * b
     state = rows * d.recurrent_state_elements * 4 * 2  # float32 state, read and written
     return Cost(proj + extra, weights + kv + state)
 

@@ -33,7 +33,7 @@ from ..cpu_engine import engine_array, engine_takes
 from ..dense import panels_version
 from .gated_delta import L2_EPS
 from .layers import AttentionLayer, DeltaNetLayer
-from .pool import StatePool
+from .pool import SharedPrefix, StatePool
 
 # A step takes the engine up to ENGINE_STEP_MAX_TOKENS new tokens a row (decoding: one; jump-
 # forward's forced runs) and ENGINE_STEP_MAX_ROWS tokens in all; past either the tensor ops are
@@ -44,12 +44,11 @@ from .pool import StatePool
 # -13.5 %, 16x16 -7.7 %, 64x8 +2.0 %, 16x32 +5.6 %
 ENGINE_STEP_MAX_TOKENS = 16
 ENGINE_STEP_MAX_ROWS = 256
-# Rows that share prefix keys by snapshot (model.run_step) take the engine's step up to this many
-# rows, and above it the tensor ops, which read the shared keys once per snapshot rather than once
-# a row. LAVE-like calls, mini Qwen3.5, 1,100 shared tokens, 24 new tokens a row (prefill
-# included; in-process alternation), shared tensor ops -> engine step: 16 rows float32 146.6 ->
-# 127.4 ms, bfloat16 117.1 -> 103.1 ms; 48 rows float32 435.6 -> 475.6 ms, bfloat16 344.0 -> 344.8
-ENGINE_STEP_SHARED_MAX_ROWS = 16
+# Rows of an engine step that share at least this many prefix columns by snapshot, at least this
+# many a snapshot, read those columns once per snapshot (StatePool.shared_prefix; the same bits
+# as each row reading its own): one block of the few-token kernel's keys
+ENGINE_SHARED_MIN_KEYS = 64
+ENGINE_SHARED_MIN_ROWS = 2
 
 
 class EngineStep:
@@ -74,18 +73,21 @@ class EngineStep:
         if self.picks:
             self.decoder.set_head(model.final_norm.numpy(), model.head.panels, model.head.out_features)
 
-    def __call__(self, tokens: torch.Tensor, counts: np.ndarray, start: int, last_position: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, counts: np.ndarray, start: int, last_position: int,
+                 shared: SharedPrefix | None = None) -> torch.Tensor:
         """Hidden states [B, k, d] of ``tokens`` [B, k] (``counts`` int64 on the host) on slots
-        ``start ..``, whose positions are all below ``last_position``."""
+        ``start ..``, whose positions are all below ``last_position``; rows that share prefix
+        columns by snapshot (``shared``) read each block of them once for all (the same bits)."""
         if last_position > self.table_positions:
             self._grow_tables(last_position)
         B, k = tokens.shape
         out = torch.empty(B, k, self.model.s.hidden, dtype=self.dtype)
-        self.decoder.step(tokens.numpy(), counts, start, engine_array(out), torch.get_num_threads())
+        self.decoder.step(tokens.numpy(), counts, start, engine_array(out), torch.get_num_threads(),
+                          *_sharing(shared, B))
         return out
 
     def pick(self, tokens: torch.Tensor, counts: np.ndarray, start: int, last_position: int,
-             hidden: torch.Tensor) -> np.ndarray:
+             hidden: torch.Tensor, shared: SharedPrefix | None = None) -> np.ndarray:
         """The step (as a call), then greedy decoding's pick in the same engine call: each row's
         last real token's hidden state into ``hidden`` [B, d] (contiguous, the model's dtype) and
         the index of its largest logit (int64 [B] on the host), the same bits and token as
@@ -93,7 +95,8 @@ class EngineStep:
         if last_position > self.table_positions:
             self._grow_tables(last_position)
         picks = np.empty(tokens.shape[0], dtype=np.int64)
-        self.decoder.step_pick(tokens.numpy(), counts, start, engine_array(hidden), picks, torch.get_num_threads())
+        self.decoder.step_pick(tokens.numpy(), counts, start, engine_array(hidden), picks, torch.get_num_threads(),
+                               *_sharing(shared, len(picks)))
         return picks
 
     def _grow_tables(self, positions: int) -> None:
@@ -105,6 +108,11 @@ class EngineStep:
         self.tables = [engine_array(t.reshape(P, -1).contiguous()) for t in (cos, sin)]
         self.decoder.set_rotary(*self.tables)
         self.table_positions = P
+
+
+def _sharing(shared: SharedPrefix | None, rows: int) -> tuple[int, np.ndarray | None]:
+    # the decoder's shared_columns and shared_from for a step's rows
+    return (0, None) if shared is None else (shared.columns, shared.sources(rows))
 
 
 def _layer_arrays(layer, a: torch.Tensor, b: torch.Tensor) -> dict:

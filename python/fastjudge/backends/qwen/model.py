@@ -22,7 +22,7 @@ from ..compiled import row_bucket, width_bucket
 from ..cpu_memory import keep_freed_memory
 from ..dense import Dense
 from .attention import FOLD_QUERY_STEPS, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS
-from .engine_step import ENGINE_STEP_SHARED_MAX_ROWS, engine_step
+from .engine_step import ENGINE_SHARED_MIN_KEYS, ENGINE_SHARED_MIN_ROWS, engine_step
 from .layers import Step, as_float, build_layers, rms
 from .pool import SharedPrefix, StatePool, StateView
 from .shape import QwenShape
@@ -194,7 +194,7 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
     else:
         fresh, engine, shared = _eager_route(model, pool, start, tokens, held, images)
         if engine is not None:
-            x = engine(tokens, host_counts, start, int(held.max()) + k)
+            x = engine(tokens, host_counts, start, int(held.max()) + k, shared)
         else:
             width = int((held + host_counts).max()) if B else 0
             n = torch.tensor(host_counts).to(tokens.device, non_blocking=True)
@@ -214,11 +214,11 @@ def run_pick_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.T
     held = pool.held[start:start + B]
     if _compiled_runs(compiled, pool, start, B, {}):
         return None
-    _, engine, _ = _eager_route(model, pool, start, tokens, held, {})
+    _, engine, shared = _eager_route(model, pool, start, tokens, held, {})
     if engine is None or not engine.picks:
         return None
     host_counts = np.asarray(counts, dtype=np.int64)
-    picks = engine.pick(tokens, host_counts, start, int(held.max()) + k, hidden[:B])
+    picks = engine.pick(tokens, host_counts, start, int(held.max()) + k, hidden[:B], shared)
     held += host_counts
     return picks
 
@@ -232,12 +232,12 @@ def _eager_route(model: QwenModel, pool: StatePool, start: int, tokens: torch.Te
                  images: dict) -> tuple[bool, object, SharedPrefix | None]:
     """How an eager step of ``tokens`` on slots ``start ..`` runs (``run_step``'s notes):
     whether its rows start empty, the engine's step (or None: the tensor ops) and the prefix
-    columns its rows share by snapshot (or None)."""
+    columns its rows share by snapshot (or None), which either reads once per snapshot."""
     B, k = tokens.shape
     fresh = not held.any()
     engine = None if fresh or images else engine_step(model, pool, B, k)
     shared = None
-    if (not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu"
-            and (engine is None or B > ENGINE_STEP_SHARED_MAX_ROWS)):
-        shared = pool.shared_prefix(start, start + B, SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)
-    return bool(fresh), engine if shared is None else None, shared
+    if not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu":
+        shared = pool.shared_prefix(start, start + B, *((ENGINE_SHARED_MIN_KEYS, ENGINE_SHARED_MIN_ROWS) if engine
+                                                        else (SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)))
+    return bool(fresh), engine, shared

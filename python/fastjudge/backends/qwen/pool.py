@@ -209,6 +209,17 @@ class SharedPrefix:
     def __init__(self, columns: int, groups: list[tuple[int, torch.Tensor | None]]):
         self.columns, self.groups = columns, groups
         self._float: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sources: np.ndarray | None = None
+
+    def sources(self, rows: int) -> np.ndarray:
+        """For each of the step's ``rows`` rows, the row holding its shared columns (int64 on
+        the host, as the engine's step takes it), made once."""
+        if self._sources is None:
+            sources = np.empty(rows, dtype=np.int64)
+            for first, members in self.groups:
+                sources[slice(None) if members is None else members.cpu().numpy()] = first
+            self._sources = sources
+        return self._sources
 
     def float_columns(self, keys: torch.Tensor, values: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``row``'s shared K/V columns of one layer's buffers ([B, kv_heads, W, hd]) as
