@@ -10,7 +10,9 @@ On a random-weight checkpoint of ``--shape`` (the ``mini`` Qwen3.5 by default), 
   machine's speed drifts between processes): the difference is what the full-attention layers'
   reading of the longer context costs the step, its cache effects included;
 * whole step: a decoding step as a judge runs it (``backend.run`` of the rows decoding
-  ``--new-tokens`` against one token, after a cached prefix), the time inside its engine calls
+  ``--new-tokens`` against one token, after a cached prefix that every row shares, which the
+  engine reads once a step: this can be shorter than the engine step above, whose rows hold keys
+  of their own), the time inside its engine calls
   counted apart (greedy text rows: the step with its final norm, LM head and pick,
   ``EngineStep.pick``): the rest (``host``) is the loop's bookkeeping.
 

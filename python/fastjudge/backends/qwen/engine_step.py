@@ -13,14 +13,16 @@ when the pool or any projection's panels change (:func:`dense.panels_version`).
 Which steps take it (:func:`engine_step`): CPU, eager, float32 (or bfloat16 where the CPU has
 AVX512-BF16), every projection on the engine's panels, a step of at most
 ``ENGINE_STEP_MAX_TOKENS`` new tokens a row and ``ENGINE_STEP_MAX_ROWS`` in all, continuing rows
-with no images (and, above ``ENGINE_STEP_SHARED_MAX_ROWS`` rows, no prefix shared by snapshot).
-Everything else stays on the tensor ops, which CUDA and traced graphs run.
+with no images. Everything else stays on the tensor ops, which CUDA and traced graphs run.
 
-Greedy decoding of text rows (:meth:`EngineStep.pick`) also takes the final norm, the head and
-the argmax into the same call, where the head runs on the engine's panels (as
-``model.logits`` runs it on the CPU then: the engine's RMSNorm and projection, whose bits do not
-depend on the row count): the host then gets each row's next token without a logits tensor, an
-argmax or a copy of its own (together about 0.15 ms of a 16-row step of the mini Qwen3.5).
+Rows that hold one prefix snapshot's keys and values (``StatePool.shared_prefix``) read those
+columns once per snapshot in the few-token attention (``causal_attention.cpp``,
+``attend_few_shared``: each block of them while it is in cache, for every row that shares it),
+with the bits each row reading its own copy gives. Greedy decoding of text rows
+(:meth:`EngineStep.pick`) also takes the final norm, the head and the argmax into the same call,
+where the head runs on the engine's panels (as ``model.logits`` runs it on the CPU then: the
+engine's RMSNorm and projection, whose bits do not depend on the row count): the host gets each
+row's next token without a logits tensor, an argmax or a copy of its own.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ ENGINE_STEP_MAX_TOKENS = 16
 ENGINE_STEP_MAX_ROWS = 256
 # Rows of an engine step that share at least this many prefix columns by snapshot, at least this
 # many a snapshot, read those columns once per snapshot (StatePool.shared_prefix; the same bits
-# as each row reading its own): one block of the few-token kernel's keys
+# as each row reading its own): one block of the few-token kernel's keys. Above 16 rows such steps
+# ran on the tensor ops' shared attention before. Mini Qwen3.5 (in-process alternation, whole
+# calls, prefill included): 48 rows after 1,100 shared tokens, 24 new tokens, tensor ops -> engine
+# float32 291 -> 227 ms, bfloat16 302 -> 189 ms; 64 rows after 448 (below the tensor ops'
+# threshold: the engine reading every row's copy before), 16 new tokens, float32 211 -> 193 ms;
+# a decoding step after 448 shared tokens, each row's copy -> shared, float32 16 rows 2.42 ->
+# 1.86 ms, 64 rows 8.8 -> 7.3 ms; bfloat16 16 rows 1.73 -> 1.51 ms, 64 rows 5.7 -> 5.0 ms
 ENGINE_SHARED_MIN_KEYS = 64
 ENGINE_SHARED_MIN_ROWS = 2
 

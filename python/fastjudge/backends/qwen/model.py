@@ -178,9 +178,9 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
     (causal attention over the new tokens, padded or not: a masked attention over the pool's
     columns computes every padded row and column in full, 7.5 -> 6.0 ms a layer at 16 x 240
     tokens, bfloat16). On the CPU, a continuing step of few new tokens runs as one engine call
-    (``engine_step``) where the engine takes it; one of more than ``ENGINE_STEP_SHARED_MAX_ROWS``
-    rows that share prefix columns by snapshot runs the tensor ops instead, which read those
-    columns once per snapshot (``StatePool.shared_prefix``)."""
+    (``engine_step``) where the engine takes it. Rows that share prefix columns by snapshot
+    (``StatePool.shared_prefix``) read those columns once per snapshot, in the engine's step or
+    the tensor ops' attention."""
     B, k = tokens.shape
     held = pool.held[start:start + B]
     host_counts = np.asarray(counts, dtype=np.int64)
