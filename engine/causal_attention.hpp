@@ -36,7 +36,7 @@ struct CausalProblem {
   // Rows that hold the same first shared_columns keys and values (loaded from one prefix
   // snapshot): row b may read them from row shared_from[b] instead of its own (null: each row
   // reads its own). Used by the few-token path where each row's queries of a key head are at
-  // most kLaneSumRows and every row's cached keys reach past shared_columns: a block of shared
+  // most four, there is no bias and every row's cached keys reach past shared_columns: a block of shared
   // keys or values is then read from memory once for all the rows that share it, with the same
   // bits as each row reading its own.
   int64_t shared_columns = 0;
