@@ -446,25 +446,6 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
   }
 }
 
-// attend_few_shared's arguments, for its builds
-template <typename T>
-struct FewShared {
-  const CausalProblem& p;
-  const StridedRows<T>&query, &key, &value;
-  T* out;
-  bool round_weights;
-  const int64_t* order;
-  const SharedUnit* units;
-  int64_t first, last;
-};
-
-template <bool kZmm, typename T>
-__attribute__((always_inline)) inline void attend_shared(const FewShared<T>& a) {
-  attend_few_shared<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.order, a.units, a.first, a.last);
-}
-
-FASTJUDGE_VERSIONED(attend_shared_f32, attend_shared, FewShared<float>)
-FASTJUDGE_VERSIONED(attend_shared_bf16, attend_shared, FewShared<uint16_t>)
 
 // Whether a few-token problem's rows read their shared keys together (attend_few_shared): a
 // sharing given, no bias, at most kLaneSumRows queries of a key head a row (the lane-sum
@@ -501,7 +482,8 @@ inline std::vector<SharedUnit> shared_units(const CausalProblem& p, std::vector<
   return units;
 }
 
-// attend_few_pairs' arguments, for its builds (FASTJUDGE_VERSIONED)
+// the few-token kernels' arguments, for their builds (FASTJUDGE_VERSIONED): pairs [first, last)
+// (attend_few_pairs), or with order and units, SharedUnits [first, last) (attend_few_shared)
 template <typename T>
 struct FewPairs {
   const CausalProblem& p;
@@ -509,11 +491,17 @@ struct FewPairs {
   T* out;
   bool round_weights;
   int64_t first, last;
+  const int64_t* order = nullptr;
+  const SharedUnit* units = nullptr;
 };
 
 template <bool kZmm, typename T>
 __attribute__((always_inline)) inline void attend_few(const FewPairs<T>& a) {
-  attend_few_pairs<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.first, a.last);
+  if (a.units) {
+    attend_few_shared<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.order, a.units, a.first, a.last);
+  } else {
+    attend_few_pairs<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.first, a.last);
+  }
 }
 
 FASTJUDGE_VERSIONED(attend_few_f32, attend_few, FewPairs<float>)
@@ -668,9 +656,9 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
     const std::vector<SharedUnit> units = shared_units(p, order);
     parallel_ranges(static_cast<int64_t>(units.size()), workers, 1, [&](int64_t first, int64_t last) {
       if constexpr (std::is_same_v<T, float>) {
-        attend_shared_f32({p, query, key, value, out, false, order.data(), units.data(), first, last});
+        attend_few_f32({p, query, key, value, out, false, first, last, order.data(), units.data()});
       } else {
-        attend_shared_bf16({p, query, key, value, out, dot, order.data(), units.data(), first, last});
+        attend_few_bf16({p, query, key, value, out, dot, first, last, order.data(), units.data()});
       }
     });
     return;

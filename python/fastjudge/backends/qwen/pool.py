@@ -214,7 +214,7 @@ class SharedPrefix:
     def sources(self, rows: int) -> np.ndarray:
         """For each of the step's ``rows`` rows, the row holding its shared columns (int64 on
         the host, as the engine's step takes it), made once."""
-        if self._sources is None:
+        if self._sources is None or len(self._sources) != rows:
             sources = np.empty(rows, dtype=np.int64)
             for first, members in self.groups:
                 sources[slice(None) if members is None else members.cpu().numpy()] = first
