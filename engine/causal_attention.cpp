@@ -104,11 +104,34 @@ __attribute__((always_inline)) inline void for_each_tile(const CausalProblem& p,
   }
 }
 
+// The pairs a thread packs and attends, in an order where the rows that share a prefix snapshot's
+// columns follow each other for a key head (CausalProblem::shared_from; order null: the pairs'
+// own order, each packing all its keys). A pair whose shared columns the buffers already hold
+// (packed by an earlier pair of the same snapshot and key head) packs only its keys past them:
+// the buffers then hold what packing all of them would, and every output keeps its bits.
+struct PairOrder {
+  const int64_t* order = nullptr;
+  int64_t held_source = -1, held_hk = -1;  // whose shared columns the buffers hold
+
+  int64_t pair(int64_t i) const { return order ? order[i] : i; }
+  // the first key pair `pr` of problem p packs
+  int64_t first_key(const CausalProblem& p, const Pair& pr) const {
+    return order && p.shared_from[pr.b] == held_source && pr.hk == held_hk ? p.shared_columns : 0;
+  }
+  // after `pr` packed keys [from, seen)
+  void packed(const CausalProblem& p, const Pair& pr, int64_t from) {
+    if (!order || from > 0) return;
+    const bool holds = pr.seen >= p.shared_columns;
+    held_source = holds ? p.shared_from[pr.b] : -1, held_hk = holds ? pr.hk : -1;
+  }
+};
+
 // (row, key head) pairs [first, last): their keys and values packed once in float32, then every
 // tile of kTile query tokens of each of the grouped query heads
 template <typename T>
 __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, const StridedRows<T>& query, const StridedRows<T>& key,
-                                   const StridedRows<T>& value, T* out, int64_t first, int64_t last) {
+                                   const StridedRows<T>& value, T* out, int64_t first, int64_t last,
+                                   PairOrder in) {
   const int64_t S = p.S, dim = p.dim;
   // keys transposed [dim][ldk], ldk an odd number of register blocks: rows a multiple of 256
   // bytes apart would fall into a few cache sets as the product walks down them
@@ -120,15 +143,16 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
   std::vector<float> queries(static_cast<std::size_t>(kTile * dim), 0.0f);
   std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
   std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
-  for (int64_t pair = first; pair < last; ++pair) {
-    const Pair pr = start_pair(p, pair, out);
-    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset;
-    for (int64_t j = 0; j < pr.seen; ++j) {
+  for (int64_t i = first; i < last; ++i) {
+    const Pair pr = start_pair(p, in.pair(i), out);
+    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, from = in.first_key(p, pr);
+    for (int64_t j = from; j < pr.seen; ++j) {
       const T* k = key.row(b, j, hk);
       const T* v = value.row(b, j, hk);
       for (int64_t d = 0; d < dim; ++d) keys[d * ldk + j] = to_float(k[d]);
       for (int64_t d = 0; d < dim; ++d) values[j * ldv + d] = to_float(v[d]);
     }
+    in.packed(p, pr, from);
     // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
     for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
                              __attribute__((always_inline)) {
@@ -447,13 +471,13 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
 }
 
 
-// Whether a few-token problem's rows read their shared keys together (attend_few_shared): a
-// sharing given, no bias, at most kLaneSumRows queries of a key head a row (the lane-sum
-// scores, whose bits do not depend on the rows beside them) and every row's cached keys past
-// the shared ones, read from a row of the problem
-inline bool reads_shared(const CausalProblem& p) {
-  if (!p.shared_from || p.shared_columns <= 0 || p.bias || p.shared_columns > p.W) return false;
-  if (p.H / p.Hkv * real_max(p) > kLaneSumRows) return false;
+// Whether a problem's rows can take their shared keys from one another: a sharing given, no bias
+// and every row's cached keys past the shared ones, read from a row of the problem; for the
+// few-token path (attend_few_shared) also at most kLaneSumRows queries of a key head a row (the
+// lane-sum scores, whose bits do not depend on the rows beside them)
+inline bool reads_shared(const CausalProblem& p, bool few) {
+  if (!p.offsets || !p.shared_from || p.shared_columns <= 0 || p.bias || p.shared_columns > p.W) return false;
+  if (few && p.H / p.Hkv * real_max(p) > kLaneSumRows) return false;
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t from = p.shared_from[b];
     if (from < 0 || from >= p.B || p.offsets[b] < p.shared_columns || p.offsets[from] < p.shared_columns) {
@@ -463,13 +487,18 @@ inline bool reads_shared(const CausalProblem& p) {
   return true;
 }
 
-// The rows in order of the row they read shared keys from, and the units: for each key head,
-// runs of at most kSharedRows rows that read the same row's
-inline std::vector<SharedUnit> shared_units(const CausalProblem& p, std::vector<int64_t>& order) {
-  order.resize(static_cast<std::size_t>(p.B));
+// The rows in order of the row they read shared keys from
+inline std::vector<int64_t> rows_by_source(const CausalProblem& p) {
+  std::vector<int64_t> order(static_cast<std::size_t>(p.B));
   for (int64_t b = 0; b < p.B; ++b) order[b] = b;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return p.shared_from[x] < p.shared_from[y]; });
+  return order;
+}
+
+// The units of rows_by_source's order: for each key head, runs of at most kSharedRows rows that
+// read the same row's shared keys
+inline std::vector<SharedUnit> shared_units(const CausalProblem& p, const std::vector<int64_t>& order) {
   std::vector<SharedUnit> units;
   for (int64_t hk = 0; hk < p.Hkv; ++hk) {
     for (int64_t i = 0; i < p.B;) {
@@ -510,14 +539,15 @@ FASTJUDGE_VERSIONED(attend_few_bf16, attend_few, FewPairs<uint16_t>)
 // the ISA clones, one per element type (target_clones does not take templates)
 FASTJUDGE_CLONES
 void attend_pairs_f32(const CausalProblem& p, const StridedRows<float>& query, const StridedRows<float>& key,
-                      const StridedRows<float>& value, float* out, int64_t first, int64_t last) {
-  attend_pairs(p, query, key, value, out, first, last);
+                      const StridedRows<float>& value, float* out, int64_t first, int64_t last, PairOrder in) {
+  attend_pairs(p, query, key, value, out, first, last, in);
 }
 
 FASTJUDGE_CLONES
 void attend_pairs_bf16(const CausalProblem& p, const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& key,
-                       const StridedRows<uint16_t>& value, uint16_t* out, int64_t first, int64_t last) {
-  attend_pairs(p, query, key, value, out, first, last);
+                       const StridedRows<uint16_t>& value, uint16_t* out, int64_t first, int64_t last,
+                       PairOrder in) {
+  attend_pairs(p, query, key, value, out, first, last, in);
 }
 
 #ifdef FASTJUDGE_BF16_DOT
@@ -557,7 +587,7 @@ typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat1
 // dims, values [W / 2][ldv] as pairs of consecutive keys, queries and weights as pairs too
 FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const StridedRows<uint16_t>& query,
                                             const StridedRows<uint16_t>& key, const StridedRows<uint16_t>& value,
-                                            uint16_t* out, int64_t first, int64_t last) {
+                                            uint16_t* out, int64_t first, int64_t last, PairOrder in) {
   const int64_t S = p.S, dim = p.dim, half = (dim + 1) / 2;
   int64_t ldk = round_up(p.W, kCols);
   if ((ldk / kCols) % 2 == 0) ldk += kCols;
@@ -569,19 +599,20 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
   std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
   std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
   const int64_t ldp = ldk / 2 + 1;  // weight pairs a row
-  for (int64_t pair = first; pair < last; ++pair) {
-    const Pair pr = start_pair(p, pair, out);
-    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, seen = pr.seen;
-    for (int64_t j = 0; j < seen; ++j) {
+  for (int64_t i = first; i < last; ++i) {
+    const Pair pr = start_pair(p, in.pair(i), out);
+    const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, seen = pr.seen, from = in.first_key(p, pr);
+    for (int64_t j = from; j < seen; ++j) {
       const uint16_t* k = key.row(b, j, hk);
       for (int64_t d = 0; d < half; ++d) keys[d * ldk + j] = bf16_pair(k[2 * d], 2 * d + 1 < dim ? k[2 * d + 1] : 0);
     }
-    for (int64_t j = 0; j < seen; j += 2) {
+    for (int64_t j = from / 2 * 2; j < seen; j += 2) {  // values in pairs of keys: a straddling pair again
       const uint16_t* v0 = value.row(b, j, hk);
       const uint16_t* v1 = j + 1 < seen ? value.row(b, j + 1, hk) : nullptr;
       uint32_t* row = values.data() + (j / 2) * ldv;
       for (int64_t d = 0; d < dim; ++d) row[d] = bf16_pair(v0[d], v1 ? v1[d] : 0);
     }
+    in.packed(p, pr, from);
     // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
     for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
                              __attribute__((always_inline)) {
@@ -651,8 +682,9 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
   }
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(work) + 1);
   if (p.bias && !few) throw std::invalid_argument("a position bias needs offsets, at most 4 tokens a row and dim a multiple of 16");
-  if (few && reads_shared(p)) {
-    std::vector<int64_t> order;
+  const bool shared = reads_shared(p, few);
+  if (few && shared) {
+    const std::vector<int64_t> order = rows_by_source(p);
     const std::vector<SharedUnit> units = shared_units(p, order);
     parallel_ranges(static_cast<int64_t>(units.size()), workers, 1, [&](int64_t first, int64_t last) {
       if constexpr (std::is_same_v<T, float>) {
@@ -663,6 +695,15 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
     });
     return;
   }
+  // packing pairs: those of a key head that share a snapshot's columns one after another, each
+  // packing them only where the one before has not
+  std::vector<int64_t> order;
+  if (!few && shared) {
+    const std::vector<int64_t> rows = rows_by_source(p);
+    for (int64_t hk = 0; hk < p.Hkv; ++hk)
+      for (const int64_t b : rows) order.push_back(b * p.Hkv + hk);
+  }
+  const PairOrder in{order.empty() ? nullptr : order.data()};
   parallel_ranges(pairs, workers, 1, [&](int64_t first, int64_t last) {
     if (few) {
       if constexpr (std::is_same_v<T, float>) {
@@ -673,15 +714,15 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
       return;
     }
     if constexpr (std::is_same_v<T, float>) {
-      attend_pairs_f32(p, query, key, value, out, first, last);
+      attend_pairs_f32(p, query, key, value, out, first, last, in);
     } else {
 #ifdef FASTJUDGE_BF16_DOT
       if (dot) {
-        attend_pairs_dot(p, query, key, value, out, first, last);
+        attend_pairs_dot(p, query, key, value, out, first, last, in);
         return;
       }
 #endif
-      attend_pairs_bf16(p, query, key, value, out, first, last);
+      attend_pairs_bf16(p, query, key, value, out, first, last, in);
     }
   });
 }

@@ -292,6 +292,52 @@ def test_shared_columns_read_once_give_each_row_its_own_bits(dtype, B, H, kv_hea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,kv_heads,hd,S,columns", [
+    (16, 4, 2, 64, 16, 448),  # a score-only suffix pass after a long shared prefix
+    (5, 8, 2, 64, 8, 37),     # shared columns ending inside a register block, an odd count
+    (9, 2, 1, 32, 6, 64),     # one key head
+    (7, 6, 2, 16, 33, 130),   # more new tokens than a tile
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_columns_packed_once_give_each_row_its_own_bits(dtype, B, H, kv_heads, hd, S, columns, threads,
+                                                                bf16_form):
+    """Suffix passes (more than four new tokens a row) pack each row's keys and values before
+    their products; rows of two snapshots (``shared_from``) pack their shared columns once for a
+    key head's run of rows of their snapshot: every output has the bits of each row packing its
+    own. On one thread the rows after each snapshot's first never have their shared keys read:
+    spoiled with NaN there, they change nothing (values are packed in pairs of keys for the
+    bfloat16 dot products, so a pair that straddles the shared columns is packed again from the
+    row's own copy: those stay)."""
+    gen = torch.Generator().manual_seed(B * hd + S)
+    W = columns + S + 30
+    offsets = columns + torch.randint(0, W - S - columns, (B,), generator=gen)
+    counts = torch.randint(1, S + 1, (B,), generator=gen)
+    snapshot = torch.arange(B) % 2
+    sources = torch.tensor([int(torch.nonzero(snapshot == snapshot[b])[0]) for b in range(B)])
+    keys, values = (torch.randn(B, W, kv_heads, hd, generator=gen).to(dtype) for _ in range(2))
+    for t in (keys, values):
+        t[:, :columns] = t[sources, :columns]
+    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
+
+    def attend(k, v, **sharing):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), hd ** -0.5,
+                                 offsets.numpy(), counts.numpy(), threads=threads, **sharing)
+        return out
+
+    own = attend(keys, values)
+    k, v = keys.clone(), values.clone()
+    if threads == 1:
+        others = sources != torch.arange(B)
+        k[others, :columns] = float("nan")
+        kept = columns - 1 if dtype == torch.bfloat16 and bf16_form and columns % 2 else columns
+        v[others, :kept] = float("nan")
+    shared = attend(k, v, shared_columns=columns, shared_from=sources.numpy())
+    real = torch.arange(S)[None] < counts[:, None]
+    assert not own[real].isnan().any() and torch.equal(shared, own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_same_bits_on_any_number_of_threads(dtype, bf16_form):
     """Each (row, key head) pair is computed alone, so the split over threads changes nothing."""
     q, k, v = layer_inputs(5, 150, 4, 2, 64, dtype=dtype, seed=7)

@@ -140,3 +140,41 @@ def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, path, monkeypat
         stop = next((i for i, t in enumerate(gen) if t in backend.codec.eos_token_ids), len(gen))
         assert out.token_ids == gen[:stop]
     assert np.mean([len(o.token_ids) for o in outs]) > 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_suffix_passes_pack_the_shared_prefix_once(qwen3_dir, dtype, monkeypatch):
+    """Score-only LAVE requests sharing the demonstrations: their suffix passes (more than four
+    tokens a row) hand the engine's attention the rows' sharing, which packs the shared columns
+    once for a run of rows; the logits are bit for bit those of every row packing its own, and
+    transformers' forward on each whole prompt agrees with them."""
+    from fastjudge import _engine
+    from fastjudge.runtime.requests import Choice
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the engine's attention runs on the CPU")
+    if dtype == "bfloat16" and not _engine.bf16_dense_available():
+        pytest.skip("needs AVX512-BF16")
+    backend = TorchQwenBackend(qwen3_dir, device=TEST_DEVICE, dtype=dtype)
+    judge = LaveJudge(backend)
+    encoded = [backend.codec.encode(*judge._prompt_parts(ex)) for ex in examples(6)]
+    candidates = (7, 8, 9)
+    requests = [e.request(i, Choice(candidates)) for i, e in enumerate(encoded)]
+    real, seen = attention.attend_in_engine, []
+
+    def sharing(*args, shared=None, **kwargs):
+        seen.append(shared)
+        return real(*args, shared=shared, **kwargs)
+
+    monkeypatch.setattr(attention, "attend_in_engine", sharing)
+    ours = backend.run(requests)
+    assert any(s is not None for s in seen)  # the suffix passes were told of the sharing
+    monkeypatch.setattr(attention, "attend_in_engine", lambda *args, shared=None, **kwargs: real(*args, **kwargs))
+    theirs = backend.run(requests)
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a.logits, b.logits)
+    if dtype == "float32":
+        hf = hf_model(qwen3_dir)
+        for e, out in zip(encoded, ours):
+            want = hf(torch.tensor([e.ids.tolist()])).logits[0, -1, list(candidates)]
+            np.testing.assert_allclose(out.logits, want.detach().numpy(), atol=2e-4, rtol=1e-4)

@@ -32,18 +32,22 @@ def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      offsets: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, shared=None) -> torch.Tensor:
     """``_engine.causal_attention`` of ``q`` [B, S, H, hd] over ``keys``/``values`` [B, kv_heads,
     W, hd] (query token ``t`` of row ``b`` sees keys up to ``offsets[b] + t``; without
     ``offsets``, W = S and up to ``t``; tokens past ``counts[b]`` are padding: zeros), scores
     scaled by ``scale`` (None: ``hd ** -0.5``), every array read in place; returns [B, H, S,
-    hd], a transposed view of a contiguous [B, S, H, hd]."""
+    hd], a transposed view of a contiguous [B, S, H, hd]. ``shared`` (a
+    ``qwen.pool.SharedPrefix``, with ``offsets``): the rows' first ``shared.columns`` keys are
+    one snapshot's, read (or packed) once for the rows that share them, with the same bits."""
     B, S, H, hd = q.shape
     out = q.new_empty(B, S, H, hd)
     rows = [engine_array(t) for t in (q, keys.transpose(1, 2), values.transpose(1, 2))]  # [B, tokens, heads, hd]
+    sharing = {} if shared is None else dict(shared_columns=shared.columns, shared_from=shared.sources(B))
     _engine.causal_attention(*rows, engine_array(out), hd ** -0.5 if scale is None else scale,
                              offsets=None if offsets is None else offsets.numpy(),
-                             counts=None if counts is None else counts.numpy(), threads=torch.get_num_threads())
+                             counts=None if counts is None else counts.numpy(), threads=torch.get_num_threads(),
+                             **sharing)
     return out.transpose(1, 2)
 
 

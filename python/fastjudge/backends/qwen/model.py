@@ -237,7 +237,11 @@ def _eager_route(model: QwenModel, pool: StatePool, start: int, tokens: torch.Te
     fresh = not held.any()
     engine = None if fresh or images else engine_step(model, pool, B, k)
     shared = None
-    if not fresh and k <= FOLD_QUERY_STEPS and model.has_attention and tokens.device.type == "cpu":
-        shared = pool.shared_prefix(start, start + B, *((ENGINE_SHARED_MIN_KEYS, ENGINE_SHARED_MIN_ROWS) if engine
+    if not fresh and model.has_attention and tokens.device.type == "cpu":
+        # the engine's attention (the whole step's, or a suffix pass's) reads shared columns once
+        # from two rows a snapshot; the tensor ops' few-token attention from its own thresholds
+        engine_attends = engine is not None or k > FOLD_QUERY_STEPS
+        shared = pool.shared_prefix(start, start + B, *((ENGINE_SHARED_MIN_KEYS, ENGINE_SHARED_MIN_ROWS)
+                                                        if engine_attends
                                                         else (SHARED_PREFIX_MIN_KEYS, SHARED_PREFIX_MIN_ROWS)))
     return bool(fresh), engine, shared
