@@ -248,6 +248,31 @@ def test_few_token_groups_give_each_query_its_own_bits(dtype, group, hd, bf16_fo
     torch.testing.assert_close(grouped.float(), want, rtol=tol, atol=tol)
 
 
+def two_snapshots(dtype, B, H, kv_heads, hd, S, columns, W, min_count):
+    """A problem whose rows belong to two snapshots (rows interleaved), each row holding its own
+    copy of its snapshot's first ``columns`` keys and values: (sources, the rows' real token
+    counts, ``attend(keys, values, threads, **sharing)`` over the problem's queries and offsets,
+    keys, values)."""
+    gen = torch.Generator().manual_seed(B * hd + S)
+    offsets = columns + torch.randint(0, W - S - columns, (B,), generator=gen)
+    counts = torch.randint(min_count, S + 1, (B,), generator=gen)
+    counts[0] = S
+    snapshot = torch.arange(B) % 2
+    sources = torch.tensor([int(torch.nonzero(snapshot == snapshot[b])[0]) for b in range(B)])
+    keys, values = (torch.randn(B, W, kv_heads, hd, generator=gen).to(dtype) for _ in range(2))
+    for t in (keys, values):
+        t[:, :columns] = t[sources, :columns]
+    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
+
+    def attend(k, v, threads, **sharing):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), hd ** -0.5,
+                                 offsets.numpy(), counts.numpy(), threads=threads, **sharing)
+        return out
+
+    return sources, counts, attend, keys, values
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,H,kv_heads,hd,S,columns", [
     (16, 8, 2, 64, 1, 448),  # decoding after a long shared prefix: 8 rows a key head, twice
@@ -263,30 +288,13 @@ def test_shared_columns_read_once_give_each_row_its_own_bits(dtype, B, H, kv_hea
     copies are spoiled with NaN in the shared run, so an output that read them would show it;
     where the problem does not take the shared reading (more than four queries of a key head a
     row), the rows read their own and the copies stay."""
-    gen = torch.Generator().manual_seed(B * hd + S)
-    W = columns + 40
-    offsets = columns + torch.randint(0, W - S - columns, (B,), generator=gen)
-    counts = torch.randint(0, S + 1, (B,), generator=gen)
-    counts[0] = S
-    snapshot = torch.arange(B) % 2
-    sources = torch.tensor([int(torch.nonzero(snapshot == snapshot[b])[0]) for b in range(B)])
-    keys, values = (torch.randn(B, W, kv_heads, hd, generator=gen).to(dtype) for _ in range(2))
-    for t in (keys, values):
-        t[:, :columns] = t[sources, :columns]
-    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
-
-    def attend(k, v, **sharing):
-        out = torch.full(q.shape, float("nan"), dtype=dtype)
-        _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), hd ** -0.5,
-                                 offsets.numpy(), counts.numpy(), threads=2, **sharing)
-        return out
-
-    own = attend(keys, values)
+    sources, counts, attend, keys, values = two_snapshots(dtype, B, H, kv_heads, hd, S, columns, columns + 40, 0)
+    own = attend(keys, values, 2)
     takes = H // kv_heads * S <= 4
     spoiled = [t.clone() for t in (keys, values)]
     for t in spoiled if takes else ():
         t[sources != torch.arange(B), :columns] = float("nan")
-    shared = attend(*spoiled, shared_columns=columns, shared_from=sources.numpy())
+    shared = attend(*spoiled, 2, shared_columns=columns, shared_from=sources.numpy())
     real = torch.arange(S)[None] < counts[:, None]
     assert not own[real].isnan().any() and torch.equal(shared, own)
 
@@ -308,31 +316,15 @@ def test_shared_columns_packed_once_give_each_row_its_own_bits(dtype, B, H, kv_h
     spoiled with NaN there, they change nothing (values are packed in pairs of keys for the
     bfloat16 dot products, so a pair that straddles the shared columns is packed again from the
     row's own copy: those stay)."""
-    gen = torch.Generator().manual_seed(B * hd + S)
-    W = columns + S + 30
-    offsets = columns + torch.randint(0, W - S - columns, (B,), generator=gen)
-    counts = torch.randint(1, S + 1, (B,), generator=gen)
-    snapshot = torch.arange(B) % 2
-    sources = torch.tensor([int(torch.nonzero(snapshot == snapshot[b])[0]) for b in range(B)])
-    keys, values = (torch.randn(B, W, kv_heads, hd, generator=gen).to(dtype) for _ in range(2))
-    for t in (keys, values):
-        t[:, :columns] = t[sources, :columns]
-    q = torch.randn(B, S, H, hd, generator=gen).to(dtype)
-
-    def attend(k, v, **sharing):
-        out = torch.full(q.shape, float("nan"), dtype=dtype)
-        _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), hd ** -0.5,
-                                 offsets.numpy(), counts.numpy(), threads=threads, **sharing)
-        return out
-
-    own = attend(keys, values)
+    sources, counts, attend, keys, values = two_snapshots(dtype, B, H, kv_heads, hd, S, columns, columns + S + 30, 1)
+    own = attend(keys, values, threads)
     k, v = keys.clone(), values.clone()
     if threads == 1:
         others = sources != torch.arange(B)
         k[others, :columns] = float("nan")
         kept = columns - 1 if dtype == torch.bfloat16 and bf16_form and columns % 2 else columns
         v[others, :kept] = float("nan")
-    shared = attend(k, v, shared_columns=columns, shared_from=sources.numpy())
+    shared = attend(k, v, threads, shared_columns=columns, shared_from=sources.numpy())
     real = torch.arange(S)[None] < counts[:, None]
     assert not own[real].isnan().any() and torch.equal(shared, own)
 
