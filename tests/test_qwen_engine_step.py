@@ -85,6 +85,19 @@ def test_steps_match_transformers(model_dir):
     assert pool.lengths[:rows].tolist() == [len(s) for s in sequences]
 
 
+def random_steps(model_dir, dtype, rows, width, steps=3):
+    """The backend's model, a pool filled with ``rows`` random prompts and, for each of
+    ``steps`` steps, each row's real token count (1 to ``width``) and the step's tokens [rows,
+    width]."""
+    model = backend(model_dir, dtype).model
+    vocab = model.embed.shape[0]
+    rng = np.random.default_rng(rows * 10 + width)
+    pool, _, _ = filled_pool(model, rng, rows, vocab)
+    inputs = [(rng.integers(1, width + 1, size=rows).tolist(), torch.tensor(rng.integers(5, vocab, size=(rows, width))))
+              for _ in range(steps)]
+    return model, pool, inputs
+
+
 def step_both_ways(model, pool, new, counts, monkeypatch):
     """The same step by the engine on ``pool`` and by the tensor ops on a copy of it: (engine
     hidden, tensor-op hidden, the two pools)."""
@@ -111,13 +124,8 @@ def assert_same_state(pool, other, exact):
 
 @pytest.mark.parametrize("rows,width", [(1, 1), (4, 2), (9, 3), (16, 1), (3, 8)])
 def test_engine_step_equals_tensor_ops_float32(model_dir, rows, width, monkeypatch):
-    b = backend(model_dir)
-    model, vocab = b.model, b.model.embed.shape[0]
-    rng = np.random.default_rng(rows * 10 + width)
-    pool, _, _ = filled_pool(model, rng, rows, vocab)
-    for _ in range(3):
-        counts = rng.integers(1, width + 1, size=rows).tolist()
-        new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+    model, pool, inputs = random_steps(model_dir, "float32", rows, width)
+    for counts, new in inputs:
         ours, theirs, pool, other = step_both_ways(model, pool, new, counts, monkeypatch)
         real = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
         torch.testing.assert_close(ours[real], theirs[real], atol=1e-6, rtol=1e-5)
@@ -218,13 +226,8 @@ def test_pick_step_gives_the_argmax_of_the_models_logits(model_dir, dtype, rows,
     """``EngineStep.pick`` (one engine call: the step, the final norm, the head, the argmax)
     against the step, ``QwenModel.logits`` and ``torch.argmax`` run apart: the same hidden
     states bit for bit, the same tokens, the same pool."""
-    b = backend(model_dir, dtype)
-    model, vocab = b.model, b.model.embed.shape[0]
-    rng = np.random.default_rng(rows * 10 + width)
-    pool, _, _ = filled_pool(model, rng, rows, vocab)
-    for _ in range(3):
-        counts = rng.integers(1, width + 1, size=rows).tolist()
-        new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+    model, pool, inputs = random_steps(model_dir, dtype, rows, width)
+    for counts, new in inputs:
         picks, hidden, last, argmax, pool, other = step_and_pick_both_ways(model, pool, new, counts)
         assert picks is not None and picks.dtype == np.int64
         assert torch.equal(hidden, last) and picks.tolist() == argmax.tolist()
