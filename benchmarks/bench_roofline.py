@@ -8,11 +8,14 @@ stages, each timed as a median over ``--repeats`` runs through the backends' pub
 (the vision tower and the crop encoder through their own entry points), with its FLOPs and bytes
 from the checkpoint's shape (``fastjudge.bench.roofline``) and the share of its bound achieved:
 
-* T5 encoder: score-only requests (encoder and one decoder position per row);
+* T5 encoder: score-only requests (encoder and one decoder position per row, whose
+  cross-attention the bound counts in its cheaper form for one step: reassociated, no keys and
+  values projected);
 * T5 decode step at 1/16/64 rows: greedy text requests; a step's time is the wall time of the
   requests at ``decode_tokens`` new tokens less that at one, over the steps between (counted by
   ``fastjudge.bench.step_profile``), timed without the profiler (whose per-op cost is printed
-  beside it as "profiled ms");
+  beside it as "profiled ms"); the bound counts the cross-attention in its cheaper form for a
+  call of ``decode_tokens`` steps (``roofline.t5_reassociates``);
 * Qwen prefill: whole prompts with no cached prefix (one score-only position each);
 * Qwen score-only suffix step: rows of a few tokens after a cached shared prefix;
 * Qwen decode step at 1/16/64 rows: as T5's, after a cached prefix (suffix prefill left out);
@@ -148,7 +151,7 @@ def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         prompts = [ids(length) for _ in range(rows)]
         seconds, _ = timed(lambda: backend.run(requests(prompts, Choice((3, 4, 5)))), device, args.repeats)
         cost = rl.t5_encoder_cost(dims, [length] * rows, tdt) + \
-            rl.t5_decode_step_cost(dims, rows, length, 0, tdt, logits=False)
+            rl.t5_decode_step_cost(dims, rows, length, 0, tdt, logits=False, steps=1)
         out.append(dict(stage="T5 encoder", work=f"{rows}x{length} tok", prepared=prepared,
                         seconds=seconds, cost=cost, dtype=dtype))
         enc_len = args.t5_decode_prompt
@@ -159,7 +162,8 @@ def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
             mid = args.decode_tokens // 2
             out.append(dict(stage=f"T5 decode step, {rows} rows", work=f"enc {enc_len}, {steps} steps",
                             prepared=prepared, seconds=s, profiled_seconds=profiled,
-                            cost=rl.t5_decode_step_cost(dims, rows, enc_len, mid, tdt), dtype=dtype))
+                            cost=rl.t5_decode_step_cost(dims, rows, enc_len, mid, tdt, steps=args.decode_tokens),
+                            dtype=dtype))
     return out
 
 

@@ -620,15 +620,14 @@ void causal_attention_typed(const py::array& query, const py::handle& key, const
                                    padded ? real.data() : nullptr};
   if (!bias.is_none()) {
     const py::array table = py::array::ensure(bias);
-    if (!table || table.ndim() != 2 || table.shape(0) != H || table.shape(1) < W) {
-      throw py::value_error("bias must be [heads, distances] with a distance for each of the W keys");
+    if (!cached) throw py::value_error("a bias needs offsets");
+    int64_t distances = 0;  // the largest distance a query reads is its position: offset + t
+    for (int64_t b = 0; b < B; ++b) distances = std::max(distances, starts.at(b) + S);
+    if (!table || table.ndim() != 2 || table.shape(0) != H || table.shape(1) < distances) {
+      throw py::value_error("bias must be [heads, distances] with a distance for each query position (offset + S)");
     }
     problem.bias = typed_array<float>(bias, "bias", {H, table.shape(1)});
     problem.bias_stride = table.shape(1);
-    if (!cached || S > fastjudge::kFewTokens || dim % 16 != 0) {
-      throw py::value_error("a bias needs offsets, at most " + std::to_string(fastjudge::kFewTokens) +
-                            " tokens a row and dim a multiple of 16");
-    }
   }
   Int64Array sources;
   if (!shared_from.is_none()) {
@@ -785,9 +784,10 @@ query token t of row b sees the keys j <= min(offsets[b] + t, W - 1). offsets (i
 row's cached keys before its new tokens) may be None: then W must be S (a prompt's own keys).
 counts (int64 [B], each row's real tokens; None: all S): later tokens are padding, their
 outputs written as zeros and nothing computed for them.
-bias (float32 [H, n], n >= W; None: no bias): an additive bias by distance, T5's relative
-position bias: the score of query token t of head h on key j is scale * q . k +
-bias[h, offsets[b] + t - j]. It needs offsets, at most 4 tokens a row and dim a multiple of 16.
+bias (float32 [H, n], n >= max(offsets) + S; None: no bias): an additive bias by distance, T5's
+relative position bias: the score of query token t of head h on key j is scale * q . k +
+bias[h, offsets[b] + t - j]. It needs offsets. (Attention where each of n queries sees all n keys,
+T5's encoder: one row with offsets [n - 1], the bias of relative position j - t at n - 1 + t - j.)
 shared_from (int64 [B]; None: each row reads its own keys), with shared_columns: rows whose
 first shared_columns keys and values are the same (one prefix snapshot's) may read them from row
 shared_from[b]; where the few-token path takes it (no bias, at most 4 queries of a key head a

@@ -75,6 +75,14 @@ inline float softmax_row(float* row, int64_t last, int64_t width, float scale) {
   return 1.0f / sum;
 }
 
+// The scores of query head h's token at position `position` (its offset plus t) against keys
+// j < visible: scale x score plus the bias of the key's distance, bias[h][position - j]; the
+// softmax then takes them with scale 1
+inline void add_distance_bias(const CausalProblem& p, int64_t h, int64_t position, float* w, int64_t visible) {
+  const float* bias = p.bias + h * p.bias_stride + position;
+  for (int64_t j = 0; j < visible; ++j) w[j] = w[j] * p.scale + bias[-j];
+}
+
 // One (row, key head) pair: its row b and key head hk, its cached keys, its real tokens and the
 // keys any of its queries sees (none when it has no real token)
 struct Pair {
@@ -165,8 +173,11 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
         for (int64_t j0 = 0; j0 < width; j0 += kCols)
           block_product(queries.data() + r0 * dim, dim, keys.data() + j0, ldk, dim, scores + r0 * ldk + j0, ldk);
       float inverse[kTile];
-      for (int64_t r = 0; r < rows; ++r)
-        inverse[r] = softmax_row(scores + r * ldk, p.last_key(offset, t0 + r), width, p.scale);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t last = p.last_key(offset, t0 + r);
+        if (p.bias) add_distance_bias(p, h, offset + t0 + r, scores + r * ldk, last + 1);
+        inverse[r] = softmax_row(scores + r * ldk, last, width, p.bias ? 1.0f : p.scale);
+      }
       for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
       for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
         // the keys every row of the block sees, as one product; then each row's share of the
@@ -353,13 +364,8 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
           for (int64_t j = 0; j < seen; ++j) w[j] = scores[j * kLanes + r];
         }
         const int64_t t = (r0 + r) % real, visible = p.last_key(offset, t) + 1;
-        float scale = p.scale;
-        if (p.bias) {  // scaled scores plus the bias of each key's distance, then a softmax of those
-          const float* bias = p.bias + (hk * group + (r0 + r) / real) * p.bias_stride + offset + t;
-          for (int64_t j = 0; j < visible; ++j) w[j] = w[j] * p.scale + bias[-j];
-          scale = 1.0f;
-        }
-        const float inverse = softmax_row(w, visible - 1, width, scale);
+        if (p.bias) add_distance_bias(p, hk * group + (r0 + r) / real, offset + t, w, visible);
+        const float inverse = softmax_row(w, visible - 1, width, p.bias ? 1.0f : p.scale);
         for (int64_t j = 0; j < visible; ++j) w[j] = round_weights ? rounded<uint16_t>(w[j] * inverse) : w[j] * inverse;
       }
       // the values read where they lie (bfloat16 ones widened in registers as they load)
@@ -626,7 +632,9 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
           block_dot(queries.data() + r0 * half, half, keys.data() + j0, ldk, half, scores + r0 * ldk + j0, ldk);
       for (int64_t r = 0; r < rows; ++r) {  // weights normalised, then rounded to bfloat16 in pairs
         float* w = scores + r * ldk;
-        const float inverse = softmax_row(w, p.last_key(offset, t0 + r), width, p.scale);
+        const int64_t last = p.last_key(offset, t0 + r);
+        if (p.bias) add_distance_bias(p, h, offset + t0 + r, w, last + 1);
+        const float inverse = softmax_row(w, last, width, p.bias ? 1.0f : p.scale);
         uint32_t* wp = pairs.data() + r * ldp;
         for (int64_t j = 0; j < width; j += kLanes) {
           // 16 weights rounded; lanes 2i and 2i + 1 give pair i: their high halves
@@ -681,7 +689,7 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
     work = std::max(work, 2.0 * p.Hkv * keys * p.dim * sizeof(T) / kKeyBytesPerThread);
   }
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(work) + 1);
-  if (p.bias && !few) throw std::invalid_argument("a position bias needs offsets, at most 4 tokens a row and dim a multiple of 16");
+  if (p.bias && !p.offsets) throw std::invalid_argument("a position bias needs offsets");
   const bool shared = reads_shared(p, few);
   if (few && shared) {
     const std::vector<int64_t> order = rows_by_source(p);

@@ -22,8 +22,11 @@ namespace fastjudge {
 // cached, W = S (causal attention over a prompt). counts: each row's real tokens (later ones
 // are padding, their outputs zeros, nothing computed for them); null: all S. bias: an additive
 // bias by distance (T5's relative position bias), the score of query token t of head h on key j
-// being scale * q . k + bias[h * bias_stride + offset_b + t - j]; only with offsets and at most
-// kFewTokens tokens a row (a decoding step's attention).
+// being scale * q . k + bias[h * bias_stride + offset_b + t - j]; only with offsets. A T5 decoding
+// step's self-attention takes it with its cached keys as the offsets; T5's encoder attention,
+// where each query sees all n keys of its sequence, as one row whose n queries come after its n
+// keys (offset n - 1: query t sees keys j <= n - 1 + t, all of them), the bias of a key's
+// relative position j - t at n - 1 + t - j.
 constexpr int64_t kFewTokens = 4;  // rows of at most this many new tokens take the few-token path
 
 struct CausalProblem {

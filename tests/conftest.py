@@ -15,6 +15,7 @@ if not os.environ.get("FASTJUDGE_TEST_DEVICE", "cpu").startswith("cuda"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from fastjudge import _engine
 from fastjudge.checkpoints import build_random_qwen_vl, build_random_t5
 from fastjudge.demo import tokenizer_corpus
 
@@ -25,6 +26,17 @@ if TEST_DEVICE.startswith("cuda"):
     # float32 must mean float32 for 1e-4 comparisons: no TF32 in matmuls or cuDNN convolutions
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(params=[False, True], ids=["float32 weights", "bfloat16 dot products"])
+def bf16_form(request):
+    """Each form of the engine's bfloat16 attention (the dot products where the CPU has
+    AVX512-BF16), the default restored after."""
+    if request.param and not _engine.bf16_dot_products(True):
+        pytest.skip("this CPU has no AVX512-BF16")
+    _engine.bf16_dot_products(request.param)
+    yield request.param
+    _engine.bf16_dot_products(True)
 
 
 def write_lines(path, lines):

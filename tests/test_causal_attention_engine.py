@@ -131,17 +131,6 @@ def test_padding_tokens_are_skipped(offsets):
         assert torch.equal(padded[b, n:], torch.zeros_like(padded[b, n:]))
 
 
-@pytest.fixture(params=[False, True], ids=["float32 weights", "bfloat16 dot products"])
-def bf16_form(request):
-    """Each form of the engine's bfloat16 attention (the dot products where the CPU has
-    AVX512-BF16), the default restored after."""
-    if request.param and not _engine.bf16_dot_products(True):
-        pytest.skip("this CPU has no AVX512-BF16")
-    _engine.bf16_dot_products(request.param)
-    yield request.param
-    _engine.bf16_dot_products(True)
-
-
 @pytest.mark.parametrize("S,hd", [(37, 64), (233, 64), (130, 128)])
 def test_bfloat16_against_float32(S, hd, bf16_form):
     """In bfloat16, against the float32 reference: with float32 softmax weights (the portable

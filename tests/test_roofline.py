@@ -69,7 +69,8 @@ def test_qwen_and_vision_projection_counts(vl_dir):
 
 
 def test_costs_scale_as_the_algorithms():
-    d = rl.T5Dims(d_model=512, inner=384, d_ff=1024, gated=True, encoder_layers=8, decoder_layers=8, vocab=32128)
+    d = rl.T5Dims(d_model=512, heads=6, inner=384, d_ff=1024, gated=True, encoder_layers=8, decoder_layers=8,
+                  vocab=32128)
     one = rl.t5_decode_step_cost(d, 1, 100, 5, torch.float32)
     many = rl.t5_decode_step_cost(d, 16, 100, 5, torch.float32)
     assert many.flops == 16 * one.flops  # FLOPs per row
@@ -81,10 +82,12 @@ def test_costs_scale_as_the_algorithms():
     assert b.flops - 2 * a.flops == 8 * 4 * (200 ** 2 - 2 * 100 ** 2) * 384
     # a generation: the rows' steps, with the weights read once per step of the longest row
     gen = rl.t5_generation_cost(d, [100, 100, 50], [6, 6, 2], torch.float32)
-    steps = [rl.t5_decode_step_cost(d, 2, 100, p, torch.float32) for p in range(6)]
-    steps += [rl.t5_decode_step_cost(d, 1, 50, p, torch.float32) for p in range(2)]
+    steps = [rl.t5_decode_step_cost(d, 2, 100, p, torch.float32, steps=6) for p in range(6)]
+    steps += [rl.t5_decode_step_cost(d, 1, 50, p, torch.float32, steps=2) for p in range(2)]
     assert gen.flops == pytest.approx(sum(c.flops for c in steps))
-    assert gen.bytes == pytest.approx(sum(c.bytes for c in steps) - 2 * weights)
+    cross_weights = 8 * 2 * 512 * 384 * 4  # short rows reassociate: the k/v weights read each step
+    assert gen.bytes == pytest.approx(sum(c.bytes for c in steps) - 2 * (weights + cross_weights))
+    assert rl.t5_encoder_cost(d, [100], torch.float32, cross_kv=True).flops - a.flops == 2 * d.cross_kv_params * 100
     # a shared prefix's keys and values are read once a step, each row's own after them once a row
     q = rl.QwenDims(hidden=256, ff=768, heads=4, kv_heads=2, head_dim=64, full_layers=3, linear_layers=3,
                     key_heads=2, value_heads=4, key_dim=64, value_dim=64, conv_kernel=4, vocab=1000,
@@ -94,6 +97,38 @@ def test_costs_scale_as_the_algorithms():
     assert own.flops == shared.flops and own.bytes - shared.bytes == 15 * 448 * column
     assert rl.bound_seconds(rl.Cost(1e9, 1e6), 1e9, 1e9) == (1.0, "compute")
     assert rl.bound_seconds(rl.Cost(1e6, 1e9), 1e9, 1e9) == (1.0, "memory")
+
+
+def test_t5_cross_attention_counts_its_cheaper_form():
+    """The two exact forms of T5's cross-attention (``backends/t5/decode.py``): per head over
+    keys and values projected from the encoder states (their projection spread over the call's
+    steps), or reassociated over the encoder states, each head's query mapped into model space
+    and its context back (``engine/encoder_attention.cpp``)."""
+    d = rl.T5Dims(d_model=512, heads=6, inner=384, d_ff=1024, gated=True, encoder_layers=8, decoder_layers=8,
+                  vocab=32128)
+    f32 = torch.float32
+    projected = rl.t5_decode_step_cost(d, 16, 128, 8, f32)  # keys and values there already
+    base = 16 * (2 * (8 * d.decoder_layer_params + 512 * 32128) + 8 * 4 * 9 * 384)
+    assert projected.flops == base + 16 * 8 * 4 * 128 * 384
+    # a call of 16 steps: projecting 128 states a row costs more than reassociating every step
+    assert rl.t5_reassociates(d, 128, 16) and not rl.t5_reassociates(d, 128, None)
+    short = rl.t5_decode_step_cost(d, 16, 128, 8, f32, steps=16)
+    assert short.flops == base + 16 * 8 * (4 * 512 * 384 + 4 * 6 * 128 * 512)
+    one_row = rl.t5_decode_step_cost(d, 1, 128, 8, f32, steps=16)
+    assert short.bytes - one_row.bytes == 15 * (8 * 2 * 9 * 384 + 128 * 512) * 4  # the states once a row
+    assert one_row.bytes - rl.t5_decode_step_cost(d, 1, 128, 8, f32).bytes == \
+        d.cross_kv_params * 4 + 128 * 512 * 4 - 8 * 2 * 128 * 384 * 4
+    # a long call: the projection, spread over its steps, pays
+    long = rl.t5_decode_step_cost(d, 1, 128, 8, f32, steps=4000)
+    assert not rl.t5_reassociates(d, 128, 4000)
+    assert long.flops == pytest.approx(rl.t5_decode_step_cost(d, 1, 128, 8, f32).flops + 8 * 4 * 128 * 512 * 384 / 4000)
+    # the cheaper form is never more FLOPs than either
+    for n, steps in ((1, 1), (128, 16), (1100, 30), (1100, 100), (1100, 1000)):
+        chosen = rl.t5_decode_step_cost(d, 1, n, 0, f32, steps=steps).flops
+        per_head = rl.t5_decode_step_cost(d, 1, n, 0, f32).flops + 8 * 4 * n * 512 * 384 / steps
+        reassociated = rl.t5_decode_step_cost(d, 1, n, 0, f32).flops - 8 * 4 * n * 384 + \
+            8 * (4 * 512 * 384 + 4 * 6 * n * 512)
+        assert chosen == pytest.approx(min(per_head, reassociated))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -191,19 +191,6 @@ def test_position_bias_against_t5_attention():
         assert torch.all(out[b, int(counts[b]):] == 0)
 
 
-def test_position_bias_refused_outside_the_few_token_path():
-    q = np.zeros((1, ENGINE_STEP_MAX_TOKENS + 1, 2, 16), np.float32)
-    kv = np.zeros((1, 10, 2, 16), np.float32)
-    bias = np.zeros((2, 10), np.float32)
-    out = np.zeros_like(q)
-    with pytest.raises(ValueError, match="bias"):
-        _engine.causal_attention(q, kv, kv, out, 1.0, offsets=np.zeros(1, np.int64), bias=bias)
-    with pytest.raises(ValueError, match="bias"):  # no offsets
-        _engine.causal_attention(q[:, :1], kv[:, :1], kv[:, :1], out[:, :1], 1.0, bias=bias)
-    with pytest.raises(ValueError, match="bias"):
-        _engine.causal_attention(q[:, :1], kv, kv, out[:, :1], 1.0, offsets=np.zeros(1, np.int64), bias=bias[:, :5])
-
-
 def test_which_steps_take_it(t5_dir, t5_tied_dir):
     model = backend(t5_dir).model
     pool, _ = encoded_pool(model, np.random.default_rng(0), 2)

@@ -11,7 +11,8 @@ mkldnn tensors on the CPU; ``torch.mm`` (cuBLAS) and ``F.linear`` on CUDA), and
 The FLOP counts are those of the standard algorithms (2 per multiply-add): ``2 x params x
 tokens`` for the projections, ``4 x context x heads x head_dim`` per query token for attention
 (scores and weighted sum), ``6 x key_dim x value_dim`` per token and value head for a Gated
-DeltaNet recurrence (decay and update of the state, then its read-out). What an
+DeltaNet recurrence (decay and update of the state, then its read-out); T5's cross-attention in
+the cheaper of its two exact forms for the call's length (:func:`t5_reassociates`). What an
 implementation computes beyond that (padding, recomputation) counts against it. The byte counts
 are lower bounds: each weight read once per call, each cached key/value or recurrent state read
 once per step.
@@ -58,7 +59,8 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class T5Dims:
     d_model: int
-    inner: int  # num_heads x d_kv
+    heads: int
+    inner: int  # heads x d_kv
     d_ff: int
     gated: bool
     encoder_layers: int
@@ -68,8 +70,8 @@ class T5Dims:
     @classmethod
     def from_config(cls, cfg: dict) -> "T5Dims":
         gated = bool(cfg.get("is_gated_act")) or str(cfg.get("feed_forward_proj", "")).startswith("gated")
-        return cls(cfg["d_model"], cfg["num_heads"] * cfg["d_kv"], cfg["d_ff"], gated, cfg["num_layers"],
-                   cfg.get("num_decoder_layers") or cfg["num_layers"], cfg["vocab_size"])
+        return cls(cfg["d_model"], cfg["num_heads"], cfg["num_heads"] * cfg["d_kv"], cfg["d_ff"], gated,
+                   cfg["num_layers"], cfg.get("num_decoder_layers") or cfg["num_layers"], cfg["vocab_size"])
 
     @property
     def ff_params(self) -> int:
@@ -82,7 +84,7 @@ class T5Dims:
     @property
     def decoder_layer_params(self) -> int:
         """Per decoded token: self-attention q/k/v/o, cross-attention q/o, feed-forward (the
-        cross-attention k/v projections run once per encoder token, :meth:`cross_kv_params`)."""
+        cross-attention k/v projections apply to encoder tokens, :meth:`cross_kv_params`)."""
         return 6 * self.d_model * self.inner + self.ff_params
 
     @property
@@ -90,40 +92,66 @@ class T5Dims:
         return self.decoder_layers * 2 * self.d_model * self.inner
 
 
-def t5_encoder_cost(d: T5Dims, lengths: list[int], dtype: torch.dtype) -> Cost:
-    """The encoder over prompts of ``lengths`` tokens, and the cross-attention keys and values
-    of their tokens (computed once per prompt)."""
+def t5_encoder_cost(d: T5Dims, lengths: list[int], dtype: torch.dtype, cross_kv: bool = False) -> Cost:
+    """The encoder over prompts of ``lengths`` tokens; ``cross_kv``: with the cross-attention keys
+    and values of their tokens (a decoder that attends per head over them; a bound that counts
+    decoding steps with ``steps`` given spreads that projection over the steps instead)."""
     tokens = sum(lengths)
-    proj = 2 * (d.encoder_layers * d.encoder_layer_params + d.cross_kv_params) * tokens
+    params = d.encoder_layers * d.encoder_layer_params + (d.cross_kv_params if cross_kv else 0)
     attn = d.encoder_layers * sum(4 * n * n * d.inner for n in lengths)
-    weights = (d.encoder_layers * d.encoder_layer_params + d.cross_kv_params) * dtype_bytes(dtype)
-    return Cost(proj + attn, weights)
+    return Cost(2 * params * tokens + attn, params * dtype_bytes(dtype))
+
+
+def t5_reassociates(d: T5Dims, encoder_len: int, steps: int | None) -> bool:
+    """Whether a row decoding ``steps`` steps over ``encoder_len`` encoder states needs fewer
+    FLOPs with the cross-attention reassociated (each head's query mapped into model space, its
+    scores and weighted sum over the encoder states themselves, the context mapped back) than per
+    head over projected keys and values, their projection spread over the steps. ``steps`` None:
+    keys and values are projected already (counted with the encoder): per head."""
+    if steps is None:
+        return False
+    per_layer_reassociated = 4 * d.d_model * d.inner + 4 * d.heads * encoder_len * d.d_model
+    per_layer_per_head = 4 * encoder_len * d.inner + 4 * encoder_len * d.d_model * d.inner / steps
+    return per_layer_reassociated < per_layer_per_head
 
 
 def t5_decode_step_cost(d: T5Dims, rows: int, encoder_len: int, position: int, dtype: torch.dtype,
-                        logits: bool = True) -> Cost:
+                        logits: bool = True, steps: int | None = None) -> Cost:
     """One decoder step of ``rows`` rows at decoded ``position`` (tokens already in the
     self-attention cache) over ``encoder_len`` encoder tokens; ``logits``: the full-vocabulary
-    LM head (greedy decoding)."""
-    b = dtype_bytes(dtype)
-    params = d.decoder_layers * d.decoder_layer_params + (d.d_model * d.vocab if logits else 0)
-    context = position + 1 + encoder_len
-    attn = d.decoder_layers * 4 * context * d.inner
-    kv_bytes = d.decoder_layers * 2 * context * d.inner * b
-    return Cost(rows * (2 * params + attn), params * b + rows * kv_bytes)
+    LM head (greedy decoding). The cross-attention in the cheaper of its exact forms for a call of
+    ``steps`` steps (:func:`t5_reassociates`): per head, reading the projected keys and values,
+    with ``1 / steps`` of their projection (none where ``steps`` is None), or reassociated,
+    reading each row's encoder states once and the k/v projections' weights once a step."""
+    b, L, context = dtype_bytes(dtype), d.decoder_layers, position + 1
+    params = L * d.decoder_layer_params + (d.d_model * d.vocab if logits else 0)
+    # per row: the projections, the self-attention over its cached keys and values, then the cross-attention
+    flops, reads, weights = 2 * params + L * 4 * context * d.inner, L * 2 * context * d.inner * b, params * b
+    if t5_reassociates(d, encoder_len, steps):
+        flops += L * (4 * d.d_model * d.inner + 4 * d.heads * encoder_len * d.d_model)
+        reads += encoder_len * d.d_model * b
+        weights += d.cross_kv_params * b
+    else:
+        flops += L * 4 * encoder_len * d.inner + (L * 4 * encoder_len * d.d_model * d.inner / steps if steps else 0)
+        reads += L * 2 * encoder_len * d.inner * b
+    return Cost(rows * flops, weights + rows * reads)
 
 
 def t5_generation_cost(d: T5Dims, prompt_lengths: list[int], generated: list[int], dtype: torch.dtype) -> Cost:
-    """Greedy decoding of ``generated[i]`` tokens for each prompt (after the encoder): every
-    row-step's FLOPs and its keys/values read, and the decoder's weights read once per step of
-    the longest row (rows of one step share them)."""
-    weights = t5_decode_step_cost(d, 0, 0, 0, dtype).bytes
-    rows = Cost(0.0, 0.0)
+    """Greedy decoding of ``generated[i]`` tokens for each prompt (after the encoder, which
+    projects no cross-attention keys and values): every row-step's FLOPs and its reads, each row's
+    cross-attention in its cheaper form for its length (:func:`t5_decode_step_cost` with
+    ``steps``), and the decoder's weights read once per step of the longest row (rows of one
+    step share them; the k/v projections' once per step of the longest reassociating row)."""
+    rows, reassociating = Cost(0.0, 0.0), 0
     for n, steps in zip(prompt_lengths, generated):
         for position in range(steps):
-            rows = rows + t5_decode_step_cost(d, 1, n, position, dtype)
-    steps = sum(generated)
-    return Cost(rows.flops, rows.bytes - steps * weights + max(generated, default=0) * weights)
+            one = t5_decode_step_cost(d, 1, n, position, dtype, steps=steps)
+            rows = rows + Cost(one.flops, one.bytes - t5_decode_step_cost(d, 0, n, position, dtype, steps=steps).bytes)
+        if t5_reassociates(d, n, steps):
+            reassociating = max(reassociating, steps)
+    weights, cross_weights = t5_decode_step_cost(d, 0, 0, 0, dtype).bytes, d.cross_kv_params * dtype_bytes(dtype)
+    return rows + Cost(0.0, max(generated, default=0) * weights + reassociating * cross_weights)
 
 
 def peak_gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 3) -> float:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
-from ..cpu_engine import ENGINE_DTYPES, attend_in_engine, attend_reassociated, engine_takes
+from ..cpu_engine import ENGINE_DTYPES, attend_all_in_engine, attend_in_engine, attend_reassociated, engine_takes
 from ..cpu_memory import keep_freed_memory
 from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
@@ -147,17 +147,15 @@ class T5Block(torch.nn.Module):
         h = self.wi.gated_product(h) if self.s.gated else self.act(self.wi(h))
         return x + self.wo(h)
 
-    def encode(self, x: torch.Tensor, lengths: Sequence[int], starts: np.ndarray, bias: torch.Tensor) -> torch.Tensor:
-        """The encoder block over packed sequences ``x`` [T, d]: attention within each sequence."""
+    def encode(self, x: torch.Tensor, lengths: Sequence[int], starts: np.ndarray, attend) -> torch.Tensor:
+        """The encoder block over packed sequences ``x`` [T, d]: attention within each sequence
+        (``attend(qkv [n, 3, heads, d_kv], out [n, heads, d_kv])``, :meth:`T5Model.encoder_attention`)."""
         h, dk = self.s.num_heads, self.s.d_kv
         qkv = self.qkv(rms_norm(x, self.norm, self.s.eps))  # [T, 3 * inner]
         out = torch.empty(x.shape[0], h * dk, dtype=x.dtype, device=x.device)
         for i, n in enumerate(lengths):
             a, b = int(starts[i]), int(starts[i + 1])
-            q, k, v = qkv[a:b].view(n, 3, h, dk).permute(1, 2, 0, 3).unsqueeze(1)
-            # T5 folds 1/sqrt(d_kv) into its weights: scale=1.
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0), scale=1.0)
-            out[a:b].view(n, h, dk).copy_(o[0].transpose(0, 1))
+            attend(qkv[a:b].view(n, 3, h, dk), out[a:b].view(n, h, dk))
         return self.feed_forward(x + self.o(out))
 
     def forward(self, x: torch.Tensor, step: DecoderStep, kv: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
@@ -286,6 +284,39 @@ class T5Model(torch.nn.Module):
             self._enc_bias = self._bias(self.enc_bias_table, max(length, 512), True)
         return self._enc_bias[:, :length, :length]
 
+    def encoder_bias_by_distance(self, length: int) -> torch.Tensor:
+        """The encoder's bias [heads, 2 * length - 1] (float32) by distance: column
+        ``length - 1 + t - j`` holds query ``t``'s bias on key ``j``, the values
+        :meth:`encoder_bias` holds (the engine's attention adds them by distance)."""
+        relative = length - 1 - torch.arange(2 * length - 1, device=self.enc_bias_table.device)  # j - t
+        buckets = relative_position_bucket(relative, True, self.s.num_buckets, self.s.max_distance)
+        return F.embedding(buckets, self.enc_bias_table.detach()).t().float().contiguous()
+
+    def encoder_attention(self, x: torch.Tensor, lengths: Sequence[int]):
+        """The encoder's self-attention for sequences of ``lengths``, as ``attend(qkv [n, 3,
+        heads, d_kv], out [n, heads, d_kv])`` (each query sees its sequence's every key, with the
+        relative position bias; T5 folds 1/sqrt(d_kv) into its weights: scale 1). On the CPU
+        engine (float32, bfloat16): ``_engine.causal_attention`` with the bias by distance, its
+        n queries placed after its n keys so each sees all of them; it packs each head's keys
+        once and reads the bias by distance, where SDPA reads a [heads, n, n] float mask (two
+        threads, Flan-T5-small's heads: 490 tokens 3.5 -> 2.2 ms, 1,200 tokens 16.4 -> 12.1 ms
+        a layer, without the bias's reads). Elsewhere SDPA with the bias as its mask."""
+        longest = max(lengths)
+        if engine_takes(x) and x.dtype in ENGINE_DTYPES:
+            by_distance = self.encoder_bias_by_distance(longest)
+            # a sequence of n tokens reads distances n - 1 + t - j: the columns from longest - n
+            tables = {n: by_distance[:, longest - n:longest + n - 1].contiguous() for n in set(lengths)}
+            return lambda qkv, out: attend_all_in_engine(qkv, tables[qkv.shape[0]], out)
+        bias = self.encoder_bias(longest)
+
+        def attend(qkv: torch.Tensor, out: torch.Tensor) -> None:
+            n = qkv.shape[0]
+            q, k, v = qkv.permute(1, 2, 0, 3).unsqueeze(1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :n, :n].unsqueeze(0), scale=1.0)
+            out.copy_(o[0].transpose(0, 1))
+
+        return attend
+
     def decoder_bias(self, length: int) -> torch.Tensor:
         if self._dec_bias.shape[-1] < length:
             self._dec_bias = self._bias(self.dec_bias_table, max(length, 128), False)
@@ -302,10 +333,10 @@ class T5Model(torch.nn.Module):
     def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
         x = F.embedding(packed_ids, self.embed)
-        bias = self.encoder_bias(max(lengths))
+        attend = self.encoder_attention(x, lengths)
         starts = np.concatenate([[0], np.cumsum(lengths)])
         for layer in self.encoder:
-            x = layer.encode(x, lengths, starts, bias)
+            x = layer.encode(x, lengths, starts, attend)
         return rms_norm(x, self.enc_final_norm, self.s.eps)
 
     def project_cross(self, pool, start: int, stop: int) -> None:
