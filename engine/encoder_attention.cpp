@@ -27,7 +27,7 @@ constexpr double kWeightBytesPerThread = 256 * 1024;
 // queries zero past the real ones), j < n: a register block of 16 / kQueries keys by kQueries
 // queries at a time (16 accumulators), each pair's products summed over the lanes at the end. A
 // last short block of keys repeats its last key (its scores are never read). ahead: how far on
-// the next block's keys lie (0: none), fetched into cache a line at a time as this block's are
+// the next block's keys lie (0: none), fetched into L2 a line at a time as this block's are
 // read. kZmm: built for AVX-512 (hold()).
 template <int kQueries, bool kZmm>
 __attribute__((always_inline)) inline void block_scores(const float* queries, int64_t rows, const float* keys,
@@ -46,7 +46,7 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
           hold<kZmm>(q[i]);
         }
         for (int k = 0; k < kKeys; ++k) {
-          if (ahead && q0 == 0) __builtin_prefetch(key[k] + d + ahead);
+          if (ahead && q0 == 0) __builtin_prefetch(key[k] + d + ahead, 0, 2);
           Floats kv = load(key[k] + d);
           hold<kZmm>(kv);
           for (int i = 0; i < kQueries; ++i) acc[k * kQueries + i] += kv * q[i];
@@ -90,7 +90,9 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
         for (int64_t d = 0; d < dim; d += kLanes) store(block + j * dim + d, load_bf16(states.row(b, j0 + j, 0) + d));
       keys = block, ldk = dim;
     }
-    // the next block's states, fetched while this one computes (float32 states are read in place)
+    // the next block's states, fetched into L2 while this one computes (float32 states are read in
+    // place): fetched into L1, the next block's 128 KiB pushed out the one being read (16 rows over
+    // 1,200 states, every layer's cross-attention, in-process alternation: 25.5 -> 22.2 ms)
     const int64_t ahead = wide && j0 + kBlockKeys < length ? kBlockKeys * ldk : 0;
     if (fours) {
       block_scores<4, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
