@@ -124,7 +124,9 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
       }
       for (int i = 0; i < kLanes; ++i) total[r] += added[i];
     }
-    product<kZmm>(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
+    // six rows a register block where the build has 32 registers: a decoding step's six heads
+    // read the block's states once
+    product<kZmm, false, float, kZmm ? 6 : kProductRows>(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     O* o = out + (b * R + r0 + r) * dim;
