@@ -121,6 +121,30 @@ def test_vision_encode_matches_transformers(setup, h, w):
     assert err <= VISION_TOL * scale and (ours - ref_tower).abs().max().item() <= VISION_TOL * scale
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_on_the_engine_matches_sdpa(setup, dtype, monkeypatch):
+    """On the CPU the tower's attention runs on the engine (``cpu_engine.attend_all_in_engine``);
+    the same tower with SDPA instead (the path CUDA takes) agrees, over images of three grid sizes
+    and a two-frame one (frames of one size in one call)."""
+    s = setup
+    vision = QwenVision.from_pretrained(s["dir"], device="cpu", dtype=dtype)
+    images = [encoded(s, h, w, seed=i) for i, (h, w) in enumerate(((80, 120), (60, 60), (120, 90)))]
+    pv, grid = images[0]
+    images.append((torch.cat([pv, pv + 0.25]), grid * torch.tensor([[2, 1, 1]])))
+    items = [(p.to(vision.dtype), g[0].tolist()) for p, g in images]
+    calls = []
+    real = qwen_vision.attend_all_in_engine
+    monkeypatch.setattr(qwen_vision, "attend_all_in_engine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = vision.encode_images(items)
+    assert calls
+    monkeypatch.setattr(qwen_vision, "engine_attends", lambda q, k: False)
+    sdpa = vision.encode_images(items)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    for a, b in zip(engine, sdpa):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= tol * scale
+
+
 def test_vision_is_a_module_with_the_checkpoint_weights(setup):
     """``QwenVision`` registers the tower's parameters: its state dict holds every vision tensor
     of the checkpoint under the same names (``model.`` for ``model.visual.``) and values, and

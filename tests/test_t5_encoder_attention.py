@@ -52,7 +52,7 @@ def test_every_query_sees_every_key_with_the_bias(dtype, n, H, dim, bf16_form):
     by_distance = torch.cat([full[:, 0, 1:].flip(-1), full[:, :, 0]], dim=1).contiguous()
     qkv = torch.randn(n, 3, H, dim, generator=g).to(dtype)
     out = torch.empty(n, H, dim, dtype=dtype)
-    attend_all_in_engine(qkv, by_distance, out)
+    attend_all_in_engine(*(qkv[:, i].unsqueeze(0) for i in range(3)), out.unsqueeze(0), 1.0, by_distance)
     want = reference(qkv[:, 0], qkv[:, 1], qkv[:, 2], full, [n] * n)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)

@@ -51,16 +51,18 @@ def attend_in_engine(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def attend_all_in_engine(qkv: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
-    """Attention of one sequence's ``n`` queries over all its ``n`` keys (T5's encoder), scale 1,
-    with an additive bias by distance ``bias`` [heads, 2n - 1] (float32; query ``t``'s bias on
-    key ``j`` at column ``n - 1 + t - j``): ``qkv`` [n, 3, heads, hd] (queries, keys, values read
-    in place) into ``out`` [n, heads, hd] (contiguous). One ``_engine.causal_attention`` row whose
-    queries come after its keys (offset ``n - 1``), so each sees every key."""
-    n = qkv.shape[0]
-    q, k, v = (engine_array(qkv[:, i].unsqueeze(0)) for i in range(3))
-    _engine.causal_attention(q, k, v, engine_array(out.unsqueeze(0)), 1.0, offsets=np.array([n - 1], dtype=np.int64),
-                             bias=bias.numpy(), threads=torch.get_num_threads())
+def attend_all_in_engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
+                         bias: torch.Tensor | None = None) -> None:
+    """Attention of each row's ``n`` queries over all of its ``n`` keys (encoders: T5's, the
+    vision tower's frames): ``q``, ``k``, ``v`` [B, n, heads, hd] read in place, ``out`` [B, n,
+    heads, hd] (contiguous) written, scores scaled by ``scale``; ``bias`` (float32 [heads,
+    2n - 1], None: none) added by distance, query ``t``'s bias on key ``j`` at column
+    ``n - 1 + t - j``. One ``_engine.causal_attention`` call whose rows hold their queries after
+    their keys (offsets ``n - 1``), so each query sees every key."""
+    B, n = q.shape[:2]
+    _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(out), scale,
+                             offsets=np.full(B, n - 1, dtype=np.int64), bias=None if bias is None else bias.numpy(),
+                             threads=torch.get_num_threads())
 
 
 def attend_reassociated(xq: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, states: torch.Tensor,

@@ -32,6 +32,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..cpu_engine import attend_all_in_engine, engine_attends
 from ..loading import (
     CheckpointError,
     check_shapes,
@@ -161,8 +162,14 @@ class VisionMLP(torch.nn.Module):
 
 
 class VisionAttention(torch.nn.Module):
-    """Multi-head self-attention within each frame: one qkv GEMM over all patches, one SDPA call
-    per grid size over its frames ``[frames, heads, n, head_dim]``, one output GEMM."""
+    """Multi-head self-attention within each frame: one qkv GEMM over all patches, one attention
+    call per grid size over its frames, one output GEMM. The attention: on the CPU (eager,
+    float32 or bfloat16) the engine's (``cpu_engine.attend_all_in_engine``: each frame's rotated
+    queries and keys and its values read in place, the output written as the rows the output
+    GEMM reads); elsewhere SDPA over ``[frames, heads, n, head_dim]``. The engine against SDPA,
+    two threads: 4 frames x 4 heads x 1,024 patches x 32 dims 20.7 -> 15.5 ms float32, 21.1 ->
+    10.8 ms bfloat16; 16 heads x 72 dims (Qwen3.5's tower) 38.3 -> 37.3 ms float32, 40.0 ->
+    23.7 ms bfloat16."""
 
     def __init__(self, s: VisionShape):
         super().__init__()
@@ -174,7 +181,13 @@ class VisionAttention(torch.nn.Module):
         qkv, outs = self.qkv(x), []
         for sp in spans:
             part = qkv[sp.start: sp.start + sp.frames * sp.n].view(sp.frames, sp.n, 3, self.num_heads, -1)
-            q, k = rotate(part[:, :, :2], sp.cos, sp.sin).transpose(1, 3).unbind(2)  # [f, heads, n, hd]
+            turned = rotate(part[:, :, :2], sp.cos, sp.sin)  # [f, n, 2, heads, hd]
+            if engine_attends(turned, turned):
+                o = torch.empty_like(part[:, :, 2])  # [f, n, heads, hd]
+                attend_all_in_engine(turned[:, :, 0], turned[:, :, 1], part[:, :, 2], o, self.scaling)
+                outs.append(o.view(sp.frames * sp.n, -1))
+                continue
+            q, k = turned.transpose(1, 3).unbind(2)  # [f, heads, n, hd]
             o = F.scaled_dot_product_attention(q, k, part[:, :, 2].transpose(1, 2), scale=self.scaling)
             outs.append(o.transpose(1, 2).reshape(sp.frames * sp.n, -1))
         return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))

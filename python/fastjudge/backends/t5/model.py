@@ -306,7 +306,8 @@ class T5Model(torch.nn.Module):
             by_distance = self.encoder_bias_by_distance(longest)
             # a sequence of n tokens reads distances n - 1 + t - j: the columns from longest - n
             tables = {n: by_distance[:, longest - n:longest + n - 1].contiguous() for n in set(lengths)}
-            return lambda qkv, out: attend_all_in_engine(qkv, tables[qkv.shape[0]], out)
+            return lambda qkv, out: attend_all_in_engine(*(qkv[:, i].unsqueeze(0) for i in range(3)), out.unsqueeze(0),
+                                                         1.0, tables[qkv.shape[0]])
         bias = self.encoder_bias(longest)
 
         def attend(qkv: torch.Tensor, out: torch.Tensor) -> None:
