@@ -6,8 +6,9 @@ Same math as transformers' T5ForConditionalGeneration, with the engine owning wh
 speed:
 
 * **Packed encoder.** Requests are concatenated into one ``[tokens, d_model]`` matrix, so every
-  GEMM runs on real tokens only; attention runs per sequence through
-  ``scaled_dot_product_attention`` with the relative-position bias as its mask.
+  GEMM runs on real tokens only; attention runs per sequence (:meth:`T5Model.encoder_attention`):
+  on the CPU the engine's, with the relative-position bias added by distance, elsewhere
+  ``scaled_dot_product_attention`` with the bias as its mask.
 * **Fused projections.** q/k/v and the two gated-FF input projections are one GEMM each.
 * **Cross-attention in one of two exact forms.** Reassociated (:meth:`T5Block.cross_attention`):
   ``q . (W_k m)`` is computed as ``(W_k^T q) . m`` and ``sum p W_v m`` as ``W_v (sum p m)``, so
