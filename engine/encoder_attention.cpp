@@ -144,6 +144,7 @@ struct Attend {
   O* out;
   int64_t R, dim;
   float scale;
+  int64_t group;  // query rows a unit takes (at most kGroupRows)
   int64_t units;
   bool reverse;
   int64_t first, last;
@@ -153,14 +154,14 @@ struct Attend {
 // row u / groups, its (u % groups)-th group of query rows
 template <bool kZmm, typename Q, typename T, typename O>
 __attribute__((always_inline)) inline void attend_units(const Attend<Q, T, O>& a) {
-  const int64_t groups = (a.R + kGroupRows - 1) / kGroupRows, dim = a.dim;
+  const int64_t groups = (a.R + a.group - 1) / a.group, dim = a.dim;
   const std::unique_ptr<float[]> queries(new float[kGroupRows * dim]), sums(new float[kGroupRows * dim]);
   const std::unique_ptr<float[]> scores(new float[kGroupRows * kBlockKeys]);
   const std::unique_ptr<float[]> block(new float[std::is_same_v<T, float> ? 0 : kBlockKeys * dim]);
   for (int64_t i = a.first; i < a.last; ++i) {
     const int64_t u = a.reverse ? a.units - 1 - i : i;
-    const int64_t b = u / groups, r0 = (u % groups) * kGroupRows;
-    attend_group<kZmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(kGroupRows, a.R - r0), a.R, dim,
+    const int64_t b = u / groups, r0 = (u % groups) * a.group;
+    attend_group<kZmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, dim,
                        a.scale, queries.get(), sums.get(), scores.get(), block.get());
   }
 }
@@ -312,6 +313,15 @@ int64_t workers_for(double flops, int threads) {
 
 }  // namespace
 
+// Query rows a unit of the attention takes: kGroupRows, or fewer where B rows of R query rows
+// would leave some of `workers` threads idle (a one-row decoding step's heads on one thread).
+// Each group reads its row's states itself, and a query's bits do not depend on its group (its
+// own lane sums, softmax and weighted sums).
+inline int64_t group_rows(int64_t B, int64_t R, int64_t workers) {
+  const int64_t groups = std::min(R, std::max((R + kGroupRows - 1) / kGroupRows, (workers + B - 1) / B));
+  return (R + groups - 1) / groups;
+}
+
 template <typename T>
 void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const StridedRows<T>& states,
                             const int64_t* lengths, T* out, int64_t B, int64_t P, int64_t H, int64_t dk, int64_t dim,
@@ -339,14 +349,16 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
     }
   });
   const StridedRows<float> queries{q, R * dim, dim, 0};
-  const int64_t units = B * ((R + kGroupRows - 1) / kGroupRows);
   double keys = 0.0;
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
-  parallel_ranges(units, workers_for(4.0 * R * dim * keys, threads), 1, [&](int64_t first, int64_t last) {
+  const int64_t workers = workers_for(4.0 * R * dim * keys, threads), group = group_rows(B, R, workers);
+  const int64_t units = B * ((R + group - 1) / group);
+  parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
-      attend_units_f32(AttendF32{queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last});
+      attend_units_f32(AttendF32{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last});
     } else {
-      attend_units_mixed(AttendMixed{queries, states, lengths, ctx, R, dim, scale, units, reverse, first, last});
+      attend_units_mixed(
+          AttendMixed{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last});
     }
   });
   parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), map_workers, 1, [&](int64_t first, int64_t last) {
@@ -369,14 +381,15 @@ template <typename T>
 void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,
                        int64_t B, int64_t R, int64_t dim, float scale, bool reverse, int threads) {
   if (B == 0 || R == 0 || dim == 0) return;
-  const int64_t units = B * ((R + kGroupRows - 1) / kGroupRows);
   double keys = 0.0;
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
-  parallel_ranges(units, workers_for(4.0 * R * dim * keys, threads), 1, [&](int64_t first, int64_t last) {
+  const int64_t workers = workers_for(4.0 * R * dim * keys, threads), group = group_rows(B, R, workers);
+  const int64_t units = B * ((R + group - 1) / group);
+  parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<T, float>) {
-      attend_units_f32(AttendF32{query, states, lengths, out, R, dim, scale, units, reverse, first, last});
+      attend_units_f32(AttendF32{query, states, lengths, out, R, dim, scale, group, units, reverse, first, last});
     } else {
-      attend_units_bf16(AttendBF16{query, states, lengths, out, R, dim, scale, units, reverse, first, last});
+      attend_units_bf16(AttendBF16{query, states, lengths, out, R, dim, scale, group, units, reverse, first, last});
     }
   });
 }

@@ -93,6 +93,26 @@ def test_strided_states_and_threads_give_the_same_bits(dtype):
             assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,R", [(1, 6), (1, 5), (2, 12), (3, 4)])
+def test_fewer_rows_than_threads_split_their_queries_with_the_same_bits(dtype, B, R):
+    """Rows fewer than the threads (a one-row decoding step over a long prompt): each row's query
+    rows are split among the threads, each group reading the row's states itself; every query
+    keeps the bits it has on one thread, and the reference's values."""
+    q, states = inputs(B, R, 1200, 512, dtype)  # model space: work enough for several threads
+    lengths = torch.tensor([1200, 777, 1100][:B])
+    outs = []
+    for threads in (1, 2, 4):
+        out = torch.empty_like(q)
+        _engine.encoder_attention(engine_array(q.unsqueeze(2)), engine_array(states.unsqueeze(2)), lengths.numpy(),
+                                  engine_array(out), 1.0, threads=threads)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    want = reference(q, states, lengths.tolist(), 1.0)
+    torch.testing.assert_close(outs[0].double(), want, rtol=tol, atol=tol)
+
+
 def test_a_row_with_no_states_gets_zeros():
     q, states = inputs(2, 6, 8, 16)
     got = attend_over_states(q, states, torch.tensor([0, 8]), 1.0)
