@@ -300,8 +300,9 @@ class T5Model(torch.nn.Module):
         engine (float32, bfloat16): ``_engine.causal_attention`` with the bias by distance, its
         n queries placed after its n keys so each sees all of them; it packs each head's keys
         once and reads the bias by distance, where SDPA reads a [heads, n, n] float mask (two
-        threads, Flan-T5-small's heads: 490 tokens 3.5 -> 2.2 ms, 1,200 tokens 16.4 -> 12.1 ms
-        a layer, without the bias's reads). Elsewhere SDPA with the bias as its mask."""
+        threads, Flan-T5-small's heads, a layer's attention of one prompt: float32 490 tokens
+        3.20 -> 2.35 ms, 1,200 tokens 16.93 -> 12.73 ms; bfloat16 4.36 -> 1.59 ms, 17.78 -> 8.93
+        ms). Elsewhere SDPA with the bias as its mask."""
         longest = max(lengths)
         if engine_takes(x) and x.dtype in ENGINE_DTYPES:
             by_distance = self.encoder_bias_by_distance(longest)
