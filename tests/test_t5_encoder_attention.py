@@ -112,7 +112,7 @@ def test_encoder_on_the_engine_matches_its_tensor_ops(t5_dir, dtype, monkeypatch
     assert torch.equal(by_distance[:, longest - 1 + t - j], full)
     with torch.inference_mode():
         engine = model.encode(ids, lengths)
-        monkeypatch.setattr(t5_model, "engine_takes", lambda x: False)
+        monkeypatch.setattr(t5_model, "engine_attends", lambda q, k: False)
         tensor_ops = model.encode(ids, lengths)
     tol = 1e-5 if dtype == "float32" else 3e-2
     torch.testing.assert_close(engine.float(), tensor_ops.float(), atol=tol, rtol=tol)

@@ -42,7 +42,14 @@ import torch.nn.functional as F
 
 from fastjudge.kernels.choice_head import choice_logits
 
-from ..cpu_engine import ENGINE_DTYPES, attend_all_in_engine, attend_in_engine, attend_reassociated, engine_takes
+from ..cpu_engine import (
+    ENGINE_DTYPES,
+    attend_all_in_engine,
+    attend_in_engine,
+    attend_reassociated,
+    engine_attends,
+    engine_takes,
+)
 from ..cpu_memory import keep_freed_memory
 from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
@@ -290,8 +297,7 @@ class T5Model(torch.nn.Module):
         ``length - 1 + t - j`` holds query ``t``'s bias on key ``j``, the values
         :meth:`encoder_bias` holds (the engine's attention adds them by distance)."""
         relative = length - 1 - torch.arange(2 * length - 1, device=self.enc_bias_table.device)  # j - t
-        buckets = relative_position_bucket(relative, True, self.s.num_buckets, self.s.max_distance)
-        return F.embedding(buckets, self.enc_bias_table.detach()).t().float().contiguous()
+        return self._bias_by_relative(self.enc_bias_table, relative, True)
 
     def encoder_attention(self, x: torch.Tensor, lengths: Sequence[int]):
         """The encoder's self-attention for sequences of ``lengths``, as ``attend(qkv [n, 3,
@@ -304,7 +310,7 @@ class T5Model(torch.nn.Module):
         3.20 -> 2.35 ms, 1,200 tokens 16.93 -> 12.73 ms; bfloat16 4.36 -> 1.59 ms, 17.78 -> 8.93
         ms). Elsewhere SDPA with the bias as its mask."""
         longest = max(lengths)
-        if engine_takes(x) and x.dtype in ENGINE_DTYPES:
+        if engine_attends(x, x):
             by_distance = self.encoder_bias_by_distance(longest)
             # a sequence of n tokens reads distances n - 1 + t - j: the columns from longest - n
             tables = {n: by_distance[:, longest - n:longest + n - 1].contiguous() for n in set(lengths)}
@@ -330,8 +336,12 @@ class T5Model(torch.nn.Module):
         positions before its query: the bias table at the causal bucket of distance ``n``, the
         values :meth:`decoder_bias` holds (the engine's step adds them by distance)."""
         distance = -torch.arange(capacity + 1, device=self.dec_bias_table.device)
-        buckets = relative_position_bucket(distance, False, self.s.num_buckets, self.s.max_distance)
-        return F.embedding(buckets, self.dec_bias_table.detach()).t().float().contiguous()
+        return self._bias_by_relative(self.dec_bias_table, distance, False)
+
+    def _bias_by_relative(self, table: torch.Tensor, relative: torch.Tensor, bidirectional: bool) -> torch.Tensor:
+        # [heads, len(relative)] float32: the table's bias at each relative position's bucket
+        buckets = relative_position_bucket(relative, bidirectional, self.s.num_buckets, self.s.max_distance)
+        return F.embedding(buckets, table.detach()).t().float().contiguous()
 
     def encode(self, packed_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Encoder over packed sequences: ``packed_ids`` [T] -> hidden [T, d]."""
