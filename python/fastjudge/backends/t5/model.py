@@ -6,9 +6,8 @@ Same math as transformers' T5ForConditionalGeneration, with the engine owning wh
 speed:
 
 * **Packed encoder.** Requests are concatenated into one ``[tokens, d_model]`` matrix, so every
-  GEMM runs on real tokens only; attention runs per sequence (:meth:`T5Model.encoder_attention`):
-  on the CPU the engine's, with the relative-position bias added by distance, elsewhere
-  ``scaled_dot_product_attention`` with the bias as its mask.
+  GEMM runs on real tokens only; attention runs per sequence (:meth:`T5Model.encoder_attention`:
+  the engine's on the CPU, the bias added by distance; elsewhere SDPA with the bias as its mask).
 * **Fused projections.** q/k/v and the two gated-FF input projections are one GEMM each.
 * **Cross-attention in one of two exact forms.** Reassociated (:meth:`T5Block.cross_attention`):
   ``q . (W_k m)`` is computed as ``(W_k^T q) . m`` and ``sum p W_v m`` as ``W_v (sum p m)``, so
@@ -293,26 +292,18 @@ class T5Model(torch.nn.Module):
         return self._enc_bias[:, :length, :length]
 
     def encoder_bias_by_distance(self, length: int) -> torch.Tensor:
-        """The encoder's bias [heads, 2 * length - 1] (float32) by distance: column
-        ``length - 1 + t - j`` holds query ``t``'s bias on key ``j``, the values
-        :meth:`encoder_bias` holds (the engine's attention adds them by distance)."""
+        """:meth:`encoder_bias`'s values by distance, [heads, 2 * length - 1] float32: column
+        ``length - 1 + t - j`` holds query ``t``'s bias on key ``j``."""
         relative = length - 1 - torch.arange(2 * length - 1, device=self.enc_bias_table.device)  # j - t
         return self._bias_by_relative(self.enc_bias_table, relative, True)
 
     def encoder_attention(self, x: torch.Tensor, lengths: Sequence[int]):
-        """The encoder's self-attention for sequences of ``lengths``, as ``attend(qkv [n, 3,
-        heads, d_kv], out [n, heads, d_kv])`` (each query sees its sequence's every key, with the
-        relative position bias; T5 folds 1/sqrt(d_kv) into its weights: scale 1). On the CPU
-        engine (float32, bfloat16): ``_engine.causal_attention`` with the bias by distance, its
-        n queries placed after its n keys so each sees all of them; it packs each head's keys
-        once and reads the bias by distance, where SDPA reads a [heads, n, n] float mask (two
-        threads, Flan-T5-small's heads, a layer's attention of one prompt: float32 490 tokens
-        3.20 -> 2.35 ms, 1,200 tokens 16.93 -> 12.73 ms; bfloat16 4.36 -> 1.59 ms, 17.78 -> 8.93
-        ms). Elsewhere SDPA with the bias as its mask."""
+        """``attend(qkv [n, 3, heads, d_kv], out [n, heads, d_kv])`` for sequences of ``lengths``:
+        each query over its sequence's every key, scale 1 (folded into T5's weights), the bias
+        added by distance on the CPU engine, as SDPA's mask elsewhere (docs/engine.md)."""
         longest = max(lengths)
         if engine_attends(x, x):
-            by_distance = self.encoder_bias_by_distance(longest)
-            # a sequence of n tokens reads distances n - 1 + t - j: the columns from longest - n
+            by_distance = self.encoder_bias_by_distance(longest)  # n tokens read its columns from longest - n
             tables = {n: by_distance[:, longest - n:longest + n - 1].contiguous() for n in set(lengths)}
             return lambda qkv, out: attend_all_in_engine(*(qkv[:, i].unsqueeze(0) for i in range(3)), out.unsqueeze(0),
                                                          1.0, tables[qkv.shape[0]])
@@ -339,7 +330,6 @@ class T5Model(torch.nn.Module):
         return self._bias_by_relative(self.dec_bias_table, distance, False)
 
     def _bias_by_relative(self, table: torch.Tensor, relative: torch.Tensor, bidirectional: bool) -> torch.Tensor:
-        # [heads, len(relative)] float32: the table's bias at each relative position's bucket
         buckets = relative_position_bucket(relative, bidirectional, self.s.num_buckets, self.s.max_distance)
         return F.embedding(buckets, table.detach()).t().float().contiguous()
 
