@@ -424,10 +424,13 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
     }
     for (int64_t j0 = 0; j0 < C; j0 += kBlockKeys) {  // the shared keys, each block for every row
       const int64_t n = std::min(kBlockKeys, C - j0);
-      for (int64_t i = 0; i < rows_in; ++i) {
-        if (base[i + 1] == base[i]) continue;
-        few_row_scores<kZmm>(base[i + 1] - base[i], queries.get() + base[i] * dim, dim, key.row(from, j0, hk),
-                             key.token, n, weights.get() + base[i] * ldw + j0, ldw);
+      // consecutive rows' queries (contiguous, as are their score rows) in calls of up to
+      // kLaneSumRows: each key vector loaded once for all of them
+      for (int64_t r0 = 0; r0 < base[rows_in];) {
+        const int64_t rows = std::min(kLaneSumRows, base[rows_in] - r0);
+        few_row_scores<kZmm>(rows, queries.get() + r0 * dim, dim, key.row(from, j0, hk), key.token, n,
+                             weights.get() + r0 * ldw + j0, ldw);
+        r0 += rows;
       }
     }
     for (int64_t i = 0; i < rows_in; ++i) {  // each row's own keys, then its softmaxes
@@ -450,7 +453,8 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
       }
     }
     for (int64_t j0 = 0; j0 < C; j0 += kBlockKeys) {  // the shared values, each block for every query
-      product<kZmm>(weights.get() + j0, ldw, value.row(from, j0, hk), value.token, sums.get(), dim, base[rows_in],
+      product<kZmm, false, T, kZmm ? 6 : kProductRows>(weights.get() + j0, ldw, value.row(from, j0, hk), value.token,
+                                                       sums.get(), dim, base[rows_in],
                     std::min(kBlockKeys, C - j0), dim, j0 > 0);
     }
     for (int64_t i = 0; i < rows_in; ++i) {  // each row's own values: those all its queries see, then the rest

@@ -27,15 +27,50 @@ struct Step {
   int64_t S, Hk, Hv, dk, dv;
 };
 
+// One head's rule for one token on columns [j0, j0 + 16 NV) of its state M (dk x dv), every
+// column's arithmetic that of update_head below, in the same order: the columns' sums stay in
+// registers through the rows (read back from memory at each row, each waited on the store
+// before it), and the block's rows are still in cache for the second pass.
+template <int NV>
+__attribute__((always_inline)) inline void update_columns(float* M, const float* q, const float* k, const float* v,
+                                                          float decay, float beta, float* out, int64_t dk,
+                                                          int64_t dv, int64_t j0) {
+  Floats read[NV] = {}, u[NV], sums[NV] = {};
+  for (int64_t i = 0; i < dk; ++i) {  // forget, and read what the memory holds under k
+    float* m = M + i * dv + j0;
+    for (int n = 0; n < NV; ++n) {
+      const Floats x = load(m + n * kLanes) * decay;
+      store(m + n * kLanes, x);
+      read[n] += k[i] * x;
+    }
+  }
+  for (int n = 0; n < NV; ++n) u[n] = (load(v + j0 + n * kLanes) - read[n]) * beta;
+  for (int64_t i = 0; i < dk; ++i) {  // write the correction under k, read under q
+    float* m = M + i * dv + j0;
+    for (int n = 0; n < NV; ++n) {
+      const Floats x = load(m + n * kLanes) + k[i] * u[n];
+      store(m + n * kLanes, x);
+      sums[n] += q[i] * x;
+    }
+  }
+  for (int n = 0; n < NV; ++n) store(out + j0 + n * kLanes, sums[n]);
+}
+
 // One head's rule for one token, in place on its state M (dk x dv): M <- decay M; u = beta (v -
-// M^T k); M <- M + k u^T; out = M^T q. Two passes over M, the second while it is still in cache;
-// the loops over dv are plain multiply-adds the compiler vectorises (no sum runs across vector
-// lanes). read and u: dv floats of scratch.
+// M^T k); M <- M + k u^T; out = M^T q. Two passes over M (by blocks of 64 columns where dv is
+// a multiple of 16), the second while it is still in cache; no sum runs across vector lanes.
+// read and u: dv floats of scratch.
 __attribute__((always_inline)) inline void update_head(float* M, const float* q, const float* k, const float* v,
                                                        float decay, float beta, float* out, float* read, float* u,
                                                        int64_t dk, int64_t dv) {
+  if (dv % kLanes == 0) {
+    int64_t j0 = 0;
+    for (; j0 + 4 * kLanes <= dv; j0 += 4 * kLanes) update_columns<4>(M, q, k, v, decay, beta, out, dk, dv, j0);
+    for (; j0 < dv; j0 += kLanes) update_columns<1>(M, q, k, v, decay, beta, out, dk, dv, j0);
+    return;
+  }
   std::fill(read, read + dv, 0.0f);
-  for (int64_t i = 0; i < dk; ++i) {  // forget, and read what the memory holds under k
+  for (int64_t i = 0; i < dk; ++i) {
     float* m = M + i * dv;
     const float ki = k[i];
     for (int64_t j = 0; j < dv; ++j) {
@@ -45,7 +80,7 @@ __attribute__((always_inline)) inline void update_head(float* M, const float* q,
   }
   for (int64_t j = 0; j < dv; ++j) u[j] = (v[j] - read[j]) * beta;
   std::fill(out, out + dv, 0.0f);
-  for (int64_t i = 0; i < dk; ++i) {  // write the correction under k, read under q
+  for (int64_t i = 0; i < dk; ++i) {
     float* m = M + i * dv;
     const float ki = k[i], qi = q[i];
     for (int64_t j = 0; j < dv; ++j) {
