@@ -22,6 +22,15 @@ from the checkpoint's shape (``fastjudge.bench.roofline``) and the share of its 
 * vision tower: images of crop-encoded pixels;
 * crop encode: crops of an image resized and patchified (memory-bound).
 
+The machine's pace is measured beside every stage too: after each timed repeat of a stage, one
+call of the dtype's peak GEMM (its best path and shape) and a copy and a sum of 64 MiB
+(``Pace``); "of pace" is the stage's share of the bound these give, medians over its repeats.
+A shared machine's speed moves by a fifth or more from one minute to the next (the same step
+timed minutes apart here differed by 2x), so a share of a peak measured minutes away says as
+much about the machine as about the stage; "of pace" compares the two at the same moment. The
+pace's GEMM is one call's median rate, a little under the best of many: on a quiet machine "of
+pace" reads a few points above "of bound".
+
 Random-weight checkpoints built here (``fastjudge.checkpoints``): ``--size tiny`` (the test
 shapes) or ``mini`` (Flan-T5-small's shape; the ``mini`` Qwen3.5 with its vision tower).
 ``--dense plain prepared`` runs the stages twice: projections on ``F.linear``, then prepared by
@@ -109,19 +118,63 @@ def requests(prompts: list[np.ndarray], spec, prefix_len: int = 0) -> list:
     return [Request(i, p, spec, prefix_len=prefix_len) for i, p in enumerate(prompts)]
 
 
-def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Pace:
+    """The machine's speed at the moment of a stage: its peak GEMM for the stages' dtype (the
+    best path and shape of ``peaks``) and a copy and a sum of ``nbytes``, each timed once per
+    :meth:`sample`; :meth:`take` gives the medians since the last take."""
+
+    def __init__(self, device: torch.device, dtype: str, peaks: list[dict], nbytes: int = 1 << 26):
+        best = max((r for r in peaks if r["dtype"] == dtype and r["flops_per_s"]), key=lambda r: r["flops_per_s"])
+        tdt, m, k, n = DTYPES[dtype], best["m"], best["k"], best["n"]
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(m, k, generator=g).to(device, tdt)
+        product = rl.gemm_paths(device, tdt)[best["path"]]((torch.randn(n, k, generator=g) / k ** 0.5).to(device, tdt))
+        a = torch.ones(nbytes // 4, device=device)
+        b = torch.empty_like(a)
+        self.device, self.gemm_flops, self.nbytes = device, 2 * m * k * n, nbytes
+        self._gemm, self._copy, self._sum = (lambda: product(x)), (lambda: b.copy_(a)), (lambda: a.sum())
+        self._samples: list[tuple[float, float]] = []
+        self._gemm()  # warm-up
+
+    def _seconds(self, fn) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        fn()
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def sample(self) -> None:
+        rate = self.gemm_flops / self._seconds(self._gemm)
+        copy, total = 2 * self.nbytes / self._seconds(self._copy), self.nbytes / self._seconds(self._sum)
+        self._samples.append((rate, max(copy, total)))
+
+    def take(self) -> dict:
+        rates, bandwidths = zip(*self._samples)
+        self._samples = []
+        return {"flops_per_s": statistics.median(rates), "bytes_per_s": statistics.median(bandwidths)}
+
+
+def timed(fn, device: torch.device, repeats: int, pace: Pace | None = None) -> tuple[float, object]:
+    """Median wall seconds of ``fn()`` over ``repeats`` after a warm-up, and its last output;
+    ``pace`` sampled after each repeat."""
     out = fn()  # warm-up
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         seconds.append(time.perf_counter() - start)
+        if pace is not None:
+            pace.sample()
     return statistics.median(seconds), out
 
 
-def per_step(run_for, device, repeats: int) -> tuple[float, float, int]:
+def per_step(run_for, device, repeats: int, pace: Pace | None = None) -> tuple[float, float, int]:
     """Seconds per decode step of ``run_for(n)()`` (the same prompts decoding ``n`` new tokens)
     at ``n = tokens``: the wall time of ``run_for(tokens)`` less that of ``run_for(1)`` (medians
     over ``repeats`` after a warm-up), over the steps between them, which
@@ -132,8 +185,8 @@ def per_step(run_for, device, repeats: int) -> tuple[float, float, int]:
     full, one = run_for(None), run_for(1)
     profiled_full, profiled_one = profile_decoding(full), profile_decoding(one)
     steps = profiled_full["steps"] - (profiled_one["steps"] if profiled_one["ms"] > 0 else 0)
-    full_s, _ = timed(full, device, repeats)
-    one_s, _ = timed(one, device, repeats)
+    full_s, _ = timed(full, device, repeats, pace)
+    one_s, _ = timed(one, device, repeats, pace)
     return max(full_s - one_s, 0.0) / max(steps, 1), profiled_full["ms"] / 1e3, profiled_full["steps"]
 
 
@@ -149,21 +202,23 @@ def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         set_dense(backend, prepared)
         rows, length = args.t5_encoder
         prompts = [ids(length) for _ in range(rows)]
-        seconds, _ = timed(lambda: backend.run(requests(prompts, Choice((3, 4, 5)))), device, args.repeats)
+        seconds, _ = timed(lambda: backend.run(requests(prompts, Choice((3, 4, 5)))), device, args.repeats,
+                           args.pace)
         cost = rl.t5_encoder_cost(dims, [length] * rows, tdt) + \
             rl.t5_decode_step_cost(dims, rows, length, 0, tdt, logits=False, steps=1)
         out.append(dict(stage="T5 encoder", work=f"{rows}x{length} tok", prepared=prepared,
-                        seconds=seconds, cost=cost, dtype=dtype))
+                        seconds=seconds, cost=cost, dtype=dtype, pace=args.pace.take()))
         enc_len = args.t5_decode_prompt
         for rows in args.decode_rows:
             prompts = [ids(enc_len) for _ in range(rows)]
             s, profiled, steps = per_step(
-                lambda n: lambda: backend.run(requests(prompts, Text(n or args.decode_tokens))), device, args.repeats)
+                lambda n: lambda: backend.run(requests(prompts, Text(n or args.decode_tokens))), device, args.repeats,
+                args.pace)
             mid = args.decode_tokens // 2
             out.append(dict(stage=f"T5 decode step, {rows} rows", work=f"enc {enc_len}, {steps} steps",
                             prepared=prepared, seconds=s, profiled_seconds=profiled,
                             cost=rl.t5_decode_step_cost(dims, rows, enc_len, mid, tdt, steps=args.decode_tokens),
-                            dtype=dtype))
+                            dtype=dtype, pace=args.pace.take()))
     return out
 
 
@@ -180,27 +235,30 @@ def qwen_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
         rows, length = args.qwen_prefill
         # new prompts every call: nothing of a prompt is cached
         seconds, _ = timed(lambda: backend.run(requests([ids(length) for _ in range(rows)], Choice((7, 8)))),
-                           device, args.repeats)
+                           device, args.repeats, args.pace)
         out.append(dict(stage="Qwen prefill", work=f"{rows}x{length} tok", prepared=prepared, seconds=seconds,
-                        cost=rl.qwen_forward_cost(dims, rows, length, 0, tdt, logits_rows=0), dtype=dtype))
+                        cost=rl.qwen_forward_cost(dims, rows, length, 0, tdt, logits_rows=0), dtype=dtype,
+                        pace=args.pace.take()))
         prefix, (rows, suffix) = ids(args.qwen_prefix), args.qwen_suffix
         prompts = [np.concatenate([prefix, ids(suffix)]) for _ in range(rows)]
         # the prefix is computed in the warm-up call and cached for the timed ones
-        seconds, _ = timed(lambda: backend.run(requests(prompts, Choice((7, 8)), len(prefix))), device, args.repeats)
+        seconds, _ = timed(lambda: backend.run(requests(prompts, Choice((7, 8)), len(prefix))), device, args.repeats,
+                           args.pace)
         out.append(dict(stage="Qwen score-only suffix step", work=f"{rows}x{suffix} after {len(prefix)}",
                         prepared=prepared, seconds=seconds,
                         cost=rl.qwen_forward_cost(dims, rows, suffix, len(prefix), tdt, logits_rows=0,
                                                   shared=len(prefix)),
-                        dtype=dtype))
+                        dtype=dtype, pace=args.pace.take()))
         for rows in args.decode_rows:
             prompts = [np.concatenate([prefix, ids(8)]) for _ in range(rows)]
             s, profiled, steps = per_step(
                 lambda n: lambda: backend.run(requests(prompts, Text(n or args.decode_tokens), len(prefix))),
-                device, args.repeats)
+                device, args.repeats, args.pace)
             ctx = len(prefix) + 8 + args.decode_tokens // 2
             out.append(dict(stage=f"Qwen decode step, {rows} rows", work=f"ctx {ctx}, {steps} steps",
                             prepared=prepared, seconds=s, profiled_seconds=profiled,
-                            cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt, shared=len(prefix)), dtype=dtype))
+                            cost=rl.qwen_forward_cost(dims, rows, 1, ctx, tdt, shared=len(prefix)), dtype=dtype,
+                            pace=args.pace.take()))
         out += vision_stages(backend, model_dir, cfg, device, tdt, dtype, prepared, args)
     return out
 
@@ -214,17 +272,18 @@ def vision_stages(backend, model_dir, cfg, device, tdt, dtype, prepared, args) -
     pixels, grids = crop_encode(image, whole, model_dir)
     per = [int(t * h * w) for t, h, w in grids.tolist()]
     images = list(zip(torch.split(pixels.to(device, tdt), per), [tuple(r) for r in grids.tolist()]))
-    seconds, _ = timed(lambda: encode_images(backend, images), device, args.repeats)
+    seconds, _ = timed(lambda: encode_images(backend, images), device, args.repeats, args.pace)
     out = [dict(stage="vision tower", work=f"{count} images x {per[0]} patches", prepared=prepared,
-                seconds=seconds, cost=rl.vision_cost(vdims, per, tdt), dtype=dtype)]
+                seconds=seconds, cost=rl.vision_cost(vdims, per, tdt), dtype=dtype, pace=args.pace.take())]
     if prepared == args.dense_modes[0]:  # no projections: once
         boxes = torch.tensor([[0, (i * 37) % (side // 2), (i * 53) % (side // 2), side // 2 + (i * 37) % (side // 2),
                                side // 2 + (i * 53) % (side // 2)] for i in range(args.crops)])
-        seconds, (pv, _) = timed(lambda: crop_encode(image, boxes, model_dir), torch.device("cpu"), args.repeats)
+        seconds, (pv, _) = timed(lambda: crop_encode(image, boxes, model_dir), torch.device("cpu"), args.repeats,
+                                 args.pace)
         crop_pixels = int(((boxes[:, 3] - boxes[:, 1]) * (boxes[:, 4] - boxes[:, 2])).sum())
         out.append(dict(stage="crop encode", work=f"{args.crops} crops of {side // 2}px", prepared=None,
                         seconds=seconds, cost=rl.crop_encode_cost(crop_pixels, 3, pv.shape[0], pv.shape[1]),
-                        dtype="uint8->float32"))
+                        dtype="uint8->float32", pace=args.pace.take()))
     return out
 
 
@@ -266,8 +325,10 @@ def finish(stage: dict, peak: float, bw: float) -> dict:
     bound, kind = rl.bound_seconds(cost, peak, bw)
     # a differenced decode step can come out at zero or below on a noisy machine: no rate then
     s = stage["seconds"] if stage["seconds"] > 0 else None
+    at_pace, _ = rl.bound_seconds(cost, stage["pace"]["flops_per_s"], stage["pace"]["bytes_per_s"])
     return {**stage, "flops": cost.flops, "bytes": cost.bytes, "bound": kind, "bound_seconds": bound,
-            "flops_per_s": s and cost.flops / s, "bytes_per_s": s and cost.bytes / s, "of_bound": s and bound / s}
+            "flops_per_s": s and cost.flops / s, "bytes_per_s": s and cost.bytes / s, "of_bound": s and bound / s,
+            "of_pace": s and at_pace / s}
 
 
 def _num(value, scale: float, fmt: str) -> str:
@@ -285,13 +346,14 @@ def print_tables(report: dict) -> None:
     bw = report["bandwidth"]
     print(f"peak: {peaks}; bandwidth: copy {bw['copy'] / 1e9:.1f} GB/s, sum {bw['sum'] / 1e9:.1f} GB/s")
     print(f"{'stage':<30} {'work':<24} {'GEMMs':<9} {'ms':>9} {'profiled ms':>12} {'GFLOP':>8} {'GFLOP/s':>8} "
-          f"{'GB/s':>7} {'bound':>8} {'of bound':>9}")
+          f"{'GB/s':>7} {'bound':>8} {'of bound':>9} {'of pace':>8}")
     for s in report["stages"]:
         gemms = {None: "-", True: "prepared", False: "plain"}[s["prepared"]]
         profiled = _num(s.get("profiled_seconds"), 1e3, ".2f")
         print(f"{s['stage']:<30} {s['work']:<24} {gemms:<9} {s['seconds'] * 1e3:>9.2f} {profiled:>12} "
               f"{s['flops'] / 1e9:>8.2f} {_num(s['flops_per_s'], 1e-9, '.1f'):>8} "
-              f"{_num(s['bytes_per_s'], 1e-9, '.1f'):>7} {s['bound']:>8} {_num(s['of_bound'], 100, '.0f'):>8}%")
+              f"{_num(s['bytes_per_s'], 1e-9, '.1f'):>7} {s['bound']:>8} {_num(s['of_bound'], 100, '.0f'):>8}% "
+              f"{_num(s['of_pace'], 100, '.0f'):>7}%")
 
 
 def main(argv=None) -> int:
@@ -331,6 +393,7 @@ def main(argv=None) -> int:
         shapes, nbytes = gemm_shapes(t5_cfg, qwen_cfg, args.quick), (1 << 26) if args.quick else (1 << 28)
         peaks = measure_peaks(device, shapes, max(args.repeats, 2))
         bw = rl.bandwidth(device, nbytes, max(args.repeats, 2))
+        args.pace = Pace(device, args.dtype, peaks, nbytes // 4)
         stages = t5_stages(t5_dir, device, args.dtype, args) if "t5" in args.stages else []
         if qwen_dir is not None:
             stages += qwen_stages(qwen_dir, device, args.dtype, args)

@@ -147,8 +147,9 @@ def test_gemm_paths_compute_the_product(dtype):
 
 def test_quick_run_reports_every_stage(tmp_path, capsys):
     """``bench_roofline.py --quick`` on the CPU (about 10 s on a quiet 2-core machine): every
-    stage is timed through the backends and gets its FLOPs, bytes and bound; both dtypes get a
-    peak. No figure is checked against a threshold."""
+    stage is timed through the backends and gets its FLOPs, bytes and bound, and the machine's
+    pace measured between its repeats; both dtypes get a peak. No figure is checked against a
+    threshold."""
     out = tmp_path / "roofline.json"
     assert bench_roofline.main(["--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -159,4 +160,8 @@ def test_quick_run_reports_every_stage(tmp_path, capsys):
     for s in report["stages"]:
         assert s["bytes"] > 0 and s["bound"] in ("compute", "memory") and s["bound_seconds"] > 0
         assert s["flops"] > 0 or s["stage"] == "crop encode"
-    assert "of bound" in capsys.readouterr().out
+        # the pace measured beside the stage's own repeats, and its share of the bound that gives
+        assert s["pace"]["flops_per_s"] > 0 and s["pace"]["bytes_per_s"] > 0
+        assert s["of_pace"] is None or s["of_pace"] > 0
+    printed = capsys.readouterr().out
+    assert "of bound" in printed and "of pace" in printed
