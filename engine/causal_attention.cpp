@@ -453,9 +453,11 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
       }
     }
     for (int64_t j0 = 0; j0 < C; j0 += kBlockKeys) {  // the shared values, each block for every query
+      // six query rows a register block where the build has 32 registers: each block of values
+      // read once for six instead of four
       product<kZmm, false, T, kZmm ? 6 : kProductRows>(weights.get() + j0, ldw, value.row(from, j0, hk), value.token,
-                                                       sums.get(), dim, base[rows_in],
-                    std::min(kBlockKeys, C - j0), dim, j0 > 0);
+                                                       sums.get(), dim, base[rows_in], std::min(kBlockKeys, C - j0),
+                                                       dim, j0 > 0);
     }
     for (int64_t i = 0; i < rows_in; ++i) {  // each row's own values: those all its queries see, then the rest
       const Pair& pr = pairs[i];

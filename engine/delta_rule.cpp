@@ -27,10 +27,10 @@ struct Step {
   int64_t S, Hk, Hv, dk, dv;
 };
 
-// One head's rule for one token on columns [j0, j0 + 16 NV) of its state M (dk x dv), every
-// column's arithmetic that of update_head below, in the same order: the columns' sums stay in
-// registers through the rows (read back from memory at each row, each waited on the store
-// before it), and the block's rows are still in cache for the second pass.
+// One head's rule for one token on columns [j0, j0 + 16 NV) of its state M (dk x dv), each
+// column's arithmetic that of update_head's loops below, in the same order: the columns' sums
+// stay in registers through the rows (summed in memory, each row's sums waited on the store of
+// the row before), and the block's rows are still in cache for the second pass.
 template <int NV>
 __attribute__((always_inline)) inline void update_columns(float* M, const float* q, const float* k, const float* v,
                                                           float decay, float beta, float* out, int64_t dk,
@@ -70,7 +70,7 @@ __attribute__((always_inline)) inline void update_head(float* M, const float* q,
     return;
   }
   std::fill(read, read + dv, 0.0f);
-  for (int64_t i = 0; i < dk; ++i) {
+  for (int64_t i = 0; i < dk; ++i) {  // forget, and read what the memory holds under k
     float* m = M + i * dv;
     const float ki = k[i];
     for (int64_t j = 0; j < dv; ++j) {
@@ -80,7 +80,7 @@ __attribute__((always_inline)) inline void update_head(float* M, const float* q,
   }
   for (int64_t j = 0; j < dv; ++j) u[j] = (v[j] - read[j]) * beta;
   std::fill(out, out + dv, 0.0f);
-  for (int64_t i = 0; i < dk; ++i) {
+  for (int64_t i = 0; i < dk; ++i) {  // write the correction under k, read under q
     float* m = M + i * dv;
     const float ki = k[i], qi = q[i];
     for (int64_t j = 0; j < dv; ++j) {

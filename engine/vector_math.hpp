@@ -115,8 +115,8 @@ __attribute__((always_inline)) inline Floats exp_nonpositive(Floats x) {
 }
 
 // x / (1 + exp(-x)) (SiLU) and 1 / (1 + exp(-x)) (the logistic sigmoid), through exp of -|x|;
-// forced inline: left out of line, a clone's call went to a copy built for the baseline ISA (its
-// vector passed through memory), which took a decoding step's attention gate 0.1 ms a step
+// forced inline: left out of line, an AVX-512 clone's call went to a copy built for the baseline
+// ISA, its vector passed through memory
 __attribute__((always_inline)) inline Floats sigmoid(Floats x) {
   const Floats e = exp_nonpositive(x < splat(0.0f) ? x : -x);
   return (x < splat(0.0f) ? e : splat(1.0f)) / (1.0f + e);
