@@ -118,11 +118,6 @@ def requests(prompts: list[np.ndarray], spec, prefix_len: int = 0) -> list:
     return [Request(i, p, spec, prefix_len=prefix_len) for i, p in enumerate(prompts)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Pace:
     """The machine's speed at the moment of a stage: its peak GEMM for the stages' dtype (the
     best path and shape of ``peaks``) and a copy and a sum of ``nbytes``, each timed once per
@@ -142,10 +137,10 @@ class Pace:
         self._gemm()  # warm-up
 
     def _seconds(self, fn) -> float:
-        _sync(self.device)
+        rl.sync(self.device)
         start = time.perf_counter()
         fn()
-        _sync(self.device)
+        rl.sync(self.device)
         return time.perf_counter() - start
 
     def sample(self) -> None:
@@ -167,7 +162,7 @@ def timed(fn, device: torch.device, repeats: int, pace: Pace | None = None) -> t
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn()
-        _sync(device)
+        rl.sync(device)
         seconds.append(time.perf_counter() - start)
         if pace is not None:
             pace.sample()

@@ -280,7 +280,8 @@ def crop_encode_cost(crop_pixels: int, channels: int, patches: int, patch_dim: i
 
 
 # -- measured peaks ---------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -289,14 +290,14 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
     """Median wall seconds of ``fn()`` after one warm-up call; each sample repeats ``fn`` until
     it has run ``min_seconds`` (so fast calls are not timed at the clock's resolution)."""
     fn()
-    _sync(device)
+    sync(device)
     samples = []
     for _ in range(repeats):
         calls, start = 0, time.perf_counter()
         while True:
             fn()
             calls += 1
-            _sync(device)
+            sync(device)
             spent = time.perf_counter() - start
             if spent >= min_seconds:
                 break
