@@ -13,8 +13,8 @@ On a random-weight checkpoint of ``--shape`` (the ``mini`` Qwen3.5 by default), 
   ``--new-tokens`` against one token, after a cached prefix that every row shares, which the
   engine reads once a step: this can be shorter than the engine step above, whose rows hold keys
   of their own), the time inside its engine calls
-  counted apart (greedy text rows: the step with its final norm, LM head and pick,
-  ``EngineStep.pick``): the rest (``host``) is the loop's bookkeeping.
+  counted apart (greedy text rows: runs of steps with their final norm, LM head and pick,
+  ``EngineStep.run_picks``): the rest (``host``) is the loop's bookkeeping.
 
 The bound of the engine step is ``bench.roofline``'s (its FLOPs at the machine's measured GEMM
 peak, its bytes at the measured read bandwidth, the larger of the two; the LM head left out),
@@ -78,15 +78,15 @@ def engine_steps(backend, rows: int, contexts: tuple[int, ...], calls: int) -> l
 
 @contextmanager
 def engine_time():
-    """Seconds spent inside engine steps (``EngineStep`` calls and picks) while the block runs:
-    a list whose one entry grows."""
+    """Seconds spent inside engine steps (``EngineStep`` calls and runs of picking steps) while
+    the block runs: a list whose one entry grows."""
     spent = [0.0]
-    originals = {name: getattr(EngineStep, name) for name in ("__call__", "pick")}
+    originals = {name: getattr(EngineStep, name) for name in ("__call__", "run_picks")}
 
     def timing(run):
-        def timed(self, *args):
+        def timed(self, *args, **kwargs):
             start = time.perf_counter()
-            out = run(self, *args)
+            out = run(self, *args, **kwargs)
             spent[0] += time.perf_counter() - start
             return out
         return timed

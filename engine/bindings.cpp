@@ -1082,20 +1082,31 @@ class QwenDecoder : BoundArrays {
                         : packed<float>(head, "panels", model_.d, outputs);
   }
 
-  void step_pick(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& hidden,
-                 const py::handle& picks, int threads, int64_t shared_columns, const py::handle& shared_from) {
-    const py::array t = py::array::ensure(tokens);
+  int64_t run_picks(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& hidden,
+                    const py::handle& picks, const py::handle& room, const py::handle& stops, int threads,
+                    int64_t shared_columns, const py::handle& shared_from) {
+    const py::array t = py::array::ensure(tokens), p = py::array::ensure(picks);
     if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
     const int64_t B = t.shape(0), S = t.shape(1);
+    if (!p || p.ndim() != 2 || p.shape(0) != B || p.shape(1) < 1) throw py::value_error("picks must be [B, steps]");
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
     const Int64Array rows = row_counts(counts, B, S);
     const Int64Array sources = shared_rows(shared_from, B);
+    const Int64Array rooms = as_int64_vector(room, "room"), stop_ids = as_int64_vector(stops, "stops");
+    if (rooms.shape(0) != B) throw py::value_error("room must have one entry per row");
+    for (int64_t b = 0; b < B; ++b) {
+      if (rooms.at(b) < 1) throw py::value_error("every row's room must be at least one token");
+    }
     const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
                                          cos_data_, sin_data_, table_positions_, shared_columns,
                                          shared_from.is_none() ? nullptr : sources.data()};
-    int64_t* chosen = typed_array<int64_t>(picks, "picks", {B}, true);
-    run_step(bf16_, hidden, {B, model_.d},
-             [&](auto* dst) { fastjudge::qwen_decode_pick(model_, input, dst, chosen, scratch_, threads); });
+    const fastjudge::QwenRunLimits limits{p.shape(1), rooms.data(), stop_ids.data(), stop_ids.shape(0)};
+    int64_t* chosen = typed_array<int64_t>(picks, "picks", {B, limits.steps}, true);
+    int64_t ran = 0;
+    run_step(bf16_, hidden, {B, model_.d}, [&](auto* dst) {
+      ran = fastjudge::qwen_decode_run(model_, input, limits, dst, chosen, scratch_, threads);
+    });
+    return ran;
   }
 
  private:
@@ -1299,16 +1310,19 @@ all the rows that share it (causal_attention's shared_from: the same bits). Rais
 before writing anything, on tokens outside the vocabulary, rows past the slots, keys past the
 capacity or positions past the rotary tables.)doc")
       .def("set_head", &QwenDecoder::set_head, py::arg("final_norm"), py::arg("panels"), py::arg("outputs"),
-           R"doc(The head step_pick runs: the final norm [d] float32 and the output projection's panels
+           R"doc(The head run_picks runs: the final norm [d] float32 and the output projection's panels
 (as dense_product takes them) of `outputs` outputs (kept alive).)doc")
-      .def("step_pick", &QwenDecoder::step_pick, py::arg("tokens"), py::arg("counts"), py::arg("start"),
-           py::arg("hidden"), py::arg("picks"), py::arg("threads") = 1, py::arg("shared_columns") = 0,
-           py::arg("shared_from") = py::none(),
-           R"doc(step, then greedy decoding's pick in the same call: writes hidden [B, d] (each row's
-last real token's output, before the final norm; the last column where counts[b] is 0) and
-picks [B] int64 (the index of the largest of that row's logits, final norm and head applied in
-the model's type: the first of equal ones, the first NaN, as torch's argmax). Raises ValueError
-as step does, or where no head was set.)doc");
+      .def("run_picks", &QwenDecoder::run_picks, py::arg("tokens"), py::arg("counts"), py::arg("start"),
+           py::arg("hidden"), py::arg("picks"), py::arg("room"), py::arg("stops"), py::arg("threads") = 1,
+           py::arg("shared_columns") = 0, py::arg("shared_from") = py::none(),
+           R"doc(greedy decoding's steps back to back in one call, and how many ran. Each is step, then
+greedy decoding's pick: hidden [B, d] gets each row's last real token's output (before the final
+norm; the last column where counts[b] is 0), column s of picks [B, steps] int64 the index of the
+largest of that row's logits at step s (final norm and head in the model's type; the first of
+equal ones, the first NaN, as torch's argmax). The first step feeds tokens, each later one the
+picks of the step before, until steps have run or a row ends: it picked one of stops (int64) or
+room[b] (each at least 1) tokens. Raises ValueError as step does (the steps before have run), or
+where no head was set.)doc");
 }
 }  // namespace
 

@@ -243,6 +243,27 @@ class Step {
   QwenStepBuffers<T>& buf_;
 };
 
+template <typename T>
+int64_t decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits, T* hidden,
+                   int64_t* picks, QwenStepBuffers<T>& buffers, int threads) {
+  const int64_t B = input.B, steps = limits.steps;
+  const int64_t* stops_end = limits.stops + limits.stop_count;
+  std::vector<int64_t> chosen(B), fed(B), ones(B, 1);
+  QwenStepInput in = input;
+  for (int64_t s = 0; s < steps; ++s) {
+    Step<T>(model, in, buffers, threads).pick(hidden, chosen.data());
+    bool ends = s + 1 == steps;
+    for (int64_t b = 0; b < B; ++b) {
+      picks[b * steps + s] = chosen[b];
+      ends = ends || s + 1 >= limits.room[b] || std::find(limits.stops, stops_end, chosen[b]) != stops_end;
+    }
+    if (ends) return s + 1;
+    fed = chosen;
+    in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
+  }
+  return steps;
+}
+
 }  // namespace
 
 void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, QwenStepScratch& scratch,
@@ -256,15 +277,15 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
   Step<uint16_t>(model, input, scratch.bf16, threads).run(out);
 }
 
-void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, float* hidden, int64_t* picks,
-                      QwenStepScratch& scratch, int threads) {
-  Step<float>(model, input, scratch.f32, threads).pick(hidden, picks);
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+                        float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
+  return decode_run(model, input, limits, hidden, picks, scratch.f32, threads);
 }
 
-void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, uint16_t* hidden, int64_t* picks,
-                      QwenStepScratch& scratch, int threads) {
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+                        uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
-  Step<uint16_t>(model, input, scratch.bf16, threads).pick(hidden, picks);
+  return decode_run(model, input, limits, hidden, picks, scratch.bf16, threads);
 }
 
 }  // namespace fastjudge

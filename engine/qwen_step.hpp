@@ -51,7 +51,7 @@ struct QwenStepModel {
   const void* embed = nullptr;  // [vocab, d], the model's type
   int64_t *lengths = nullptr, *positions = nullptr;  // the pool's [slots]: keys held, next position
   std::vector<QwenStepLayer> layers;
-  // the greedy pick's head (qwen_decode_pick): the final norm [d] float32 and the output
+  // the greedy pick's head (qwen_decode_run): the final norm [d] float32 and the output
   // projection (d inputs, one output a token); unset where only qwen_decode_step runs
   const float* final_norm = nullptr;
   PackedWeight head;
@@ -99,14 +99,26 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, fl
 void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, uint16_t* out,
                       QwenStepScratch& scratch, int threads);
 
-// The same step, then greedy decoding's pick without a trip through the host: each row's last real
-// token's output (column counts[b] - 1; the last column where counts[b] is 0) into hidden [B, d],
-// and picks [B] the index of the largest of its logits (final norm, then the head, in the model's
-// type), the first of equal ones, as torch's argmax of the same logits. Throws
-// std::invalid_argument where the model has no head.
-void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, float* hidden, int64_t* picks,
-                      QwenStepScratch& scratch, int threads);
-void qwen_decode_pick(const QwenStepModel& model, const QwenStepInput& input, uint16_t* hidden, int64_t* picks,
-                      QwenStepScratch& scratch, int threads);
+// Greedy decoding's steps back to back, the host away between them. Each step is the step above,
+// then greedy decoding's pick: each row's last real token's output (column counts[b] - 1; the
+// last column where counts[b] is 0) into hidden [B, d], and the index of the largest of its
+// logits (final norm, then the head, in the model's type; the first of equal ones, as torch's
+// argmax of the same logits) into column s of picks [B, steps] (row-major; columns past the steps
+// run untouched). The first step feeds input's tokens, each later one every row's pick of the
+// step before (one token a row), until `steps` steps have run or a row ends, having picked one of
+// the stop ids or as many tokens as its room: a row that ends leaves the batch, which the host
+// then reshapes (rows leave, others join), so the run stops there for every row. Returns the
+// steps run. Throws std::invalid_argument where the model has no head, or as the step does (the
+// steps before it have run).
+struct QwenRunLimits {
+  int64_t steps = 1;
+  const int64_t* room = nullptr;  // [B]: tokens each row may still pick, this run's first among them
+  const int64_t* stops = nullptr;
+  int64_t stop_count = 0;
+};
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+                        float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads);
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+                        uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads);
 
 }  // namespace fastjudge

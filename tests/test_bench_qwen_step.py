@@ -16,13 +16,13 @@ from fastjudge import _engine  # noqa: E402
 
 
 def test_engine_time_counts_only_inside_the_step():
-    """The timing hook restores ``EngineStep.__call__`` and ``EngineStep.pick`` and adds only
-    what runs inside them."""
+    """The timing hook restores ``EngineStep.__call__`` and ``EngineStep.run_picks`` and adds
+    only what runs inside them."""
     step = bench_qwen_step.EngineStep
-    call, pick = step.__call__, step.pick
+    call, run = step.__call__, step.run_picks
     with bench_qwen_step.engine_time() as spent:
-        assert step.__call__ is not call and step.pick is not pick
-    assert step.__call__ is call and step.pick is pick and spent == [0.0]
+        assert step.__call__ is not call and step.run_picks is not run
+    assert step.__call__ is call and step.run_picks is run and spent == [0.0]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -214,7 +214,7 @@ def step_and_pick_both_ways(model, pool, new, counts):
     other = copy.deepcopy(pool)
     other.held = pool.held.copy()
     hidden = torch.empty(len(new) + 2, model.s.hidden, dtype=model.embed.dtype)  # wider, as the loop's
-    picks = qwen_model.run_pick_step(model, pool, 0, new, counts, hidden)
+    picks = qwen_model.run_pick_step(model, pool, 0, new, counts, hidden)[:, 0]
     out = qwen_model.run_step(model, other, 0, new, counts)
     last = out[torch.arange(len(new)), torch.tensor(counts) - 1]
     return picks, hidden[:len(new)], last, model.logits(last).argmax(-1), pool, other
@@ -268,6 +268,47 @@ def test_pick_takes_the_first_of_equal_logits_and_the_first_nan(model_dir):
             assert logits[:, 9].isnan().all() and picks.tolist() == [9, 9, 9]
         else:  # the first zero or the first of the equal outputs
             assert (logits[:, 40:] == logits[:, 3:4]).all() and set(picks.tolist()) <= {0, 3}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_of_picking_steps_is_the_steps_one_call_each(model_dir, dtype):
+    """``run_pick_step`` given room for several steps (``EngineStep.run_picks``: the steps back
+    to back in one engine call, each feeding the picks of the one before) against one picking
+    step a call, feeding the picks: the same picks at every step, the same last hidden states
+    and pool, bit for bit; the run stops after the step where a row's room runs out, or where a
+    row picks a stop token (a token the steps pick, made a stop), and at its step limit."""
+    b = backend(model_dir, dtype)
+    model, vocab = b.model, b.model.embed.shape[0]
+    rng = np.random.default_rng(4)
+    rows = 5
+    start, _, _ = filled_pool(model, rng, rows, vocab)
+    first = torch.tensor(rng.integers(5, vocab, size=(rows, 1)))
+    ones = [1] * rows
+
+    def copied(pool):
+        twin = copy.deepcopy(pool)
+        twin.held = pool.held.copy()
+        return twin
+
+    def one_a_call(pool, steps):
+        hidden = torch.empty(rows, model.s.hidden, dtype=model.embed.dtype)
+        fed, columns = first, []
+        for _ in range(steps):
+            columns.append(qwen_model.run_pick_step(model, pool, 0, fed, ones, hidden)[:, 0])
+            fed = torch.tensor(columns[-1])[:, None]
+        return np.stack(columns, 1), hidden
+
+    theirs, _ = one_a_call(copied(start), 6)
+    for room, stops, limit, ran in [([9, 7, 9, 9, 9], (), 8, 7), ([9] * rows, (), 4, 4),
+                                    ([9] * rows, (int(theirs[2, 3]),), 9, 4), ([1] * rows, (), 8, 1)]:
+        ours, other = copied(start), copied(start)
+        hidden = torch.empty(rows + 2, model.s.hidden, dtype=model.embed.dtype)
+        picks = qwen_model.run_pick_step(model, ours, 0, first, ones, hidden, room=room, stops=stops, steps=limit)
+        assert picks.shape == (rows, ran) and picks.dtype == np.int64
+        expected, last = one_a_call(other, ran)
+        assert picks.tolist() == expected.tolist() and torch.equal(hidden[:rows], last)
+        assert_same_state(ours, other, exact=True)
+        assert ours.held.tolist() == other.held.tolist()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

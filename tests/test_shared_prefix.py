@@ -114,16 +114,16 @@ def test_decoding_with_shared_prefix_matches_generate(qwen3_dir, path, monkeypat
         calls.append(args[-1].columns)
         return shared_attention(*args)
 
-    def counted_pick(self, *args):
+    def counted_run(self, *args):
         if args[-1] is not None:
             calls.append(args[-1].columns)
-        return engine_pick(self, *args)
+        return engine_run(self, *args)
 
     if path == "engine":
         if TEST_DEVICE != "cpu":
             pytest.skip("the engine's step runs on the CPU")
-        engine_pick = EngineStep.pick
-        monkeypatch.setattr(EngineStep, "pick", counted_pick)
+        engine_run = EngineStep.run_picks
+        monkeypatch.setattr(EngineStep, "run_picks", counted_run)
         monkeypatch.setattr(model, "ENGINE_SHARED_MIN_KEYS", 8)
     else:
         shared_attention = attention.attend_shared_prefix

@@ -46,6 +46,34 @@ def test_qwen_json_step_costs_the_same_at_any_row_count(qwen_backend):
     assert qwen_profile(qwen_backend, 6, True)["syncs"] <= 2
 
 
+def test_qwen_text_runs_count_every_step(qwen_backend, monkeypatch):
+    """Greedy text rows on the CPU engine run their steps several to a call
+    (``EngineStep.run_picks``): a profile still counts every model step (an empty step label for
+    each step of a run after its first), as the backend's own counter does."""
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the engine's steps run on the CPU")
+    from fastjudge.backends.qwen.engine_step import EngineStep
+
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(5, 200, size=24)
+    reqs = [Request(i, np.concatenate([prefix, rng.integers(5, 200, size=3 + i)]), Text(10), prefix_len=len(prefix))
+            for i in range(4)]
+    runs = []
+    real = EngineStep.run_picks
+
+    def counted(self, *args):
+        picks = real(self, *args)
+        runs.append(picks.shape[1])
+        return picks
+
+    monkeypatch.setattr(EngineStep, "run_picks", counted)
+    qwen_backend.run(reqs)  # warm-up
+    runs.clear()
+    qwen_backend.reset_decode_stats()
+    counts = profile_decoding(lambda: qwen_backend.run(reqs))
+    assert max(runs) > 1 and counts["steps"] == qwen_backend.decode_stats["decode_steps"] == sum(runs)
+
+
 def t5_profile(t5_backend, rows: int) -> dict:
     rng = np.random.default_rng(rows)
     reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(rows)]

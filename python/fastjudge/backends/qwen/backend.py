@@ -39,6 +39,7 @@ from ..loading import load_state_dict, place_checkpoint
 from ..profiling import PREFILL_LABEL, PREFIX_LABEL, VISION_LABEL
 from .caches import ImageEmbeddingCache, prefix_cache_key
 from .decode import decode_greedy
+from .engine_step import ENGINE_RUN_MAX_STEPS
 from .model import QwenModel, run_pick_step, run_step
 from .pool import PrefixState, StatePool, pool_bytes
 from .positions import mrope_positions
@@ -334,7 +335,7 @@ class TorchQwenBackend:
             lambda reqs, start: self._prefill(reqs, [by_request[id(r)] for r in reqs], start),
             lambda tokens, counts: self._step(pool, 0, tokens, counts),
             self.codec.eos_token_ids, jump_forward=self.jump_forward, mask=mask, stats=self.decode_stats,
-            pick_step=lambda tokens, counts, hidden: run_pick_step(self.model, pool, 0, tokens, counts, hidden,
-                                                                   self._compiled))
+            pick_step=lambda tokens, counts, hidden, room, stops: run_pick_step(
+                self.model, pool, 0, tokens, counts, hidden, self._compiled, room, stops, ENGINE_RUN_MAX_STEPS))
         self.tokens_computed += decoded
         return outputs

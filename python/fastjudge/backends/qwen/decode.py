@@ -115,6 +115,14 @@ class _Chooser:
                 self._force(row, j, feeds[j], from_logits)
         return feeds
 
+    def accept_run(self, rows: Sequence[_Row], run: np.ndarray) -> None:
+        """Tokens ``run`` [rows, n] (host int64) that a run of steps picked and fed on to the next
+        step of the run (``pick_step``: text rows, none of them a stop token or past a row's
+        limit), each row's in order."""
+        for row, tokens in zip(rows, run.tolist()):
+            row.tokens += tokens
+        self.stats["tokens_computed"] += run.size
+
     def _force(self, row: _Row, j: int, fed: list[int], from_logits: list) -> None:
         """Fill row ``j``'s mask; with jump-forward, accept the tokens the grammar forces, each
         followed by a fresh fill. The row's mask is left as the grammar's next step allows (a
@@ -154,7 +162,8 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
                   step: Callable[[torch.Tensor, list[int]], torch.Tensor],
                   eos_token_ids: set[int], jump_forward: bool = False, mask=None,
                   stats: dict | None = None,
-                  pick_step: Callable[[torch.Tensor, list[int], torch.Tensor], np.ndarray | None] | None = None
+                  pick_step: Callable[[torch.Tensor, list[int], torch.Tensor, list[int], Sequence[int]],
+                                      np.ndarray | None] | None = None
                   ) -> tuple[list[Output], int]:
     """Greedy decoding of ``batch`` (one Text/Json spec). ``matchers``: per row, a grammar
     matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``pool``: the
@@ -164,10 +173,12 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
     counts)``: one model step of the live rows (``model.run_step`` on the leading slots). ``stats``: counters
     ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
     jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
-    ``pick_step(tokens, counts, hidden)``: for Text rows with no tracked ids, the same step with
-    the next tokens' greedy pick in it (``model.run_pick_step``), writing the rows' last hidden
-    states into ``hidden`` and returning the picks, or None where it does not run (``step``
-    then). Returns the outputs and the number of tokens run through the model."""
+    ``pick_step(tokens, counts, hidden, room, stops)``: for Text rows with no tracked ids, the
+    same step with the next tokens' greedy pick in it (``model.run_pick_step``), then maybe
+    more such steps in the same call, each feeding the picks of the one before, until a row picks
+    one of ``stops`` or as many tokens as its ``room``; it writes the rows' last hidden states
+    into ``hidden`` and returns the picks ([rows, steps run]), or None where it does not run
+    (``step`` then). Returns the outputs and the number of tokens run through the model."""
     with record_function(DECODE_LABEL):
         return _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask,
                        {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats,
@@ -187,6 +198,7 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
     fed_total = 0
     # text rows with nothing tracked may have their next tokens picked by the step itself
     picking = pick_step if mask is None and not track_ids else None
+    stops = sorted(eos_token_ids)
     picks = None  # the live rows' tokens picked by the last step (host int64), or None
     while waiting or live:
         if waiting and len(live) < max_rows:  # refill: newcomers take the free slots
@@ -212,9 +224,22 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
         width = max(counts)
         tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds]).to(hidden.device)
         with record_function(STEP_LABEL):
-            picks = picking(tokens, counts, hidden) if picking is not None else None
+            picks = None
+            if picking is not None:
+                # a row's room: the tokens it may pick before the host sees them. One each where
+                # rows wait for a free slot: the next step is theirs to join
+                room = [1] * len(live) if waiting and len(live) < max_rows else \
+                    [spec.max_new_tokens - len(rows[i].tokens) for i in live]
+                picks = picking(tokens, counts, hidden, room, stops)
             if picks is None:
                 out = step(tokens, counts)
+        if picks is not None and picks.shape[1] > 1:  # a run of steps: all but its last picks fed on
+            _count_run_steps(picks.shape[1] - 1)
+            chooser.accept_run([rows[i] for i in live], picks[:, :-1])
+            fed_total += picks[:, 1:].size
+            stats["decode_steps"] += picks.shape[1] - 1
+        if picks is not None:
+            picks = picks[:, -1]
         if picks is None:
             last = torch.tensor(counts).to(out.device) - 1
             hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
@@ -225,6 +250,15 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
             picks = picks[origin]
     _bring_tracked(rows, blocks)
     return [_output(r, track_ids) for r in rows], fed_total
+
+
+def _count_run_steps(n: int) -> None:
+    """Under the profiler, a step label for each of a run's steps after its first (which ran
+    inside the call's label): a profile counts one a step (``bench.step_profile``)."""
+    if torch.autograd._profiler_enabled():
+        for _ in range(n):
+            with record_function(STEP_LABEL):
+                pass
 
 
 def _awaits_step(row: _Row) -> bool:
