@@ -961,6 +961,16 @@ dtype, layout or shape.)doc");
 // Qwen decoding step
 // ---------------------------------------------------------------------------------------
 
+// a run of decoding steps' room (int64 [B]: the tokens each row may still pick, each at least 1)
+Int64Array run_room(const py::handle& room, int64_t B) {
+  Int64Array rooms = as_int64_vector(room, "room");
+  if (rooms.shape(0) != B) throw py::value_error("room must have one entry per row");
+  for (int64_t b = 0; b < B; ++b) {
+    if (rooms.at(b) < 1) throw py::value_error("every row's room must be at least one token");
+  }
+  return rooms;
+}
+
 // Arrays a decoder binds once and keeps alive (a model's weights, its pool's buffers): each
 // checked as it is taken
 class BoundArrays {
@@ -986,22 +996,26 @@ class BoundArrays {
     return typed_array<T>(keep(layer[key]), key, shape, writable);
   }
 
-  // step(dst) on out (`shape`, the model's type: bfloat16 bits or float32), without the GIL and
-  // one step at a time (steps share the decoder's buffers); invalid_argument becomes ValueError
+  // step(dst) on out (`shape`, the model's type: bfloat16 bits or float32), alone()
   template <typename Step>
   void run_step(bool bf16, const py::handle& out, const std::vector<int64_t>& shape, Step step) {
+    if (bf16) {
+      uint16_t* dst = typed_array<uint16_t>(out, "out", shape, true);
+      alone([&] { step(dst); });
+    } else {
+      float* dst = typed_array<float>(out, "out", shape, true);
+      alone([&] { step(dst); });
+    }
+  }
+
+  // run() without the GIL and one at a time (steps share the decoder's buffers); invalid_argument
+  // becomes ValueError
+  template <typename Run>
+  void alone(Run run) {
     try {
-      if (bf16) {
-        uint16_t* dst = typed_array<uint16_t>(out, "out", shape, true);
-        py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(stepping_);
-        step(dst);
-      } else {
-        float* dst = typed_array<float>(out, "out", shape, true);
-        py::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(stepping_);
-        step(dst);
-      }
+      py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(stepping_);
+      run();
     } catch (const std::invalid_argument& e) {
       throw py::value_error(e.what());
     }
@@ -1092,15 +1106,11 @@ class QwenDecoder : BoundArrays {
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
     const Int64Array rows = row_counts(counts, B, S);
     const Int64Array sources = shared_rows(shared_from, B);
-    const Int64Array rooms = as_int64_vector(room, "room"), stop_ids = as_int64_vector(stops, "stops");
-    if (rooms.shape(0) != B) throw py::value_error("room must have one entry per row");
-    for (int64_t b = 0; b < B; ++b) {
-      if (rooms.at(b) < 1) throw py::value_error("every row's room must be at least one token");
-    }
+    const Int64Array rooms = run_room(room, B), stop_ids = as_int64_vector(stops, "stops");
     const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
                                          cos_data_, sin_data_, table_positions_, shared_columns,
                                          shared_from.is_none() ? nullptr : sources.data()};
-    const fastjudge::QwenRunLimits limits{p.shape(1), rooms.data(), stop_ids.data(), stop_ids.shape(0)};
+    const fastjudge::RunLimits limits{p.shape(1), rooms.data(), stop_ids.data(), stop_ids.shape(0)};
     int64_t* chosen = typed_array<int64_t>(picks, "picks", {B, limits.steps}, true);
     int64_t ran = 0;
     run_step(bf16_, hidden, {B, model_.d}, [&](auto* dst) {
@@ -1219,6 +1229,38 @@ class T5Decoder : BoundArrays {
              [&](auto* dst) { fastjudge::t5_decode_step(model_, input, dst, scratch_, threads); });
   }
 
+  void set_head(const py::handle& final_norm, const py::handle& panels, int64_t outputs, float scale) {
+    if (outputs < 1) throw py::value_error("the head needs at least one output");
+    py::dict head;
+    head["final_norm"] = final_norm, head["panels"] = panels;
+    model_.final_norm = array<float>(head, "final_norm", {model_.d});
+    model_.head = bf16_ ? packed<uint32_t>(head, "panels", model_.d, outputs)
+                        : packed<float>(head, "panels", model_.d, outputs);
+    model_.head_scale = scale;
+  }
+
+  int64_t run_picks(const py::handle& tokens, const py::handle& counts, int64_t start, bool projected,
+                    const py::handle& picks, const py::handle& room, const py::handle& stops,
+                    const py::handle& tracked_ids, const py::handle& tracked, int threads) {
+    const py::array t = py::array::ensure(tokens), p = py::array::ensure(picks);
+    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
+    const int64_t B = t.shape(0), S = t.shape(1);
+    if (!p || p.ndim() != 2 || p.shape(0) != B || p.shape(1) < 1) throw py::value_error("picks must be [B, steps]");
+    if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
+    const Int64Array rows = row_counts(counts, B, S);
+    const Int64Array rooms = run_room(room, B), stop_ids = as_int64_vector(stops, "stops");
+    const Int64Array ids = as_int64_vector(tracked_ids, "tracked_ids");
+    const fastjudge::T5StepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
+                                       projected};
+    const fastjudge::RunLimits limits{p.shape(1), rooms.data(), stop_ids.data(), stop_ids.shape(0)};
+    const fastjudge::T5Tracked kept{ids.data(), ids.shape(0),
+                                    typed_array<float>(tracked, "tracked", {B, limits.steps, ids.shape(0)}, true)};
+    int64_t* chosen = typed_array<int64_t>(picks, "picks", {B, limits.steps}, true);
+    int64_t ran = 0;
+    alone([&] { ran = fastjudge::t5_decode_run(model_, input, limits, kept, chosen, bf16_, scratch_, threads); });
+    return ran;
+  }
+
  private:
   template <typename T, typename W>
   void bind(const py::list& layers, const py::handle& embed, const py::dict& pool) {
@@ -1277,7 +1319,23 @@ on slots start .. start + B - 1, the cross-attention per head over xkv when proj
 reassociated over mem: writes out [B, S, d] (the last layer's output, before the final norm),
 each layer's K/V for the real tokens, and advances dec_lengths by counts. Raises ValueError,
 before writing anything, on tokens outside the vocabulary, rows past the slots, positions past
-the capacity or encoder lengths outside [1, enc_capacity].)doc");
+the capacity or encoder lengths outside [1, enc_capacity].)doc")
+      .def("set_head", &T5Decoder::set_head, py::arg("final_norm"), py::arg("panels"), py::arg("outputs"),
+           py::arg("scale"),
+           R"doc(The head run_picks runs: the final norm [d] float32, the factor its output takes before the
+head, and the output projection's panels (as dense_product takes them) of `outputs` outputs
+(kept alive).)doc")
+      .def("run_picks", &T5Decoder::run_picks, py::arg("tokens"), py::arg("counts"), py::arg("start"),
+           py::arg("projected"), py::arg("picks"), py::arg("room"), py::arg("stops"), py::arg("tracked_ids"),
+           py::arg("tracked"), py::arg("threads") = 1,
+           R"doc(greedy decoding's steps back to back in one call, and how many ran. Each is step, then each
+row's pick from its last real token's output: column s of picks [B, steps] int64 the index of the
+largest of its logits at step s (final norm, scale and head in the model's type; the first of
+equal ones, the first NaN, as torch's argmax), and tracked [B, steps, K] float32 the logits of
+tracked_ids (K int64). The first step feeds tokens, each later one the picks of the step before,
+until steps have run or a row ends: it picked one of stops (int64) or room[b] (each at least 1)
+tokens. Raises ValueError as step does (the steps before have run), on a tracked id past the
+head, or where no head was set.)doc");
 }
 
 void bind_qwen_step(py::module_& m) {

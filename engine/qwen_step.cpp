@@ -70,29 +70,6 @@ void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_
   rotate_bf16(x, cos, sin, out, heads, hd, half);
 }
 
-// picks[b] = the index of row b's largest logit, as torch's argmax picks it: the first of equal
-// maxima, the first NaN where a row has one
-template <typename T>
-int64_t greedy_pick(const T* row, int64_t V) {
-  int64_t best = 0;
-  float top = to_float(row[0]);
-  if (std::isnan(top)) return 0;
-  for (int64_t v = 1; v < V; ++v) {
-    const float x = to_float(row[v]);
-    if (std::isnan(x)) return v;
-    if (x > top) top = x, best = v;
-  }
-  return best;
-}
-
-template <typename T>
-void greedy_picks(const T* logits, int64_t B, int64_t V, int64_t* picks, int threads) {
-  constexpr int64_t kLogitsPerThread = 1 << 16;
-  parallel_ranges(B, std::min<int64_t>(threads, B * V / kLogitsPerThread + 1), 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) picks[b] = greedy_pick(logits + b * V, V);
-  });
-}
-
 template <typename T>
 class Step {
  public:
@@ -244,24 +221,18 @@ class Step {
 };
 
 template <typename T>
-int64_t decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits, T* hidden,
+int64_t decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits, T* hidden,
                    int64_t* picks, QwenStepBuffers<T>& buffers, int threads) {
   const int64_t B = input.B, steps = limits.steps;
-  const int64_t* stops_end = limits.stops + limits.stop_count;
   std::vector<int64_t> chosen(B), fed(B), ones(B, 1);
   QwenStepInput in = input;
-  for (int64_t s = 0; s < steps; ++s) {
+  for (int64_t s = 0;; ++s) {
     Step<T>(model, in, buffers, threads).pick(hidden, chosen.data());
-    bool ends = s + 1 == steps;
-    for (int64_t b = 0; b < B; ++b) {
-      picks[b * steps + s] = chosen[b];
-      ends = ends || s + 1 >= limits.room[b] || std::find(limits.stops, stops_end, chosen[b]) != stops_end;
-    }
-    if (ends) return s + 1;
+    for (int64_t b = 0; b < B; ++b) picks[b * steps + s] = chosen[b];
+    if (run_ends(limits, s, chosen.data(), B)) return s + 1;
     fed = chosen;
     in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
   }
-  return steps;
 }
 
 }  // namespace
@@ -277,12 +248,12 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
   Step<uint16_t>(model, input, scratch.bf16, threads).run(out);
 }
 
-int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
                         float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
   return decode_run(model, input, limits, hidden, picks, scratch.f32, threads);
 }
 
-int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
                         uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
   return decode_run(model, input, limits, hidden, picks, scratch.bf16, threads);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dense.hpp"
+#include "step_ops.hpp"
 
 namespace fastjudge {
 
@@ -105,20 +106,12 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
 // logits (final norm, then the head, in the model's type; the first of equal ones, as torch's
 // argmax of the same logits) into column s of picks [B, steps] (row-major; columns past the steps
 // run untouched). The first step feeds input's tokens, each later one every row's pick of the
-// step before (one token a row), until `steps` steps have run or a row ends, having picked one of
-// the stop ids or as many tokens as its room: a row that ends leaves the batch, which the host
-// then reshapes (rows leave, others join), so the run stops there for every row. Returns the
-// steps run. Throws std::invalid_argument where the model has no head, or as the step does (the
-// steps before it have run).
-struct QwenRunLimits {
-  int64_t steps = 1;
-  const int64_t* room = nullptr;  // [B]: tokens each row may still pick, this run's first among them
-  const int64_t* stops = nullptr;
-  int64_t stop_count = 0;
-};
-int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+// step before (one token a row), as far as `limits` allow (step_ops.hpp). Returns the steps run.
+// Throws std::invalid_argument where the model has no head, or as the step does (the steps before
+// it have run).
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
                         float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads);
-int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const QwenRunLimits& limits,
+int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
                         uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads);
 
 }  // namespace fastjudge

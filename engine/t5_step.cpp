@@ -33,6 +33,42 @@ class Step {
       : m_(m), in_(in), threads_(threads), buf_(buffers), N_(in.B * in.S), inner_(m.H * m.dk) {}
 
   void run(T* out) {
+    layers();
+    std::memcpy(out, buf_.x.data(), N_ * m_.d * sizeof(T));
+  }
+
+  // the step, then each row's last real token's logits (final norm, head_scale, head) and its
+  // greedy pick into picks [B]; the logits of `tracked` ids into tracked_out [B, row_stride]
+  void pick(int64_t* picks, const T5Tracked& tracked, float* tracked_out, int64_t row_stride) {
+    if (!m_.final_norm || !m_.head.panels) throw std::invalid_argument("the decoder has no head");
+    for (int64_t i = 0; i < tracked.count; ++i) {
+      if (tracked.ids[i] < 0 || tracked.ids[i] >= m_.head.out) throw std::invalid_argument("a tracked id past the head");
+    }
+    layers();
+    const int64_t B = in_.B, S = in_.S, d = m_.d, V = m_.head.out;
+    T* last = buf_.mixed.data();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t t = in_.counts[b] > 0 ? in_.counts[b] - 1 : S - 1;  // as a [-1] index picks
+      std::memcpy(last + b * d, &buf_.x[(b * S + t) * d], d * sizeof(T));
+    }
+    rms_norm(last, d, d, m_.final_norm, buf_.normed.data(), B, 1, d, m_.eps, threads_);
+    if (m_.head_scale != 1.0f) {
+      for (int64_t i = 0; i < B * d; ++i) from_float(to_float(buf_.normed[i]) * m_.head_scale, &buf_.normed[i]);
+    }
+    hold(buf_.logits, B * V);
+    project(buf_.normed.data(), B, m_.head, buf_.logits.data(), threads_);
+    greedy_picks(buf_.logits.data(), B, V, picks, threads_);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < tracked.count; ++i) {
+        tracked_out[b * row_stride + i] = to_float(buf_.logits[b * V + tracked.ids[i]]);
+      }
+    }
+  }
+
+ private:
+  static constexpr bool kWide = std::is_same_v<T, float>;
+
+  void layers() {
     check();
     const int64_t d = m_.d;
     hold(buf_.x, N_ * d);
@@ -57,12 +93,8 @@ class Step {
       project(buf_.wide.data(), N_, layer.down, buf_.mixed.data(), threads_);
       add(buf_.x.data(), buf_.mixed.data(), N_ * d);
     }
-    std::memcpy(out, buf_.x.data(), N_ * d * sizeof(T));
     for (int64_t b = 0; b < in_.B; ++b) m_.dec_lengths[in_.start + b] += in_.counts[b];
   }
-
- private:
-  static constexpr bool kWide = std::is_same_v<T, float>;
 
   // Everything the step reads, before anything is written
   void check() const {
@@ -185,7 +217,30 @@ class Step {
   const int64_t N_, inner_;
 };
 
+template <typename T>
+int64_t decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
+                   const T5Tracked& tracked, int64_t* picks, T5StepBuffers<T>& buffers, int threads) {
+  const int64_t B = input.B, steps = limits.steps;
+  std::vector<int64_t> chosen(B), fed(B), ones(B, 1);
+  T5StepInput in = input;
+  for (int64_t s = 0;; ++s) {
+    Step<T>(model, in, buffers, threads).pick(chosen.data(), tracked, tracked.logits + s * tracked.count,
+                                              steps * tracked.count);
+    for (int64_t b = 0; b < B; ++b) picks[b * steps + s] = chosen[b];
+    if (run_ends(limits, s, chosen.data(), B)) return s + 1;
+    fed = chosen;
+    in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
+  }
+}
+
 }  // namespace
+
+int64_t t5_decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
+                      const T5Tracked& tracked, int64_t* picks, bool bf16, T5StepScratch& scratch, int threads) {
+  if (!bf16) return decode_run(model, input, limits, tracked, picks, scratch.f32, threads);
+  if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
+  return decode_run(model, input, limits, tracked, picks, scratch.bf16, threads);
+}
 
 void t5_decode_step(const T5StepModel& model, const T5StepInput& input, float* out, T5StepScratch& scratch,
                     int threads) {

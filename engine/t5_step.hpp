@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dense.hpp"
+#include "step_ops.hpp"
 
 namespace fastjudge {
 
@@ -46,6 +47,12 @@ struct T5StepModel {
   const int64_t* enc_lengths = nullptr;
   int64_t* dec_lengths = nullptr;
   std::vector<T5StepLayer> layers;
+  // the greedy pick's head (t5_decode_run): the final norm [d] float32, the factor its output
+  // takes before the head (d^-0.5 where T5 ties the head to the embeddings, else 1) and the LM
+  // head (d inputs, one output a token); unset where only t5_decode_step runs
+  const float* final_norm = nullptr;
+  float head_scale = 1.0f;
+  PackedWeight head;
 };
 
 // The step's input: tokens [B, S] (row b's first counts[b] real, the rest padding) continuing
@@ -64,6 +71,7 @@ struct T5StepBuffers {
   std::vector<T> x, normed, mixed, wide, heads;
   std::vector<float> queries, attended;  // the attention's float32 side
   std::vector<int64_t> last_keys;
+  std::vector<T> logits;  // the greedy pick's [B, head outputs]
 };
 
 struct T5StepScratch {
@@ -83,5 +91,23 @@ void t5_decode_step(const T5StepModel& model, const T5StepInput& input, float* o
                     int threads);
 void t5_decode_step(const T5StepModel& model, const T5StepInput& input, uint16_t* out, T5StepScratch& scratch,
                     int threads);
+
+// Greedy decoding's steps back to back, the host away between them. Each step is the step above,
+// then greedy decoding's pick of each row from its last real token's output: the final norm,
+// times head_scale, the head (each rounded to the model's type, as the tensor ops' logits are)
+// and the index of the largest logit (the first of equal ones, the first NaN, as torch's argmax)
+// into column s of picks [B, steps] (row-major; columns past the steps run untouched), and the
+// logits of the tracked ids (as float32) into tracked.logits [B, steps, tracked.count]. The first step feeds input's tokens, each later one every row's pick of the
+// step before, as far as `limits` allow (step_ops.hpp). bf16: the model's type is bfloat16 (its
+// embeddings', panels' and encoder states'), else float32. Returns the steps run. Throws
+// std::invalid_argument where the model has no head, on a tracked id outside its outputs, or as
+// the step does (the steps before it have run).
+struct T5Tracked {
+  const int64_t* ids = nullptr;
+  int64_t count = 0;
+  float* logits = nullptr;  // [B, steps, count]
+};
+int64_t t5_decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
+                      const T5Tracked& tracked, int64_t* picks, bool bf16, T5StepScratch& scratch, int threads);
 
 }  // namespace fastjudge

@@ -299,8 +299,10 @@ def test_a_run_of_picking_steps_is_the_steps_one_call_each(model_dir, dtype):
         return np.stack(columns, 1), hidden
 
     theirs, _ = one_a_call(copied(start), 6)
+    stop = int(theirs[2, 3])  # the run ends at the first step any row picks it
+    stopped = 1 + min(s for s in range(4) if stop in theirs[:, s])
     for room, stops, limit, ran in [([9, 7, 9, 9, 9], (), 8, 7), ([9] * rows, (), 4, 4),
-                                    ([9] * rows, (int(theirs[2, 3]),), 9, 4), ([1] * rows, (), 8, 1)]:
+                                    ([9] * rows, (stop,), 9, stopped), ([1] * rows, (), 8, 1)]:
         ours, other = copied(start), copied(start)
         hidden = torch.empty(rows + 2, model.s.hidden, dtype=model.embed.dtype)
         picks = qwen_model.run_pick_step(model, ours, 0, first, ones, hidden, room=room, stops=stops, steps=limit)

@@ -81,13 +81,42 @@ def t5_profile(t5_backend, rows: int) -> dict:
     return profile_decoding(lambda: t5_backend.run(reqs))
 
 
-def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend):
+def test_t5_rationale_step_costs_the_same_at_any_row_count(t5_backend, monkeypatch):
     """The model's step issues the same ops at 1 and 6 rows (on the CPU one engine call and its
-    way in); around it the loop's own work differs only by rows leaving at different steps."""
+    way in); around it the loop's own work differs only by rows leaving at different steps. One
+    step a call: the CPU engine's runs of several steps a call (which ``decode.run_pick_steps``
+    makes; their first step costs what one step costs) spread a call's ops over its steps."""
+    from fastjudge.backends.t5 import decode as t5_decode
+
+    monkeypatch.setattr(t5_decode, "ENGINE_RUN_MAX_STEPS", 1)
     one, many = t5_profile(t5_backend, 1), t5_profile(t5_backend, 6)
     assert one["syncs"] <= 2 and many["syncs"] <= 2
     assert many["step_ops"] == one["step_ops"]
     assert abs(many["ops"] - one["ops"]) <= 0.2 * one["ops"]
+
+
+def test_t5_runs_count_every_step(t5_backend, monkeypatch):
+    """T5 rationale rows on the CPU engine run their steps several to a call
+    (``decode.run_pick_steps``): a profile still counts every model step, one label each."""
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the engine's steps run on the CPU")
+    from fastjudge.backends.t5 import decode as t5_decode
+
+    runs = []
+    real = t5_decode.run_pick_steps
+
+    def counted(*args):
+        picked = real(*args)
+        runs.append(picked[0].shape[1])
+        return picked
+
+    monkeypatch.setattr(t5_decode, "run_pick_steps", counted)
+    rng = np.random.default_rng(3)
+    reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(3)]
+    t5_backend.run(reqs)  # warm-up
+    runs.clear()
+    counts = profile_decoding(lambda: t5_backend.run(reqs))
+    assert max(runs) > 1 and counts["steps"] == sum(runs)
 
 
 def test_views_are_counted_apart():

@@ -103,15 +103,23 @@ def test_same_tokens_as_one_padded_batch(varied, prompts, padded, rows, encode_t
 
 
 def live_rows_per_step(monkeypatch) -> list[int]:
-    """The rows of every decoder step taken from now on (``decode.run_step`` logged)."""
+    """The rows of every decoder step taken from now on (``decode.run_step`` and the steps of
+    ``decode.run_pick_steps``' runs logged)."""
     live = []
-    step = t5_decode.run_step
+    step, run = t5_decode.run_step, t5_decode.run_pick_steps
 
     def logged(model, pool, tokens, counts, compiled=None):
         live.append(len(counts))
         return step(model, pool, tokens, counts, compiled)
 
+    def logged_run(model, pool, tokens, *args):
+        picked = run(model, pool, tokens, *args)
+        if picked is not None:
+            live.extend([tokens.shape[0]] * picked[0].shape[1])
+        return picked
+
     monkeypatch.setattr(t5_decode, "run_step", logged)
+    monkeypatch.setattr(t5_decode, "run_pick_steps", logged_run)
     return live
 
 

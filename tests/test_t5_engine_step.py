@@ -21,6 +21,8 @@ from fastjudge.backends.t5 import model as t5_model
 from fastjudge.backends.t5.backend import TorchT5Backend
 from fastjudge.backends.t5.engine_step import ENGINE_STEP_MAX_TOKENS, engine_step
 from fastjudge.backends.t5.pool import T5Pool
+from fastjudge.checkpoints import build_random_t5
+from fastjudge.demo import tokenizer_corpus
 
 CAPACITY = 24
 ENC_CAPACITY = 40
@@ -225,3 +227,92 @@ def test_refusals_write_nothing(t5_dir):
     with pytest.raises(ValueError, match="projected"):  # a pool without projected K/V
         step(torch.full((rows, 1), 5), torch.ones(rows, dtype=torch.long), pool, True)
     assert torch.equal(pool.kv, kv) and torch.equal(pool.dec_lengths, lengths)
+
+
+def copied(pool):
+    other = copy.deepcopy(pool)
+    other.enc_held, other.dec_held, other.projected = pool.enc_held.copy(), pool.dec_held.copy(), pool.projected
+    return other
+
+
+def host_picks(model, pool, first, steps, track):
+    """``steps`` engine steps, one call each, every row's token picked on the host from
+    ``model.logits`` (argmax) and fed to the next: the picks [B, steps] and the ``track`` ids'
+    logits [B, steps, K]."""
+    fed, picks, tracked = first, [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            hidden = t5_decode.run_step(model, pool, fed, [1] * len(fed))
+            logits = model.logits(hidden[:, 0])
+            picks.append(logits.argmax(-1))
+            tracked.append(logits[:, track])
+            fed = picks[-1][:, None]
+    return torch.stack(picks, 1).numpy(), torch.stack(tracked, 1).numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("projected", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_run_of_picking_steps_is_the_steps_one_call_each(t5_dir, tmp_path_factory, dtype, projected, tied):
+    """``decode.run_pick_steps`` (``EngineStep.run_picks``: the steps back to back in one engine
+    call, each picking every row's token -- the final norm, its scale, the head, the argmax -- and
+    feeding it to the next) against one engine step a call with the host's ``model.logits`` and
+    ``argmax``: the same picks and tracked logits at every step and the same pool, bit for bit;
+    the run stops after the step where a row's room runs out, where a row picks a stop token (a
+    token the steps pick, made a stop), and at its step limit. ``tied``: a gated checkpoint with
+    the head tied to the embeddings, whose final norm's output takes d_model**-0.5."""
+    model_dir = build_random_t5(tmp_path_factory.mktemp("t5-gated-tied"), tokenizer_corpus(), shape="tiny",
+                                tie_word_embeddings=True, seed=2) if tied else t5_dir
+    model = backend(model_dir, dtype).model
+    assert (model.s.head_scale != 1.0) == tied
+    rng = np.random.default_rng(5)
+    rows = 4
+    start, _ = encoded_pool(model, rng, rows, projected)
+    first = torch.tensor(rng.integers(5, model.embed.shape[0], size=(rows, 1)))
+    track = [3, 7, 11]
+    theirs, _ = host_picks(model, copied(start), first, 6, track)
+    stop = int(theirs[1, 2])  # the run ends at the first step any row picks it
+    stopped = 1 + min(s for s in range(3) if stop in theirs[:, s])
+    for room, stops, limit, ran in [([9, 6, 9, 9], (), 8, 6), ([9] * rows, (), 3, 3),
+                                    ([9] * rows, (stop,), 9, stopped), ([1] * rows, (), 8, 1)]:
+        ours, other = copied(start), copied(start)
+        with torch.inference_mode():
+            picks, logits = t5_decode.run_pick_steps(model, ours, first, room, stops, limit, track)
+        assert picks.shape == (rows, ran) and logits.shape == (rows, ran, len(track))
+        expected, expected_logits = host_picks(model, other, first, ran, track)
+        assert picks.tolist() == expected.tolist() and np.array_equal(logits, expected_logits)
+        assert np.array_equal(ours.dec_held, other.dec_held)
+        assert_same_state(ours, other, atol=0)
+        assert torch.equal(ours.kv, other.kv)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_decoding_with_and_without_runs(t5_dir, dtype, monkeypatch):
+    """Rationales decoded with runs of picking steps give what one step a call with the host's
+    pick gives: the tokens, whether each row finished and its tracked logits, with rows joining
+    as others leave (two slots) and the cross-attention's form changing partway (the runs stop
+    there)."""
+    from fastjudge.runtime.requests import Request, Text
+
+    b = backend(t5_dir, dtype)
+    b.max_decode_rows = 2
+    rng = np.random.default_rng(8)
+    requests = [Request(i, rng.integers(5, 200, size=int(n)), Text(10, track_ids=(3, 10, 11)))
+                for i, n in enumerate(rng.integers(6, 30, size=5))]
+    b.project_at = 3
+    runs = []
+    real = t5_decode.run_pick_steps
+
+    def counted(*args):
+        picked = real(*args)
+        runs.append(picked[0].shape[1])
+        return picked
+
+    monkeypatch.setattr(t5_decode, "run_pick_steps", counted)
+    ours = b.run(requests)
+    monkeypatch.setattr(t5_decode, "run_pick_steps", lambda *args: None)
+    theirs = b.run(requests)
+    assert max(runs) > 1
+    for a, c in zip(ours, theirs):
+        assert a.token_ids == c.token_ids and a.finished == c.finished
+        assert np.array_equal(a.tracked_logits, c.tracked_logits)

@@ -24,6 +24,18 @@ def engine_array(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
+def rms_norm_in_engine(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of ``x`` [..., d] by ``weight`` [d] on the engine (``_engine.rms_norm``: one pass a
+    row, its sums in float32), in ``x``'s dtype: CPU, eager, float32 or bfloat16; else None."""
+    if not engine_takes(x) or x.dtype not in ENGINE_DTYPES:
+        return None
+    rows = x.reshape(-1, 1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    _engine.rms_norm(engine_array(rows), weight.detach().float()[None].numpy(), engine_array(out), eps,
+                     torch.get_num_threads())
+    return out.view(x.shape)
+
+
 def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether the engine's attention takes these queries and keys (CPU, eager, float32 or
     bfloat16 alike)."""

@@ -42,7 +42,7 @@ import torch
 from torch.profiler import record_function
 
 from ...runtime.requests import Output, Request
-from ..profiling import DECODE_LABEL, STEP_LABEL, to_host
+from ..profiling import DECODE_LABEL, STEP_LABEL, count_run_steps, to_host
 from ..slots import compact
 from .model import QwenModel
 from .pool import StatePool
@@ -234,7 +234,7 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
             if picks is None:
                 out = step(tokens, counts)
         if picks is not None and picks.shape[1] > 1:  # a run of steps: all but its last picks fed on
-            _count_run_steps(picks.shape[1] - 1)
+            count_run_steps(picks.shape[1] - 1)
             chooser.accept_run([rows[i] for i in live], picks[:, :-1])
             fed_total += picks[:, 1:].size
             stats["decode_steps"] += picks.shape[1] - 1
@@ -250,15 +250,6 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
             picks = picks[origin]
     _bring_tracked(rows, blocks)
     return [_output(r, track_ids) for r in rows], fed_total
-
-
-def _count_run_steps(n: int) -> None:
-    """Under the profiler, a step label for each of a run's steps after its first (which ran
-    inside the call's label): a profile counts one a step (``bench.step_profile``)."""
-    if torch.autograd._profiler_enabled():
-        for _ in range(n):
-            with record_function(STEP_LABEL):
-                pass
 
 
 def _awaits_step(row: _Row) -> bool:

@@ -19,7 +19,9 @@ Rows are independent, so which rows share a step changes no row's tokens. That a
   rows that go on pay at most twice the best choice made knowing their length. Both forms are
   exact; they differ in cost only.
 
-Argmax runs on the device and each step moves one small tensor to the host.
+Argmax runs on the device and each step moves one small tensor to the host. Where the CPU engine
+runs the step and holds the head (:func:`run_pick_steps`), the pick (and the tracked logits) is
+in the engine's call, and steps run back to back there until a row ends.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import torch
 from torch.profiler import record_function
 
 from ..compiled import row_bucket, width_bucket
-from ..profiling import DECODE_LABEL, PREFILL_LABEL, STEP_LABEL, to_host
+from ..profiling import DECODE_LABEL, PREFILL_LABEL, STEP_LABEL, count_run_steps, to_host
 from ..slots import compact
+from .engine_step import ENGINE_RUN_MAX_STEPS, engine_step
 from .model import T5Model
 from .pool import T5Pool
 from .shape import T5Shape
@@ -96,6 +99,26 @@ def run_step(model: T5Model, pool: T5Pool, tokens: torch.Tensor, counts: Sequenc
     return x
 
 
+def run_pick_steps(model: T5Model, pool: T5Pool, tokens: torch.Tensor, room: Sequence[int], stops, steps: int,
+                   track: Sequence[int], compiled=None) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`run_step` of one token a row that then picks greedily, where the engine runs the
+    step and holds the head (``engine_step.EngineStep.run_picks``): up to ``steps`` such steps
+    in one engine call, each feeding the picks of the one before, until a row picks one of
+    ``stops`` or as many tokens as its ``room``. Returns the picks (int64 [B, n] on the host)
+    and the ``track`` ids' logits at each (float32 [B, n, K]): what ``model.logits`` of each
+    step's states gives. Else None, and nothing has run: :func:`run_step` then."""
+    B = tokens.shape[0]
+    if compiled is not None and row_bucket(B) <= (pool.cross_slots if pool.projected else pool.slots):
+        return None
+    engine = engine_step(model, pool, tokens)
+    if engine is None or not engine.picks:
+        return None
+    picks, tracked = engine.run_picks(tokens, 0, pool.projected, np.asarray(room, dtype=np.int64), stops, steps,
+                                      track)
+    pool.dec_held[:B] += picks.shape[1]
+    return picks, tracked
+
+
 def _pick(logits: torch.Tensor, track: torch.Tensor | None) -> list[list[float]]:
     """Per row: [greedy token, tracked logits...], in one transfer to the host (token ids are
     exact in float32: vocabularies are far below 2**24)."""
@@ -137,6 +160,7 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
     taken = 0  # steps run
     live: list[int] = []  # the request row in each live slot
     feed: list[int] = []  # each live row's next input token
+    tracked_ids = [] if track is None else track.tolist()
 
     def encode_more() -> None:
         pack, total = [], 0
@@ -163,11 +187,28 @@ def _decode(model, pool, prompts, max_new_tokens, track, max_rows, encode_tokens
         if pool.projected and first < len(live):
             with record_function(PREFILL_LABEL):  # a row's own work, once, like its encoding
                 model.project_cross(pool, first, len(live))
+        # a run of steps in one engine call goes at most to where the cross-attention's form changes
+        steps = ENGINE_RUN_MAX_STEPS if project_at is None or pool.projected else \
+            min(ENGINE_RUN_MAX_STEPS, project_at - taken)
+        tokens_in = torch.tensor(feed, device=dev)[:, None]
         with record_function(STEP_LABEL):
-            hidden = run_step(model, pool, torch.tensor(feed, device=dev)[:, None], [1] * len(live), compiled)
-        taken += 1
+            run = run_pick_steps(model, pool, tokens_in, [max_new_tokens - len(tokens[i]) for i in live],
+                                 (s.eos_token_id,), steps, tracked_ids, compiled)
+            if run is None:
+                hidden = run_step(model, pool, tokens_in, [1] * len(live), compiled)
+        if run is None:
+            last = _pick(model.logits(hidden[:, 0]), track)
+            taken += 1
+        else:  # every step of the run but its last: a token each row keeps, fed on to the next
+            picks, logits = run
+            count_run_steps(picks.shape[1] - 1)
+            for j, row in enumerate(live):
+                tokens[row] += picks[j, :-1].tolist()
+                tracked[row] += logits[j, :-1].tolist()
+            last = np.concatenate([picks[:, -1:], logits[:, -1]], 1).tolist()
+            taken += picks.shape[1]
         gone = []
-        for j, picked in enumerate(_pick(model.logits(hidden[:, 0]), track)):
+        for j, picked in enumerate(last):
             row, token = live[j], int(picked[0])
             if token == s.eos_token_id:
                 finished[row] = True

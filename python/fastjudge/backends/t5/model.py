@@ -48,6 +48,7 @@ from ..cpu_engine import (
     attend_reassociated,
     engine_attends,
     engine_takes,
+    rms_norm_in_engine,
 )
 from ..cpu_memory import keep_freed_memory
 from ..dense import ACTIVATIONS, Dense
@@ -390,9 +391,10 @@ class T5Model(torch.nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """LM-head logits of final decoder states: only the candidate ``rows`` (fused choice head:
-        final norm + K rows, never ``[B, vocab]``), or the full vocabulary for decoding."""
-        scale = self.s.d_model ** -0.5 if self.s.scale_decoder_outputs else 1.0
+        """LM-head logits of final decoder states: only the candidate ``rows`` (fused choice head: final norm + K
+        rows, never ``[B, vocab]``), or all (the norm on the CPU engine, as ``EngineStep.run_picks``: same bits)."""
         if rows is not None:
-            return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, eps=self.s.eps, scale=scale)
-        return self.head(rms_norm(hidden, self.dec_final_norm, self.s.eps) * scale).float()
+            return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, self.s.eps, self.s.head_scale)
+        normed = rms_norm_in_engine(hidden, self.dec_final_norm, self.s.eps)
+        normed = rms_norm(hidden, self.dec_final_norm, self.s.eps) if normed is None else normed
+        return self.head(normed * self.s.head_scale).float()

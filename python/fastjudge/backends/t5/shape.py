@@ -25,6 +25,11 @@ class T5Shape:
     decoder_start_token_id: int
     eos_token_id: int
 
+    @property
+    def head_scale(self) -> float:
+        """What the final norm's output is multiplied by before the LM head."""
+        return self.d_model ** -0.5 if self.scale_decoder_outputs else 1.0
+
     @classmethod
     def from_config(cls, cfg: dict) -> "T5Shape":
         """The shape config.json declares; CheckpointError for a missing or impossible value."""
