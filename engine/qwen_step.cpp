@@ -220,21 +220,6 @@ class Step {
   QwenStepBuffers<T>& buf_;
 };
 
-template <typename T>
-int64_t decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits, T* hidden,
-                   int64_t* picks, QwenStepBuffers<T>& buffers, int threads) {
-  const int64_t B = input.B, steps = limits.steps;
-  std::vector<int64_t> chosen(B), fed(B), ones(B, 1);
-  QwenStepInput in = input;
-  for (int64_t s = 0;; ++s) {
-    Step<T>(model, in, buffers, threads).pick(hidden, chosen.data());
-    for (int64_t b = 0; b < B; ++b) picks[b * steps + s] = chosen[b];
-    if (run_ends(limits, s, chosen.data(), B)) return s + 1;
-    fed = chosen;
-    in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
-  }
-}
-
 }  // namespace
 
 void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, float* out, QwenStepScratch& scratch,
@@ -250,13 +235,17 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
 
 int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
                         float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
-  return decode_run(model, input, limits, hidden, picks, scratch.f32, threads);
+  return run_steps(input, limits, picks, [&](const QwenStepInput& in, int64_t, int64_t* chosen) {
+    Step<float>(model, in, scratch.f32, threads).pick(hidden, chosen);
+  });
 }
 
 int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
                         uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
-  return decode_run(model, input, limits, hidden, picks, scratch.bf16, threads);
+  return run_steps(input, limits, picks, [&](const QwenStepInput& in, int64_t, int64_t* chosen) {
+    Step<uint16_t>(model, in, scratch.bf16, threads).pick(hidden, chosen);
+  });
 }
 
 }  // namespace fastjudge

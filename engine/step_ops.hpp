@@ -29,6 +29,23 @@ struct RunLimits {
 };
 // whether a run ends after its step s, whose picks of B rows are `chosen`
 bool run_ends(const RunLimits& limits, int64_t s, const int64_t* chosen, int64_t B);
+// A run of steps on `input` (a step's input: its rows B, tokens [B, S] and counts [B]): step s is
+// pick(in, s, chosen), which runs a step on `in` and writes each row's pick into chosen [B]; the
+// picks go to column s of picks [B, limits.steps], and each later step feeds them (one token a
+// row). Returns the steps run.
+template <typename Input, typename Pick>
+int64_t run_steps(const Input& input, const RunLimits& limits, int64_t* picks, Pick pick) {
+  const int64_t B = input.B;
+  std::vector<int64_t> chosen(B), fed(B), ones(B, 1);
+  Input in = input;
+  for (int64_t s = 0;; ++s) {
+    pick(in, s, chosen.data());
+    for (int64_t b = 0; b < B; ++b) picks[b * limits.steps + s] = chosen[b];
+    if (run_ends(limits, s, chosen.data(), B)) return s + 1;
+    fed = chosen;
+    in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
+  }
+}
 // v holds at least n values (grown, never shrunk or cleared: steady decoding allocates nothing)
 template <typename T>
 void hold(std::vector<T>& v, int64_t n) {

@@ -220,17 +220,10 @@ class Step {
 template <typename T>
 int64_t decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
                    const T5Tracked& tracked, int64_t* picks, T5StepBuffers<T>& buffers, int threads) {
-  const int64_t B = input.B, steps = limits.steps;
-  std::vector<int64_t> chosen(B), fed(B), ones(B, 1);
-  T5StepInput in = input;
-  for (int64_t s = 0;; ++s) {
-    Step<T>(model, in, buffers, threads).pick(chosen.data(), tracked, tracked.logits + s * tracked.count,
-                                              steps * tracked.count);
-    for (int64_t b = 0; b < B; ++b) picks[b * steps + s] = chosen[b];
-    if (run_ends(limits, s, chosen.data(), B)) return s + 1;
-    fed = chosen;
-    in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
-  }
+  return run_steps(input, limits, picks, [&](const T5StepInput& in, int64_t s, int64_t* chosen) {
+    Step<T>(model, in, buffers, threads).pick(chosen, tracked, tracked.logits + s * tracked.count,
+                                              limits.steps * tracked.count);
+  });
 }
 
 }  // namespace

@@ -11,7 +11,9 @@ logits, when the spec tracks any) to the host. Everything else -- grammar state,
 budgets, which rows leave -- is decided on the host from that copy. Text rows with no tracked
 ids, where the CPU engine runs the step, have the step pick their next tokens in its own call
 (``pick_step``: final norm, head and argmax there, the same tokens), and the host gets the ids
-without a logits tensor. Three things keep every row of every model step doing real work:
+without a logits tensor; such steps run back to back in that call, each feeding the picks of the
+one before, until a row ends (or the next step is for waiting rows to join). Three things keep
+every row of every model step doing real work:
 
 * **Jump-forward** (``jump_forward=True``): where the grammar allows exactly one token next,
   greedy decoding must pick it whatever the logits (the masked argmax has one finite entry), so
