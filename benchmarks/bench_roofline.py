@@ -12,8 +12,8 @@ from the checkpoint's shape (``fastjudge.bench.roofline``) and the share of its 
   cross-attention the bound counts in its cheaper form for one step: reassociated, no keys and
   values projected);
 * T5 decode step at 1/16/64 rows: greedy text requests; a step's time is the wall time of the
-  requests at ``decode_tokens`` new tokens less that at one, over the steps between (counted by
-  ``fastjudge.bench.step_profile``), timed without the profiler (whose per-op cost is printed
+  requests at ``decode_tokens`` new tokens less that at one (the two run in turns), over the
+  steps between (counted by ``fastjudge.bench.step_profile``), timed without the profiler (whose per-op cost is printed
   beside it as "profiled ms"); the bound counts the cross-attention in its cheaper form for a
   call of ``decode_tokens`` steps (``roofline.t5_reassociates``);
 * Qwen prefill: whole prompts with no cached prefix (one score-only position each);
@@ -171,18 +171,30 @@ def timed(fn, device: torch.device, repeats: int, pace: Pace | None = None) -> t
 
 def per_step(run_for, device, repeats: int, pace: Pace | None = None) -> tuple[float, float, int]:
     """Seconds per decode step of ``run_for(n)()`` (the same prompts decoding ``n`` new tokens)
-    at ``n = tokens``: the wall time of ``run_for(tokens)`` less that of ``run_for(1)`` (medians
-    over ``repeats`` after a warm-up), over the steps between them, which
-    ``bench.step_profile`` counts in one profiled run of each. The timed runs leave the profiler
-    off: its per-op cost (~10 us an op) is a large share of a small step. Also returns the
-    profiler's own per-step time (the decode loop's wall time under the profiler) and the
-    steps of the full run."""
+    at ``n = tokens``: the wall time of ``run_for(tokens)`` less that of ``run_for(1)``, the two
+    run in turns (the median of ``repeats`` differences after a warm-up: the prompts' work, a
+    T5 encoder's hundreds of milliseconds, moves with the machine as much as the steps do and
+    must cancel at the same moment), over the steps between them, which ``bench.step_profile``
+    counts in one profiled run of each. The timed runs leave the profiler off: its per-op cost
+    (~10 us an op) is a large share of a small step. Also returns the profiler's own per-step
+    time (the decode loop's wall time under the profiler) and the steps of the full run."""
     full, one = run_for(None), run_for(1)
     profiled_full, profiled_one = profile_decoding(full), profile_decoding(one)
     steps = profiled_full["steps"] - (profiled_one["steps"] if profiled_one["ms"] > 0 else 0)
-    full_s, _ = timed(full, device, repeats, pace)
-    one_s, _ = timed(one, device, repeats, pace)
-    return max(full_s - one_s, 0.0) / max(steps, 1), profiled_full["ms"] / 1e3, profiled_full["steps"]
+    full(), one()  # warm-up
+    differences = []
+    for _ in range(repeats):
+        seconds = []
+        for run in (full, one):
+            start = time.perf_counter()
+            run()
+            rl.sync(device)
+            seconds.append(time.perf_counter() - start)
+        differences.append(seconds[0] - seconds[1])
+        if pace is not None:
+            pace.sample()
+    return max(statistics.median(differences), 0.0) / max(steps, 1), profiled_full["ms"] / 1e3, \
+        profiled_full["steps"]
 
 
 def t5_stages(model_dir: Path, device, dtype: str, args) -> list[dict]:
