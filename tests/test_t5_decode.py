@@ -266,3 +266,14 @@ def copy_of(model):
             p.zero_()
     twin.load_state_dict(model.state_dict())
     return twin
+
+
+def test_text_needs_room_for_a_token():
+    """A text request with no room for a token is refused where it is made: a decoding run counts
+    each row's room (``decode.run_pick_steps``), and no row decodes nothing."""
+    from fastjudge.runtime.requests import Text
+
+    for budget in (0, -3):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            Text(budget)
+    assert Text(1).max_new_tokens == 1

@@ -39,6 +39,10 @@ class Text:
     max_new_tokens: int
     track_ids: tuple[int, ...] = ()
 
+    def __post_init__(self):
+        if self.max_new_tokens < 1:  # a row with no room for a token has nothing to decode
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+
 
 OutputSpec = Union[Choice, Text]  # and runtime.grammar.Json (constrained decoding)
 
