@@ -961,15 +961,33 @@ dtype, layout or shape.)doc");
 // Qwen decoding step
 // ---------------------------------------------------------------------------------------
 
-// a run of decoding steps' room (int64 [B]: the tokens each row may still pick, each at least 1)
-Int64Array run_room(const py::handle& room, int64_t B) {
-  Int64Array rooms = as_int64_vector(room, "room");
-  if (rooms.shape(0) != B) throw py::value_error("room must have one entry per row");
-  for (int64_t b = 0; b < B; ++b) {
-    if (rooms.at(b) < 1) throw py::value_error("every row's room must be at least one token");
+// A run of picking steps' arguments, checked: tokens [B, S] int64 with their counts, picks
+// [B, steps] int64 (written), room [B] (the tokens each row may still pick, each at least 1) and
+// the stop ids, as RunLimits reads them (the arrays kept here)
+struct RunArgs {
+  int64_t B = 0, S = 0;
+  const int64_t* tokens = nullptr;
+  int64_t* picks = nullptr;
+  Int64Array counts, room, stops;
+  fastjudge::RunLimits limits;
+
+  RunArgs(const py::handle& token_array, const py::handle& count_array, const py::handle& pick_array,
+          const py::handle& room_array, const py::handle& stop_array) {
+    const py::array t = py::array::ensure(token_array), p = py::array::ensure(pick_array);
+    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
+    B = t.shape(0), S = t.shape(1);
+    if (!p || p.ndim() != 2 || p.shape(0) != B || p.shape(1) < 1) throw py::value_error("picks must be [B, steps]");
+    tokens = typed_array<int64_t>(token_array, "tokens", {B, S});
+    picks = typed_array<int64_t>(pick_array, "picks", {B, p.shape(1)}, true);
+    counts = row_counts(count_array, B, S);
+    room = as_int64_vector(room_array, "room"), stops = as_int64_vector(stop_array, "stops");
+    if (room.shape(0) != B) throw py::value_error("room must have one entry per row");
+    for (int64_t b = 0; b < B; ++b) {
+      if (room.at(b) < 1) throw py::value_error("every row's room must be at least one token");
+    }
+    limits = {p.shape(1), room.data(), stops.data(), stops.shape(0)};
   }
-  return rooms;
-}
+};
 
 // Arrays a decoder binds once and keeps alive (a model's weights, its pool's buffers): each
 // checked as it is taken
@@ -988,6 +1006,17 @@ class BoundArrays {
     const int64_t per_word = std::is_floating_point_v<W> ? 1 : 2, columns = fastjudge::kPanelColumns;
     return {typed_array<W>(panels, key, {(out + columns - 1) / columns, (in + per_word - 1) / per_word, columns}), in,
             out};
+  }
+
+  // a greedy pick's head: the final norm [d] float32 and the output projection's panels (as
+  // dense_product takes them, bfloat16 input pairs where bf16) of `outputs` outputs, kept alive
+  std::pair<const float*, fastjudge::PackedWeight> head(const py::handle& final_norm, const py::handle& panels,
+                                                        int64_t d, int64_t outputs, bool bf16) {
+    if (outputs < 1) throw py::value_error("the head needs at least one output");
+    py::dict head;
+    head["final_norm"] = final_norm, head["panels"] = panels;
+    return {array<float>(head, "final_norm", {d}),
+            bf16 ? packed<uint32_t>(head, "panels", d, outputs) : packed<float>(head, "panels", d, outputs)};
   }
 
   template <typename T>
@@ -1088,33 +1117,21 @@ class QwenDecoder : BoundArrays {
   }
 
   void set_head(const py::handle& final_norm, const py::handle& panels, int64_t outputs) {
-    if (outputs < 1) throw py::value_error("the head needs at least one output");
-    py::dict head;
-    head["final_norm"] = final_norm, head["panels"] = panels;
-    model_.final_norm = array<float>(head, "final_norm", {model_.d});
-    model_.head = bf16_ ? packed<uint32_t>(head, "panels", model_.d, outputs)
-                        : packed<float>(head, "panels", model_.d, outputs);
+    std::tie(model_.final_norm, model_.head) = head(final_norm, panels, model_.d, outputs, bf16_);
   }
 
   int64_t run_picks(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& hidden,
                     const py::handle& picks, const py::handle& room, const py::handle& stops, int threads,
                     int64_t shared_columns, const py::handle& shared_from) {
-    const py::array t = py::array::ensure(tokens), p = py::array::ensure(picks);
-    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
-    const int64_t B = t.shape(0), S = t.shape(1);
-    if (!p || p.ndim() != 2 || p.shape(0) != B || p.shape(1) < 1) throw py::value_error("picks must be [B, steps]");
+    const RunArgs run(tokens, counts, picks, room, stops);
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
-    const Int64Array rows = row_counts(counts, B, S);
-    const Int64Array sources = shared_rows(shared_from, B);
-    const Int64Array rooms = run_room(room, B), stop_ids = as_int64_vector(stops, "stops");
-    const fastjudge::QwenStepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
-                                         cos_data_, sin_data_, table_positions_, shared_columns,
+    const Int64Array sources = shared_rows(shared_from, run.B);
+    const fastjudge::QwenStepInput input{run.tokens, run.counts.data(), run.B, run.S, start, cos_data_, sin_data_,
+                                         table_positions_, shared_columns,
                                          shared_from.is_none() ? nullptr : sources.data()};
-    const fastjudge::RunLimits limits{p.shape(1), rooms.data(), stop_ids.data(), stop_ids.shape(0)};
-    int64_t* chosen = typed_array<int64_t>(picks, "picks", {B, limits.steps}, true);
     int64_t ran = 0;
-    run_step(bf16_, hidden, {B, model_.d}, [&](auto* dst) {
-      ran = fastjudge::qwen_decode_run(model_, input, limits, dst, chosen, scratch_, threads);
+    run_step(bf16_, hidden, {run.B, model_.d}, [&](auto* dst) {
+      ran = fastjudge::qwen_decode_run(model_, input, run.limits, dst, run.picks, scratch_, threads);
     });
     return ran;
   }
@@ -1230,34 +1247,24 @@ class T5Decoder : BoundArrays {
   }
 
   void set_head(const py::handle& final_norm, const py::handle& panels, int64_t outputs, float scale) {
-    if (outputs < 1) throw py::value_error("the head needs at least one output");
-    py::dict head;
-    head["final_norm"] = final_norm, head["panels"] = panels;
-    model_.final_norm = array<float>(head, "final_norm", {model_.d});
-    model_.head = bf16_ ? packed<uint32_t>(head, "panels", model_.d, outputs)
-                        : packed<float>(head, "panels", model_.d, outputs);
+    std::tie(model_.final_norm, model_.head) = head(final_norm, panels, model_.d, outputs, bf16_);
     model_.head_scale = scale;
   }
 
   int64_t run_picks(const py::handle& tokens, const py::handle& counts, int64_t start, bool projected,
                     const py::handle& picks, const py::handle& room, const py::handle& stops,
                     const py::handle& tracked_ids, const py::handle& tracked, int threads) {
-    const py::array t = py::array::ensure(tokens), p = py::array::ensure(picks);
-    if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
-    const int64_t B = t.shape(0), S = t.shape(1);
-    if (!p || p.ndim() != 2 || p.shape(0) != B || p.shape(1) < 1) throw py::value_error("picks must be [B, steps]");
+    const RunArgs run(tokens, counts, picks, room, stops);
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
-    const Int64Array rows = row_counts(counts, B, S);
-    const Int64Array rooms = run_room(room, B), stop_ids = as_int64_vector(stops, "stops");
     const Int64Array ids = as_int64_vector(tracked_ids, "tracked_ids");
-    const fastjudge::T5StepInput input{typed_array<int64_t>(tokens, "tokens", {B, S}), rows.data(), B, S, start,
-                                       projected};
-    const fastjudge::RunLimits limits{p.shape(1), rooms.data(), stop_ids.data(), stop_ids.shape(0)};
-    const fastjudge::T5Tracked kept{ids.data(), ids.shape(0),
-                                    typed_array<float>(tracked, "tracked", {B, limits.steps, ids.shape(0)}, true)};
-    int64_t* chosen = typed_array<int64_t>(picks, "picks", {B, limits.steps}, true);
+    const fastjudge::T5StepInput input{run.tokens, run.counts.data(), run.B, run.S, start, projected};
+    const fastjudge::T5Tracked kept{
+        ids.data(), ids.shape(0),
+        typed_array<float>(tracked, "tracked", {run.B, run.limits.steps, ids.shape(0)}, true)};
     int64_t ran = 0;
-    alone([&] { ran = fastjudge::t5_decode_run(model_, input, limits, kept, chosen, bf16_, scratch_, threads); });
+    alone([&] {
+      ran = fastjudge::t5_decode_run(model_, input, run.limits, kept, run.picks, bf16_, scratch_, threads);
+    });
     return ran;
   }
 

@@ -39,6 +39,24 @@ def bf16_form(request):
     _engine.bf16_dot_products(True)
 
 
+def record_runs(monkeypatch, owner, name: str) -> list[int]:
+    """The steps of every run of picking steps from now on: ``owner.name`` (the Qwen
+    ``EngineStep.run_picks``, whose picks are [B, n], or T5's ``decode.run_pick_steps``, whose
+    picks come first in a pair) wrapped to record each call's n; calls that ran nothing (None)
+    record nothing."""
+    runs = []
+    real = getattr(owner, name)
+
+    def recorded(*args):
+        out = real(*args)
+        if out is not None:
+            runs.append((out[0] if isinstance(out, tuple) else out).shape[1])
+        return out
+
+    monkeypatch.setattr(owner, name, recorded)
+    return runs
+
+
 def write_lines(path, lines):
     """A JSONL input file of ``lines`` (each already JSON, or deliberately not)."""
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

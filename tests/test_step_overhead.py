@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from conftest import TEST_DEVICE  # noqa: E402
+from conftest import TEST_DEVICE, record_runs  # noqa: E402
 from test_jump_forward import adversarial_biases, biased, json_spec, requests_for  # noqa: E402
 
 from fastjudge.backends.qwen.backend import TorchQwenBackend  # noqa: E402
@@ -58,15 +58,7 @@ def test_qwen_text_runs_count_every_step(qwen_backend, monkeypatch):
     prefix = rng.integers(5, 200, size=24)
     reqs = [Request(i, np.concatenate([prefix, rng.integers(5, 200, size=3 + i)]), Text(10), prefix_len=len(prefix))
             for i in range(4)]
-    runs = []
-    real = EngineStep.run_picks
-
-    def counted(self, *args):
-        picks = real(self, *args)
-        runs.append(picks.shape[1])
-        return picks
-
-    monkeypatch.setattr(EngineStep, "run_picks", counted)
+    runs = record_runs(monkeypatch, EngineStep, "run_picks")
     qwen_backend.run(reqs)  # warm-up
     runs.clear()
     qwen_backend.reset_decode_stats()
@@ -102,15 +94,7 @@ def test_t5_runs_count_every_step(t5_backend, monkeypatch):
         pytest.skip("the engine's steps run on the CPU")
     from fastjudge.backends.t5 import decode as t5_decode
 
-    runs = []
-    real = t5_decode.run_pick_steps
-
-    def counted(*args):
-        picked = real(*args)
-        runs.append(picked[0].shape[1])
-        return picked
-
-    monkeypatch.setattr(t5_decode, "run_pick_steps", counted)
+    runs = record_runs(monkeypatch, t5_decode, "run_pick_steps")
     rng = np.random.default_rng(3)
     reqs = [Request(i, rng.integers(5, 200, size=20 + i), Text(12, track_ids=(3, 10, 11))) for i in range(3)]
     t5_backend.run(reqs)  # warm-up

@@ -13,6 +13,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import record_runs
 
 from fastjudge import _engine
 from fastjudge.backends.dense import prepare_dense
@@ -300,15 +301,7 @@ def test_greedy_decoding_with_and_without_runs(t5_dir, dtype, monkeypatch):
     requests = [Request(i, rng.integers(5, 200, size=int(n)), Text(10, track_ids=(3, 10, 11)))
                 for i, n in enumerate(rng.integers(6, 30, size=5))]
     b.project_at = 3
-    runs = []
-    real = t5_decode.run_pick_steps
-
-    def counted(*args):
-        picked = real(*args)
-        runs.append(picked[0].shape[1])
-        return picked
-
-    monkeypatch.setattr(t5_decode, "run_pick_steps", counted)
+    runs = record_runs(monkeypatch, t5_decode, "run_pick_steps")
     ours = b.run(requests)
     monkeypatch.setattr(t5_decode, "run_pick_steps", lambda *args: None)
     theirs = b.run(requests)
