@@ -46,6 +46,7 @@ int64_t run_steps(const Input& input, const RunLimits& limits, int64_t* picks, P
     in.tokens = fed.data(), in.S = 1, in.counts = ones.data();
   }
 }
+
 // v holds at least n values (grown, never shrunk or cleared: steady decoding allocates nothing)
 template <typename T>
 void hold(std::vector<T>& v, int64_t n) {

@@ -97,11 +97,12 @@ void t5_decode_step(const T5StepModel& model, const T5StepInput& input, uint16_t
 // times head_scale, the head (each rounded to the model's type, as the tensor ops' logits are)
 // and the index of the largest logit (the first of equal ones, the first NaN, as torch's argmax)
 // into column s of picks [B, steps] (row-major; columns past the steps run untouched), and the
-// logits of the tracked ids (as float32) into tracked.logits [B, steps, tracked.count]. The first step feeds input's tokens, each later one every row's pick of the
-// step before, as far as `limits` allow (step_ops.hpp). bf16: the model's type is bfloat16 (its
-// embeddings', panels' and encoder states'), else float32. Returns the steps run. Throws
-// std::invalid_argument where the model has no head, on a tracked id outside its outputs, or as
-// the step does (the steps before it have run).
+// logits of the tracked ids (as float32) into tracked.logits [B, steps, tracked.count]. The first
+// step feeds input's tokens, each later one every row's pick of the step before, as far as
+// `limits` allow (step_ops.hpp). bf16: the model's type is bfloat16 (its embeddings', panels' and
+// encoder states'), else float32. Returns the steps run. Throws std::invalid_argument where the
+// model has no head, on a tracked id outside its outputs, or as the step does (the steps before
+// it have run).
 struct T5Tracked {
   const int64_t* ids = nullptr;
   int64_t count = 0;
