@@ -962,17 +962,20 @@ dtype, layout or shape.)doc");
 // ---------------------------------------------------------------------------------------
 
 // A run of picking steps' arguments, checked: tokens [B, S] int64 with their counts, picks
-// [B, steps] int64 (written), room [B] (the tokens each row may still pick, each at least 1) and
-// the stop ids, as RunLimits reads them (the arrays kept here)
+// [B, steps] int64 (written), room [B] (the tokens each row may still pick, each at least 1), the
+// stop ids, as RunLimits reads them, and the tracked ids (K int64) with their logits [B, steps, K]
+// float32 (written), as TrackedLogits reads them (the arrays kept here)
 struct RunArgs {
   int64_t B = 0, S = 0;
   const int64_t* tokens = nullptr;
   int64_t* picks = nullptr;
-  Int64Array counts, room, stops;
+  Int64Array counts, room, stops, ids;
   fastjudge::RunLimits limits;
+  fastjudge::TrackedLogits tracked;
 
   RunArgs(const py::handle& token_array, const py::handle& count_array, const py::handle& pick_array,
-          const py::handle& room_array, const py::handle& stop_array) {
+          const py::handle& room_array, const py::handle& stop_array, const py::handle& id_array,
+          const py::handle& tracked_array) {
     const py::array t = py::array::ensure(token_array), p = py::array::ensure(pick_array);
     if (!t || t.ndim() != 2) throw py::value_error("tokens must be [B, S]");
     B = t.shape(0), S = t.shape(1);
@@ -986,6 +989,9 @@ struct RunArgs {
       if (room.at(b) < 1) throw py::value_error("every row's room must be at least one token");
     }
     limits = {p.shape(1), room.data(), stops.data(), stops.shape(0)};
+    ids = as_int64_vector(id_array, "tracked_ids");
+    tracked = {ids.data(), ids.shape(0), typed_array<float>(tracked_array, "tracked", {B, limits.steps, ids.shape(0)},
+                                                            true)};
   }
 };
 
@@ -1121,9 +1127,10 @@ class QwenDecoder : BoundArrays {
   }
 
   int64_t run_picks(const py::handle& tokens, const py::handle& counts, int64_t start, const py::handle& hidden,
-                    const py::handle& picks, const py::handle& room, const py::handle& stops, int threads,
-                    int64_t shared_columns, const py::handle& shared_from) {
-    const RunArgs run(tokens, counts, picks, room, stops);
+                    const py::handle& picks, const py::handle& room, const py::handle& stops,
+                    const py::handle& tracked_ids, const py::handle& tracked, int threads, int64_t shared_columns,
+                    const py::handle& shared_from) {
+    const RunArgs run(tokens, counts, picks, room, stops, tracked_ids, tracked);
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
     const Int64Array sources = shared_rows(shared_from, run.B);
     const fastjudge::QwenStepInput input{run.tokens, run.counts.data(), run.B, run.S, start, cos_data_, sin_data_,
@@ -1131,7 +1138,7 @@ class QwenDecoder : BoundArrays {
                                          shared_from.is_none() ? nullptr : sources.data()};
     int64_t ran = 0;
     run_step(bf16_, hidden, {run.B, model_.d}, [&](auto* dst) {
-      ran = fastjudge::qwen_decode_run(model_, input, run.limits, dst, run.picks, scratch_, threads);
+      ran = fastjudge::qwen_decode_run(model_, input, run.limits, run.tracked, dst, run.picks, scratch_, threads);
     });
     return ran;
   }
@@ -1254,16 +1261,12 @@ class T5Decoder : BoundArrays {
   int64_t run_picks(const py::handle& tokens, const py::handle& counts, int64_t start, bool projected,
                     const py::handle& picks, const py::handle& room, const py::handle& stops,
                     const py::handle& tracked_ids, const py::handle& tracked, int threads) {
-    const RunArgs run(tokens, counts, picks, room, stops);
+    const RunArgs run(tokens, counts, picks, room, stops, tracked_ids, tracked);
     if (!model_.head.panels) throw py::value_error("the decoder has no head: set_head first");
-    const Int64Array ids = as_int64_vector(tracked_ids, "tracked_ids");
     const fastjudge::T5StepInput input{run.tokens, run.counts.data(), run.B, run.S, start, projected};
-    const fastjudge::T5Tracked kept{
-        ids.data(), ids.shape(0),
-        typed_array<float>(tracked, "tracked", {run.B, run.limits.steps, ids.shape(0)}, true)};
     int64_t ran = 0;
     alone([&] {
-      ran = fastjudge::t5_decode_run(model_, input, run.limits, kept, run.picks, bf16_, scratch_, threads);
+      ran = fastjudge::t5_decode_run(model_, input, run.limits, run.tracked, run.picks, bf16_, scratch_, threads);
     });
     return ran;
   }
@@ -1378,16 +1381,18 @@ capacity or positions past the rotary tables.)doc")
            R"doc(The head run_picks runs: the final norm [d] float32 and the output projection's panels
 (as dense_product takes them) of `outputs` outputs (kept alive).)doc")
       .def("run_picks", &QwenDecoder::run_picks, py::arg("tokens"), py::arg("counts"), py::arg("start"),
-           py::arg("hidden"), py::arg("picks"), py::arg("room"), py::arg("stops"), py::arg("threads") = 1,
-           py::arg("shared_columns") = 0, py::arg("shared_from") = py::none(),
+           py::arg("hidden"), py::arg("picks"), py::arg("room"), py::arg("stops"), py::arg("tracked_ids"),
+           py::arg("tracked"), py::arg("threads") = 1, py::arg("shared_columns") = 0,
+           py::arg("shared_from") = py::none(),
            R"doc(greedy decoding's steps back to back in one call, and how many ran. Each is step, then
 greedy decoding's pick: hidden [B, d] gets each row's last real token's output (before the final
 norm; the last column where counts[b] is 0), column s of picks [B, steps] int64 the index of the
 largest of that row's logits at step s (final norm and head in the model's type; the first of
-equal ones, the first NaN, as torch's argmax). The first step feeds tokens, each later one the
-picks of the step before, until steps have run or a row ends: it picked one of stops (int64) or
-room[b] (each at least 1) tokens. Raises ValueError as step does (the steps before have run), or
-where no head was set.)doc");
+equal ones, the first NaN, as torch's argmax), and tracked [B, steps, K] float32 the logits of
+tracked_ids (K int64). The first step feeds tokens, each later one the picks of the step before,
+until steps have run or a row ends: it picked one of stops (int64) or room[b] (each at least 1)
+tokens. Raises ValueError as step does (the steps before have run), on a tracked id past the
+head, or where no head was set.)doc");
 }
 }  // namespace
 

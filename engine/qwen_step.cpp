@@ -82,11 +82,13 @@ class Step {
     std::memcpy(out, buf_.x.data(), in_.B * in_.S * m_.d * sizeof(T));
   }
 
-  // each row's last real token: its hidden state into hidden [B, d] and the greedy pick of its
-  // logits into picks [B]; the final norm and the head as the model's own ops run them on those
-  // rows (the engine's RMSNorm and projection: the same bits at any row count)
-  void pick(T* hidden, int64_t* picks) {
+  // each row's last real token: its hidden state into hidden [B, d], the greedy pick of its
+  // logits into picks [B] and the tracked ids' logits at step s of `steps`; the final norm and
+  // the head as the model's own ops run them on those rows (the engine's RMSNorm and projection:
+  // the same bits at any row count)
+  void pick(T* hidden, int64_t* picks, const TrackedLogits& tracked, int64_t s, int64_t steps) {
     if (!m_.final_norm || !m_.head.panels) throw std::invalid_argument("the decoder has no head");
+    check_tracked(tracked, m_.head.out);
     layers();
     const int64_t B = in_.B, S = in_.S, d = m_.d, V = m_.head.out;
     for (int64_t b = 0; b < B; ++b) {
@@ -97,6 +99,7 @@ class Step {
     hold(buf_.logits, B * V);
     project(buf_.normed.data(), B, m_.head, buf_.logits.data(), threads_);
     greedy_picks(buf_.logits.data(), B, V, picks, threads_);
+    keep_tracked(buf_.logits.data(), B, V, tracked, s, steps);
   }
 
  private:
@@ -234,17 +237,19 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
 }
 
 int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
-                        float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
-  return run_steps(input, limits, picks, [&](const QwenStepInput& in, int64_t, int64_t* chosen) {
-    Step<float>(model, in, scratch.f32, threads).pick(hidden, chosen);
+                        const TrackedLogits& tracked, float* hidden, int64_t* picks, QwenStepScratch& scratch,
+                        int threads) {
+  return run_steps(input, limits, picks, [&](const QwenStepInput& in, int64_t s, int64_t* chosen) {
+    Step<float>(model, in, scratch.f32, threads).pick(hidden, chosen, tracked, s, limits.steps);
   });
 }
 
 int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
-                        uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads) {
+                        const TrackedLogits& tracked, uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch,
+                        int threads) {
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
-  return run_steps(input, limits, picks, [&](const QwenStepInput& in, int64_t, int64_t* chosen) {
-    Step<uint16_t>(model, in, scratch.bf16, threads).pick(hidden, chosen);
+  return run_steps(input, limits, picks, [&](const QwenStepInput& in, int64_t s, int64_t* chosen) {
+    Step<uint16_t>(model, in, scratch.bf16, threads).pick(hidden, chosen, tracked, s, limits.steps);
   });
 }
 

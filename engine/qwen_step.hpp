@@ -105,13 +105,16 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
 // last column where counts[b] is 0) into hidden [B, d], and the index of the largest of its
 // logits (final norm, then the head, in the model's type; the first of equal ones, as torch's
 // argmax of the same logits) into column s of picks [B, steps] (row-major; columns past the steps
-// run untouched). The first step feeds input's tokens, each later one every row's pick of the
+// run untouched), and the logits of the tracked ids (as float32) into tracked.logits [B, steps,
+// tracked.count]. The first step feeds input's tokens, each later one every row's pick of the
 // step before (one token a row), as far as `limits` allow (step_ops.hpp). Returns the steps run.
-// Throws std::invalid_argument where the model has no head, or as the step does (the steps before
-// it have run).
+// Throws std::invalid_argument where the model has no head, on a tracked id outside its outputs,
+// or as the step does (the steps before it have run).
 int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
-                        float* hidden, int64_t* picks, QwenStepScratch& scratch, int threads);
+                        const TrackedLogits& tracked, float* hidden, int64_t* picks, QwenStepScratch& scratch,
+                        int threads);
 int64_t qwen_decode_run(const QwenStepModel& model, const QwenStepInput& input, const RunLimits& limits,
-                        uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch, int threads);
+                        const TrackedLogits& tracked, uint16_t* hidden, int64_t* picks, QwenStepScratch& scratch,
+                        int threads);
 
 }  // namespace fastjudge

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "cpu_parallel.hpp"
 #include "vector_math.hpp"
@@ -41,7 +42,32 @@ void picks_of(const T* logits, int64_t B, int64_t V, int64_t* picks, int threads
   });
 }
 
+template <typename T>
+void keep_of(const T* logits, int64_t B, int64_t V, const TrackedLogits& tracked, int64_t s, int64_t steps) {
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < tracked.count; ++i) {
+      tracked.logits[(b * steps + s) * tracked.count + i] = to_float(logits[b * V + tracked.ids[i]]);
+    }
+  }
+}
+
 }  // namespace
+
+void check_tracked(const TrackedLogits& tracked, int64_t V) {
+  for (int64_t i = 0; i < tracked.count; ++i) {
+    if (tracked.ids[i] < 0 || tracked.ids[i] >= V) throw std::invalid_argument("a tracked id past the head");
+  }
+}
+
+void keep_tracked(const float* logits, int64_t B, int64_t V, const TrackedLogits& tracked, int64_t s,
+                  int64_t steps) {
+  keep_of(logits, B, V, tracked, s, steps);
+}
+
+void keep_tracked(const uint16_t* logits, int64_t B, int64_t V, const TrackedLogits& tracked, int64_t s,
+                  int64_t steps) {
+  keep_of(logits, B, V, tracked, s, steps);
+}
 
 void greedy_picks(const float* logits, int64_t B, int64_t V, int64_t* picks, int threads) {
   picks_of(logits, B, V, picks, threads);

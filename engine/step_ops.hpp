@@ -16,6 +16,21 @@ void add(uint16_t* x, const uint16_t* y, int64_t n);
 // as torch's argmax picks it: the first of equal maxima, the first NaN where a row has one
 void greedy_picks(const float* logits, int64_t B, int64_t V, int64_t* picks, int threads);
 void greedy_picks(const uint16_t* logits, int64_t B, int64_t V, int64_t* picks, int threads);
+// The logits a run keeps of a few ids at every step (LAVE's rating tokens): ids [count], and
+// logits [B, steps, count] float32, written
+struct TrackedLogits {
+  const int64_t* ids = nullptr;
+  int64_t count = 0;
+  float* logits = nullptr;
+};
+// std::invalid_argument where a tracked id lies outside V logits
+void check_tracked(const TrackedLogits& tracked, int64_t V);
+// each row's logits of the tracked ids (of logits [B, V], float32 or bfloat16 bits) into
+// tracked.logits at step s of `steps`
+void keep_tracked(const float* logits, int64_t B, int64_t V, const TrackedLogits& tracked, int64_t s,
+                  int64_t steps);
+void keep_tracked(const uint16_t* logits, int64_t B, int64_t V, const TrackedLogits& tracked, int64_t s,
+                  int64_t steps);
 // How far a run of greedy decoding steps may go without the host (qwen_decode_run,
 // t5_decode_run): at most `steps` steps, ending after the step where any row picks one of the
 // stop ids or its last allowed token (room[b], each at least 1: the tokens row b may still pick,

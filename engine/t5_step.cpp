@@ -38,12 +38,10 @@ class Step {
   }
 
   // the step, then each row's last real token's logits (final norm, head_scale, head) and its
-  // greedy pick into picks [B]; the logits of `tracked` ids into tracked_out [B, row_stride]
-  void pick(int64_t* picks, const T5Tracked& tracked, float* tracked_out, int64_t row_stride) {
+  // greedy pick into picks [B]; the tracked ids' logits at step s of `steps`
+  void pick(int64_t* picks, const TrackedLogits& tracked, int64_t s, int64_t steps) {
     if (!m_.final_norm || !m_.head.panels) throw std::invalid_argument("the decoder has no head");
-    for (int64_t i = 0; i < tracked.count; ++i) {
-      if (tracked.ids[i] < 0 || tracked.ids[i] >= m_.head.out) throw std::invalid_argument("a tracked id past the head");
-    }
+    check_tracked(tracked, m_.head.out);
     layers();
     const int64_t B = in_.B, S = in_.S, d = m_.d, V = m_.head.out;
     T* last = buf_.mixed.data();
@@ -58,11 +56,7 @@ class Step {
     hold(buf_.logits, B * V);
     project(buf_.normed.data(), B, m_.head, buf_.logits.data(), threads_);
     greedy_picks(buf_.logits.data(), B, V, picks, threads_);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t i = 0; i < tracked.count; ++i) {
-        tracked_out[b * row_stride + i] = to_float(buf_.logits[b * V + tracked.ids[i]]);
-      }
-    }
+    keep_tracked(buf_.logits.data(), B, V, tracked, s, steps);
   }
 
  private:
@@ -219,17 +213,16 @@ class Step {
 
 template <typename T>
 int64_t decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
-                   const T5Tracked& tracked, int64_t* picks, T5StepBuffers<T>& buffers, int threads) {
+                   const TrackedLogits& tracked, int64_t* picks, T5StepBuffers<T>& buffers, int threads) {
   return run_steps(input, limits, picks, [&](const T5StepInput& in, int64_t s, int64_t* chosen) {
-    Step<T>(model, in, buffers, threads).pick(chosen, tracked, tracked.logits + s * tracked.count,
-                                              limits.steps * tracked.count);
+    Step<T>(model, in, buffers, threads).pick(chosen, tracked, s, limits.steps);
   });
 }
 
 }  // namespace
 
 int64_t t5_decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
-                      const T5Tracked& tracked, int64_t* picks, bool bf16, T5StepScratch& scratch, int threads) {
+                      const TrackedLogits& tracked, int64_t* picks, bool bf16, T5StepScratch& scratch, int threads) {
   if (!bf16) return decode_run(model, input, limits, tracked, picks, scratch.f32, threads);
   if (!bf16_dense_available()) throw std::runtime_error("bfloat16 steps need AVX512-BF16");
   return decode_run(model, input, limits, tracked, picks, scratch.bf16, threads);

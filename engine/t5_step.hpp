@@ -103,12 +103,7 @@ void t5_decode_step(const T5StepModel& model, const T5StepInput& input, uint16_t
 // encoder states'), else float32. Returns the steps run. Throws std::invalid_argument where the
 // model has no head, on a tracked id outside its outputs, or as the step does (the steps before
 // it have run).
-struct T5Tracked {
-  const int64_t* ids = nullptr;
-  int64_t count = 0;
-  float* logits = nullptr;  // [B, steps, count]
-};
 int64_t t5_decode_run(const T5StepModel& model, const T5StepInput& input, const RunLimits& limits,
-                      const T5Tracked& tracked, int64_t* picks, bool bf16, T5StepScratch& scratch, int threads);
+                      const TrackedLogits& tracked, int64_t* picks, bool bf16, T5StepScratch& scratch, int threads);
 
 }  // namespace fastjudge

@@ -94,15 +94,20 @@ def adversarial_biases(backend) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def biased(backend, bias: torch.Tensor):
-    """The model's full-vocabulary logits (what greedy decoding reads) plus ``bias``."""
+    """The model's full-vocabulary logits (what greedy decoding reads) plus ``bias``. The bias
+    lives in ``model.logits`` on the host, so the CPU engine's steps that pick inside their own
+    call (``model.run_pick_step``) step aside meanwhile: every pick then reads the biased logits."""
+    from fastjudge.backends.qwen import backend as qwen_backend
+
     model = backend.model
-    original = model.logits
+    original, picking = model.logits, qwen_backend.run_pick_step
     bias = bias.to(backend.device)
     model.logits = lambda hidden, rows=None: original(hidden, rows) + (bias if rows is None else 0)
+    qwen_backend.run_pick_step = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        model.logits = original
+        model.logits, qwen_backend.run_pick_step = original, picking
 
 
 def requests_for(spec, n: int = 3, seed: int = 0) -> list[Request]:

@@ -214,7 +214,7 @@ def step_and_pick_both_ways(model, pool, new, counts):
     other = copy.deepcopy(pool)
     other.held = pool.held.copy()
     hidden = torch.empty(len(new) + 2, model.s.hidden, dtype=model.embed.dtype)  # wider, as the loop's
-    picks = qwen_model.run_pick_step(model, pool, 0, new, counts, hidden)[:, 0]
+    picks = qwen_model.run_pick_step(model, pool, 0, new, counts, hidden)[0][:, 0]
     out = qwen_model.run_step(model, other, 0, new, counts)
     last = out[torch.arange(len(new)), torch.tensor(counts) - 1]
     return picks, hidden[:len(new)], last, model.logits(last).argmax(-1), pool, other
@@ -274,9 +274,10 @@ def test_pick_takes_the_first_of_equal_logits_and_the_first_nan(model_dir):
 def test_a_run_of_picking_steps_is_the_steps_one_call_each(model_dir, dtype):
     """``run_pick_step`` given room for several steps (``EngineStep.run_picks``: the steps back
     to back in one engine call, each feeding the picks of the one before) against one picking
-    step a call, feeding the picks: the same picks at every step, the same last hidden states
-    and pool, bit for bit; the run stops after the step where a row's room runs out, or where a
-    row picks a stop token (a token the steps pick, made a stop), and at its step limit."""
+    step a call, feeding the picks: the same picks at every step, the tracked ids' logits the
+    host's ``model.logits`` gives each step's states, the same last hidden states and pool, bit
+    for bit; the run stops after the step where a row's room runs out, or where a row picks a
+    stop token (a token the steps pick, made a stop), and at its step limit."""
     b = backend(model_dir, dtype)
     model, vocab = b.model, b.model.embed.shape[0]
     rng = np.random.default_rng(4)
@@ -290,35 +291,42 @@ def test_a_run_of_picking_steps_is_the_steps_one_call_each(model_dir, dtype):
         twin.held = pool.held.copy()
         return twin
 
+    track = [3, 7, 11]
+
     def one_a_call(pool, steps):
         hidden = torch.empty(rows, model.s.hidden, dtype=model.embed.dtype)
-        fed, columns = first, []
+        fed, columns, tracked = first, [], []
         for _ in range(steps):
-            columns.append(qwen_model.run_pick_step(model, pool, 0, fed, ones, hidden)[:, 0])
+            columns.append(qwen_model.run_pick_step(model, pool, 0, fed, ones, hidden)[0][:, 0])
+            tracked.append(model.logits(hidden)[:, track].numpy())
             fed = torch.tensor(columns[-1])[:, None]
-        return np.stack(columns, 1), hidden
+        return np.stack(columns, 1), hidden, np.stack(tracked, 1)
 
-    theirs, _ = one_a_call(copied(start), 6)
+    theirs, _, _ = one_a_call(copied(start), 6)
     stop = int(theirs[2, 3])  # the run ends at the first step any row picks it
     stopped = 1 + min(s for s in range(4) if stop in theirs[:, s])
     for room, stops, limit, ran in [([9, 7, 9, 9, 9], (), 8, 7), ([9] * rows, (), 4, 4),
                                     ([9] * rows, (stop,), 9, stopped), ([1] * rows, (), 8, 1)]:
         ours, other = copied(start), copied(start)
         hidden = torch.empty(rows + 2, model.s.hidden, dtype=model.embed.dtype)
-        picks = qwen_model.run_pick_step(model, ours, 0, first, ones, hidden, room=room, stops=stops, steps=limit)
+        picks, logits = qwen_model.run_pick_step(model, ours, 0, first, ones, hidden, room=room, stops=stops,
+                                                 steps=limit, track=track)
         assert picks.shape == (rows, ran) and picks.dtype == np.int64
-        expected, last = one_a_call(other, ran)
+        expected, last, expected_logits = one_a_call(other, ran)
+        assert np.array_equal(logits, expected_logits)
         assert picks.tolist() == expected.tolist() and torch.equal(hidden[:rows], last)
         assert_same_state(ours, other, exact=True)
         assert ours.held.tolist() == other.held.tolist()
 
 
+@pytest.mark.parametrize("track", [(), (3, 10, 11)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_text_decoding_with_and_without_the_picking_step(model_dir, dtype, monkeypatch):
-    """Text rows decoded with the step's own pick give the tokens decoding with the host's pick
-    gives (``model.logits`` of the hidden states, ``argmax``, one copy): rows stopping at stop
-    tokens on different steps, rows joining as others leave (``max_decode_rows``), the decode
-    counters alike."""
+def test_greedy_text_decoding_with_and_without_the_picking_step(model_dir, dtype, track, monkeypatch):
+    """Text rows decoded with the step's own pick (runs of steps in one call) give the tokens
+    decoding with the host's pick gives (``model.logits`` of the hidden states, ``argmax``, one
+    copy), and with ``track`` ids (LAVE's rationale rows) the same tracked logits at every
+    step: rows stopping at stop tokens on different steps, rows joining as others leave
+    (``max_decode_rows``), the decode counters alike."""
     from fastjudge.backends.qwen import backend as qwen_backend
     from fastjudge.runtime.requests import Request, Text
 
@@ -336,14 +344,16 @@ def test_greedy_text_decoding_with_and_without_the_picking_step(model_dir, dtype
 
     def decode():
         b.reset_decode_stats()
-        outs = b.run([Request(i, p, Text(12), prefix_len=len(prefix)) for i, p in enumerate(prompts)])
-        return [o.token_ids for o in outs], dict(b.decode_stats)
+        outs = b.run([Request(i, p, Text(12, track_ids=track), prefix_len=len(prefix))
+                      for i, p in enumerate(prompts)])
+        return [(o.token_ids, None if o.tracked_logits is None else o.tracked_logits.tolist()) for o in outs], \
+            dict(b.decode_stats)
 
     real = qwen_backend.run_pick_step
     b.max_decode_rows = 3
     first, _ = decode()
     # stop tokens that rows meet at different steps: a token some row picks early
-    stops = {tokens[k] for tokens, k in zip(first, (2, 5, 8)) if len(tokens) > k}
+    stops = {tokens[k] for (tokens, _), k in zip(first, (2, 5, 8)) if len(tokens) > k}
     monkeypatch.setattr(b.codec, "eos_token_ids", frozenset(stops))
     monkeypatch.setattr(qwen_backend, "run_pick_step", counting)
     ours, our_stats = decode()
@@ -351,7 +361,8 @@ def test_greedy_text_decoding_with_and_without_the_picking_step(model_dir, dtype
     theirs, their_stats = decode()
     assert ours == theirs and our_stats == their_stats
     assert any(picked) and all(picked)
-    assert len({len(t) for t in ours}) > 1  # rows left on different steps
+    assert len({len(t) for t, _ in ours}) > 1  # rows left on different steps
+    assert all((kept is None) == (not track) for _, kept in ours)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

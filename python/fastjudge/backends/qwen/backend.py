@@ -335,7 +335,8 @@ class TorchQwenBackend:
             lambda reqs, start: self._prefill(reqs, [by_request[id(r)] for r in reqs], start),
             lambda tokens, counts: self._step(pool, 0, tokens, counts),
             self.codec.eos_token_ids, jump_forward=self.jump_forward, mask=mask, stats=self.decode_stats,
-            pick_step=lambda tokens, counts, hidden, room, stops: run_pick_step(
-                self.model, pool, 0, tokens, counts, hidden, self._compiled, room, stops, ENGINE_RUN_MAX_STEPS))
+            pick_step=lambda tokens, counts, hidden, room, stops, track: run_pick_step(
+                self.model, pool, 0, tokens, counts, hidden, self._compiled, room, stops, ENGINE_RUN_MAX_STEPS,
+                track))
         self.tokens_computed += decoded
         return outputs

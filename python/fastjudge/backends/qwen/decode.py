@@ -8,10 +8,10 @@ of all rows are filled on the host into one ``[rows, ceil(V/32)]`` bitmask
 (``runtime.grammar.TokenMask``) and applied to the batch's logits in one call; one argmax picks
 every row's token; and **one** device-to-host copy brings the chosen ids (with the tracked
 logits, when the spec tracks any) to the host. Everything else -- grammar state, stop tokens,
-budgets, which rows leave -- is decided on the host from that copy. Text rows with no tracked
-ids, where the CPU engine runs the step, have the step pick their next tokens in its own call
-(``pick_step``: final norm, head and argmax there, the same tokens), and the host gets the ids
-without a logits tensor; such steps run back to back in that call, each feeding the picks of the
+budgets, which rows leave -- is decided on the host from that copy. Text rows, where the CPU
+engine runs the step, have the step pick their next tokens in its own call (``pick_step``: final
+norm, head and argmax there, the same tokens, with any tracked ids' logits), and the host gets the
+ids without a logits tensor; such steps run back to back in that call, each feeding the picks of the
 one before, until a row ends (or the next step is for waiting rows to join). Three things keep
 every row of every model step doing real work:
 
@@ -79,9 +79,9 @@ class _Chooser:
                picked: np.ndarray | None = None) -> list[list[int]]:
         """The tokens each row (in slot order) feeds the model next: where the grammar forces
         the very next token, the forced run; else the token chosen from its row of ``logits``
-        [rows, V] (float32, masked in place), or ``picked`` (host int64 [rows]: text rows whose
-        step picked them already, no logits given), and the forced run after it. Empty when the
-        row ended on a stop token."""
+        [rows, V] (float32, masked in place), or ``picked`` (host [rows, 1 + K]: text rows whose
+        step picked them already, each row's pick then its K tracked ids' logits; no logits
+        given), and the forced run after it. Empty when the row ended on a stop token."""
         feeds: list[list[int]] = [[] for _ in rows]
         choosing, from_logits = [], []  # rows choosing; (row, token index, slot) tracked from logits
         for j, row in enumerate(rows):
@@ -92,7 +92,7 @@ class _Chooser:
         if not choosing and not from_logits:
             return feeds
         if picked is not None:
-            host = picked[:, None].tolist()
+            host = picked.tolist()
         else:
             tracked = logits[:, self.track] if self.track is not None else None  # before masking
             if self.mask is not None:
@@ -117,12 +117,14 @@ class _Chooser:
                 self._force(row, j, feeds[j], from_logits)
         return feeds
 
-    def accept_run(self, rows: Sequence[_Row], run: np.ndarray) -> None:
+    def accept_run(self, rows: Sequence[_Row], run: np.ndarray, tracked: np.ndarray) -> None:
         """Tokens ``run`` [rows, n] (host int64) that a run of steps picked and fed on to the next
         step of the run (``pick_step``: text rows, none of them a stop token or past a row's
-        limit), each row's in order."""
-        for row, tokens in zip(rows, run.tolist()):
+        limit), each row's in order, with the tracked ids' logits at each ([rows, n, K])."""
+        for row, tokens, kept in zip(rows, run.tolist(), tracked.tolist()):
             row.tokens += tokens
+            if self.track is not None:
+                row.tracked += kept
         self.stats["tokens_computed"] += run.size
 
     def _force(self, row: _Row, j: int, fed: list[int], from_logits: list) -> None:
@@ -164,8 +166,8 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
                   step: Callable[[torch.Tensor, list[int]], torch.Tensor],
                   eos_token_ids: set[int], jump_forward: bool = False, mask=None,
                   stats: dict | None = None,
-                  pick_step: Callable[[torch.Tensor, list[int], torch.Tensor, list[int], Sequence[int]],
-                                      np.ndarray | None] | None = None
+                  pick_step: Callable[[torch.Tensor, list[int], torch.Tensor, list[int], Sequence[int],
+                                       Sequence[int]], tuple[np.ndarray, np.ndarray] | None] | None = None
                   ) -> tuple[list[Output], int]:
     """Greedy decoding of ``batch`` (one Text/Json spec). ``matchers``: per row, a grammar
     matcher (Json) or None (Text); ``mask``: the batch's ``TokenMask`` (Json). ``pool``: the
@@ -175,12 +177,13 @@ def decode_greedy(model: QwenModel, batch: Sequence[Request], matchers: Sequence
     counts)``: one model step of the live rows (``model.run_step`` on the leading slots). ``stats``: counters
     ``tokens_computed`` (tokens chosen from logits), ``tokens_forced`` (tokens accepted by
     jump-forward) and ``decode_steps`` (model calls), stop tokens included, added to in place.
-    ``pick_step(tokens, counts, hidden, room, stops)``: for Text rows with no tracked ids, the
-    same step with the next tokens' greedy pick in it (``model.run_pick_step``), then maybe
-    more such steps in the same call, each feeding the picks of the one before, until a row picks
-    one of ``stops`` or as many tokens as its ``room``; it writes the rows' last hidden states
-    into ``hidden`` and returns the picks ([rows, steps run]), or None where it does not run
-    (``step`` then). Returns the outputs and the number of tokens run through the model."""
+    ``pick_step(tokens, counts, hidden, room, stops, track)``: for Text rows, the same step with
+    the next tokens' greedy pick in it (``model.run_pick_step``), then maybe more such steps in
+    the same call, each feeding the picks of the one before, until a row picks one of ``stops``
+    or as many tokens as its ``room``; it writes the rows' last hidden states into ``hidden`` and
+    returns the picks ([rows, steps run]) and the ``track`` ids' logits at each ([rows, steps
+    run, K]), or None where it does not run (``step`` then). Returns the outputs and the number
+    of tokens run through the model."""
     with record_function(DECODE_LABEL):
         return _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids, jump_forward, mask,
                        {"tokens_computed": 0, "tokens_forced": 0, "decode_steps": 0} if stats is None else stats,
@@ -198,10 +201,10 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
     blocks: list[torch.Tensor] = []  # tracked logits of forced tokens, on the device
     chooser = None
     fed_total = 0
-    # text rows with nothing tracked may have their next tokens picked by the step itself
-    picking = pick_step if mask is None and not track_ids else None
+    # text rows may have their next tokens picked by the step itself
+    picking = pick_step if mask is None else None
     stops = sorted(eos_token_ids)
-    picks = None  # the live rows' tokens picked by the last step (host int64), or None
+    picks = None  # host [rows, 1 + K]: each live row's pick by the last step, its tracked logits; or None
     while waiting or live:
         if waiting and len(live) < max_rows:  # refill: newcomers take the free slots
             new = [waiting.popleft() for _ in range(min(max_rows - len(live), len(waiting)))]
@@ -232,17 +235,18 @@ def _decode(model, batch, matchers, pool, max_rows, prefill, step, eos_token_ids
                 # rows wait for a free slot: the next step is theirs to join
                 room = [1] * len(live) if waiting and len(live) < max_rows else \
                     [spec.max_new_tokens - len(rows[i].tokens) for i in live]
-                picks = picking(tokens, counts, hidden, room, stops)
+                picks = picking(tokens, counts, hidden, room, stops, track_ids)
             if picks is None:
                 out = step(tokens, counts)
-        if picks is not None and picks.shape[1] > 1:  # a run of steps: all but its last picks fed on
-            count_run_steps(picks.shape[1] - 1)
-            chooser.accept_run([rows[i] for i in live], picks[:, :-1])
-            fed_total += picks[:, 1:].size
-            stats["decode_steps"] += picks.shape[1] - 1
         if picks is not None:
-            picks = picks[:, -1]
-        if picks is None:
+            run, kept = picks
+            if run.shape[1] > 1:  # a run of steps: all but its last picks fed on within it
+                count_run_steps(run.shape[1] - 1)
+                chooser.accept_run([rows[i] for i in live], run[:, :-1], kept[:, :-1])
+                fed_total += run[:, 1:].size
+                stats["decode_steps"] += run.shape[1] - 1
+            picks = np.concatenate([run[:, -1:], kept[:, -1]], 1)  # each row's last pick, its tracked logits
+        else:
             last = torch.tensor(counts).to(out.device) - 1
             hidden[: len(live)] = out[torch.arange(len(live), device=out.device), last]
             if track_ids and width > 1:

@@ -19,7 +19,8 @@ Rows that hold one prefix snapshot's keys and values (``StatePool.shared_prefix`
 columns once per snapshot in the few-token attention (``causal_attention.cpp``,
 ``attend_few_shared``: each block of them while it is in cache, for every row that shares it),
 with the bits each row reading its own copy gives. Greedy decoding of text rows
-(:meth:`EngineStep.pick`) also takes the final norm, the head and the argmax into the same call,
+(:meth:`EngineStep.pick`) also takes the final norm, the head and the argmax into the same call
+(and the logits of any tracked ids: LAVE's rating tokens),
 where the head runs on the engine's panels (as ``model.logits`` runs it on the CPU then: the
 engine's RMSNorm and projection, whose bits do not depend on the row count): the host gets each
 row's next token without a logits tensor, an argmax or a copy of its own. Such steps run back to
@@ -30,6 +31,8 @@ that: 0.3-0.45 ms a step at 16 rows, against a 1.5-1.9 ms engine step.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -108,24 +111,28 @@ class EngineStep:
         last real token's hidden state into ``hidden`` [B, d] (contiguous, the model's dtype) and
         the index of its largest logit (int64 [B] on the host), the same bits and token as
         ``model.logits`` of that state and its ``argmax``. Needs :attr:`picks`."""
-        return self.run_picks(tokens, counts, start, last_position, hidden, np.ones(len(tokens), dtype=np.int64),
-                              (), 1, shared)[:, 0]
+        picks, _ = self.run_picks(tokens, counts, start, last_position, hidden,
+                                  np.ones(len(tokens), dtype=np.int64), (), 1, (), shared)
+        return picks[:, 0]
 
     def run_picks(self, tokens: torch.Tensor, counts: np.ndarray, start: int, last_position: int,
-                  hidden: torch.Tensor, room: np.ndarray, stops, steps: int,
-                  shared: SharedPrefix | None = None) -> np.ndarray:
+                  hidden: torch.Tensor, room: np.ndarray, stops, steps: int, track: Sequence[int] = (),
+                  shared: SharedPrefix | None = None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`pick`'s step and pick, then up to ``steps - 1`` more in the same call, each
         feeding every row's pick of the step before, until a row picks one of ``stops`` or as
         many tokens as its ``room`` (int64 [B], each at least 1): the rows' picks (int64 [B, n],
-        column s step s's; n the steps run) and ``hidden`` the last step's. The host does nothing
-        between these steps (module notes)."""
+        column s step s's; n the steps run) and the logits of the ``track`` ids at each step
+        (float32 [B, n, K]: what ``model.logits`` gives them); ``hidden`` the last step's. The
+        host does nothing between these steps (module notes)."""
         if last_position + steps - 1 > self.table_positions:
             self._grow_tables(last_position + steps - 1)
-        picks = np.empty((tokens.shape[0], steps), dtype=np.int64)
+        B = tokens.shape[0]
+        picks = np.empty((B, steps), dtype=np.int64)
+        tracked = np.empty((B, steps, len(track)), dtype=np.float32)
         ran = self.decoder.run_picks(tokens.numpy(), counts, start, engine_array(hidden), picks, room,
-                                     np.fromiter(stops, dtype=np.int64), torch.get_num_threads(),
-                                     *_sharing(shared, len(picks)))
-        return picks[:, :ran]
+                                     np.fromiter(stops, dtype=np.int64), np.asarray(track, dtype=np.int64), tracked,
+                                     torch.get_num_threads(), *_sharing(shared, B))
+        return picks[:, :ran], tracked[:, :ran]
 
     def _grow_tables(self, positions: int) -> None:
         """Rotary tables for positions ``0 .. P - 1`` (P a power of two, at least ``positions``),

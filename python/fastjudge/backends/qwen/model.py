@@ -205,14 +205,14 @@ def run_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor
 
 def run_pick_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.Tensor, counts: Sequence[int],
                   hidden: torch.Tensor, compiled=None, room: Sequence[int] | None = None, stops=(),
-                  steps: int = 1) -> np.ndarray | None:
+                  steps: int = 1, track: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`run_step` of text rows that then pick their next tokens greedily, where the engine
     runs the step and holds the model's head (``engine_step.EngineStep.run_picks``): one engine
     call writes each row's last real hidden state into ``hidden[:B]`` and returns the picks
-    (int64 [B, n] on the host: what ``model.logits`` of those states and an argmax give), with up
-    to ``steps - 1`` more steps in it, each feeding the picks of the one before, until a row
-    picks one of ``stops`` or as many tokens as its ``room`` (default one each). Else None, and
-    nothing has run: :func:`run_step` then."""
+    (int64 [B, n] on the host: what ``model.logits`` of those states and an argmax give) and the
+    ``track`` ids' logits (float32 [B, n, K]), with up to ``steps - 1`` more steps in it, each
+    feeding the picks of the one before, until a row picks one of ``stops`` or as many tokens as
+    its ``room`` (default one each). Else None, and nothing has run: :func:`run_step` then."""
     B, k = tokens.shape
     held = pool.held[start:start + B]
     if _compiled_runs(compiled, pool, start, B, {}):
@@ -222,9 +222,10 @@ def run_pick_step(model: QwenModel, pool: StatePool, start: int, tokens: torch.T
         return None
     host_counts = np.asarray(counts, dtype=np.int64)
     room = np.ones(B, dtype=np.int64) if room is None else np.asarray(room, dtype=np.int64)
-    picks = engine.run_picks(tokens, host_counts, start, int(held.max()) + k, hidden[:B], room, stops, steps, shared)
+    picks, tracked = engine.run_picks(tokens, host_counts, start, int(held.max()) + k, hidden[:B], room, stops,
+                                      steps, track, shared)
     held += host_counts + (picks.shape[1] - 1)
-    return picks
+    return picks, tracked
 
 
 def _compiled_runs(compiled, pool: StatePool, start: int, B: int, images: dict) -> bool:
