@@ -24,16 +24,36 @@ def engine_array(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def rms_norm_in_engine(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of ``x`` [..., d] by ``weight`` [d] on the engine (``_engine.rms_norm``: one pass a
-    row, its sums in float32), in ``x``'s dtype: CPU, eager, float32 or bfloat16; else None."""
+def rms_norm_in_engine(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of ``x`` [..., D] on the engine (``_engine.rms_norm``: one pass a row, its sums in
+    float32), in ``x``'s dtype; ``weight_f32`` one float32 scale per channel ``[D]`` or per head
+    ``[heads, D]`` (over the last ``heads * D`` values). ``x`` is read in place, even a slice of a
+    fused projection's output. None where the engine does not take it: not a CPU tensor in eager
+    code, not float32 or bfloat16, or strides that do not merge into rows."""
     if not engine_takes(x) or x.dtype not in ENGINE_DTYPES:
         return None
-    rows = x.reshape(-1, 1, x.shape[-1]).contiguous()
-    out = torch.empty_like(rows)
-    _engine.rms_norm(engine_array(rows), weight.detach().float()[None].numpy(), engine_array(out), eps,
-                     torch.get_num_threads())
+    weight = _weight_rows(weight_f32)
+    heads, D = weight.shape
+    try:
+        rows = x.view(-1, heads, D)  # the leading dims merged (a view: no copy)
+    except RuntimeError:
+        return None
+    if rows.stride(-1) != 1:
+        return None
+    out = x.new_empty(rows.shape)
+    _engine.rms_norm(engine_array(rows), weight, engine_array(out), eps, torch.get_num_threads())
     return out.view(x.shape)
+
+
+def _weight_rows(weight_f32: torch.Tensor) -> np.ndarray:
+    """A norm's weight as the engine takes it, ``[heads, D]`` (one head for a ``[D]`` weight): a
+    view of its memory, made once per weight tensor and kept on it (a decoding step normalises a
+    dozen times)."""
+    rows = getattr(weight_f32, "_engine_rows", None)
+    if rows is None:
+        rows = weight_f32.detach().reshape(-1, weight_f32.shape[-1]).contiguous().numpy()
+        weight_f32._engine_rows = rows
+    return rows
 
 
 def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ... import _engine
-from ..cpu_engine import ENGINE_DTYPES, engine_array, engine_takes
+from ..cpu_engine import ENGINE_DTYPES, engine_array, engine_takes, rms_norm_in_engine
 from ..dense import Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
@@ -67,37 +66,18 @@ class Step:
     packed: torch.Tensor | None = None
 
 
-def _weight_rows(weight_f32: torch.Tensor) -> np.ndarray:
-    """A norm's weight as the engine takes it, ``[heads, D]`` (one head for a ``[D]`` weight): a
-    view of its memory, made once per weight tensor and kept on it (a decoding step normalises a
-    dozen times)."""
-    rows = getattr(weight_f32, "_engine_rows", None)
-    if rows is None:
-        rows = weight_f32.detach().reshape(-1, weight_f32.shape[-1]).contiguous().numpy()
-        weight_f32._engine_rows = rows
-    return rows
-
-
 def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32 (as transformers computes norms), back in ``x``'s dtype; ``weight_f32``
     one scale per channel ``[D]`` or per head ``[heads, D]`` (broadcast over the leading dims).
 
-    On the CPU, float32 or bfloat16, eager: the engine, one pass a row (``_engine.rms_norm``;
-    x read in place, even a slice of a fused projection's output: 16 rows of 256, 10.4-12.9 us
-    through ``F.rms_norm`` and 15 us through the six ops below, a few us in the engine). Else the
+    On the CPU, float32 or bfloat16, eager: the engine, one pass a row
+    (``cpu_engine.rms_norm_in_engine``; 16 rows of 256, 10.4-12.9 us through ``F.rms_norm`` and
+    15 us through the six ops below, a few us in the engine). Else the
     ops of ``F.rms_norm`` on the CPU (mean of squares, ``+ eps``, rsqrt, times ``x``, times the
     weight) in place on one float32 buffer."""
-    if engine_takes(x) and x.dtype in ENGINE_DTYPES:
-        weight = _weight_rows(weight_f32)
-        heads, D = weight.shape
-        try:
-            rows = x.view(-1, heads, D)  # the leading dims merged (a view: no copy)
-        except RuntimeError:  # strides that do not merge: the ops below
-            rows = None
-        if rows is not None and rows.stride(-1) == 1:
-            out = x.new_empty(rows.shape)
-            _engine.rms_norm(engine_array(rows), weight, engine_array(out), eps, torch.get_num_threads())
-            return out.view(x.shape)
+    out = rms_norm_in_engine(x, weight_f32, eps)
+    if out is not None:
+        return out
     xf = x.float()  # x itself in float32: the product below must not overwrite it
     scale = xf.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
     out = xf * scale if xf is x else xf.mul_(scale)

@@ -395,6 +395,6 @@ class T5Model(torch.nn.Module):
         rows, never ``[B, vocab]``), or all (the norm on the CPU engine, as ``EngineStep.run_picks``: same bits)."""
         if rows is not None:
             return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, self.s.eps, self.s.head_scale)
-        normed = rms_norm_in_engine(hidden, self.dec_final_norm, self.s.eps)
+        normed = rms_norm_in_engine(hidden.contiguous(), self.dec_final_norm.float(), self.s.eps)
         normed = rms_norm(hidden, self.dec_final_norm, self.s.eps) if normed is None else normed
         return self.head(normed * self.s.head_scale).float()
