@@ -122,6 +122,53 @@ def test_gated_product_is_activation_of_gate_times_up(dtype, rows, activation):
         Dense(w).gated_product(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", (1, 16, 300))
+@pytest.mark.parametrize("activation", [None, *sorted(dense.ACTIVATIONS)])
+def test_bias_and_activation_on_every_path(dtype, rows, activation):
+    """``Dense(w, bias=b, activation=act)`` against the biased linear layers of transformers'
+    vision MLPs (``Qwen3_5VisionMLP.forward``: ``linear_fc2(act_fn(linear_fc1(x)))``, each an
+    ``nn.Linear`` with a bias; transformers/models/qwen3_5/modeling_qwen3_5.py), the activation
+    from ``ACT2FN``: ``F.linear`` (unprepared), the engine's panels (few rows) and oneDNN's packed
+    GEMM with the bias and activation in its epilogue (many rows) within 1e-5 in float32 and to
+    bfloat16 rounding; a weight of more dimensions (a Conv3d's, kernel == stride) read flattened."""
+    from transformers.activations import ACT2FN
+
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(576, 3, 2, 8, 8, generator=g) / 20).to(dtype)  # 384 inputs, flattened
+    b = torch.randn(576, generator=g).to(dtype)
+    x = torch.randn(rows, 384, generator=g).to(dtype)
+    want = F.linear(x.float(), w.float().flatten(1), b.float())
+    want = want if activation is None else ACT2FN[activation](want)
+    d = Dense(w, bias=b, activation=activation)
+    assert d.in_features == 384 and d.out_features == 576
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    with torch.no_grad():
+        assert rel_err(d(x), want) <= tol  # F.linear
+        d.prepare()
+        how = d._prepared_for_input(x)
+        engine = dtype == torch.float32 or BF16_ENGINE
+        assert how == ("engine" if engine and rows <= dense.ENGINE_MAX_ROWS[dtype] else
+                       "onednn-packed" if PACKS else "engine" if engine else None)
+        got = d(x)
+        assert got.shape == (rows, 576) and got.dtype == dtype
+        assert rel_err(got, want) <= tol
+    assert [k for k, _ in d.state_dict().items()] == ["weight", "bias"]
+    assert d.state_dict()["weight"].shape == (576, 3, 2, 8, 8)
+
+
+def test_bias_and_activation_refusals():
+    w = torch.randn(64, 32)
+    with pytest.raises(ValueError, match="no activation"):
+        Dense(w, activation="tanh")
+    with pytest.raises(ValueError, match="gated projection"):
+        Dense(w, gate="silu", bias=torch.zeros(64))
+    with pytest.raises(ValueError, match="bias of shape"):
+        Dense(w, bias=torch.zeros(32))
+    with pytest.raises(ValueError, match="weight"):
+        Dense(torch.zeros(64))
+
+
 def test_leading_dimensions_and_strides():
     """``x`` of shape [B, S, in], and a transposed (non-contiguous) ``x``."""
     w = torch.randn(1152, 512) / 512 ** 0.5

@@ -190,6 +190,35 @@ def test_several_images_of_mixed_sizes_match_transformers(setup):
         s["vision"].encode_images([(pv[: 6 * 3], [1, 6, 3])])
 
 
+@pytest.mark.parametrize("gemm", ["engine", "onednn-packed"])
+def test_the_backends_prepared_tower_matches_transformers(setup, gemm, monkeypatch):
+    """The tower as the backend runs it (``prepare_dense``: each biased projection on the
+    engine's panels, or, with the size thresholds lowered so the test model's small weights
+    take it, on oneDNN's packed GEMM with the bias and the MLP's activation in its epilogue)
+    against transformers' ``Qwen3_5Model.get_image_features`` on images of mixed sizes."""
+    from fastjudge.backends import dense
+
+    s = setup
+    if gemm == "onednn-packed":
+        if not dense.packing_available():
+            pytest.skip("oneDNN's packed linear is not in this build")
+        for name in ("PACK_MIN_ELEMENTS", "PACK_MANY_ROWS_MIN_ELEMENTS"):
+            monkeypatch.setattr(dense, name, 1)
+        monkeypatch.setattr(dense, "ENGINE_MAX_ROWS", {torch.float32: 0, torch.bfloat16: 0})
+    vision = s["backend"].vision
+    paths = dense.prepare_dense(vision)
+    assert paths == {"engine+onednn-packed" if gemm == "onednn-packed" else "engine": 4 * vision.config.depth + 3}
+    images = [encoded(s, h, w, seed=i) for i, (h, w) in enumerate(((80, 120), (60, 60), (200, 150)))]
+    ours = vision.encode_images([(p, g[0].tolist()) for p, g in images])
+    with torch.inference_mode():
+        ref = s["hf"].model.get_image_features(torch.cat([p for p, _ in images]),
+                                               torch.cat([g for _, g in images])).pooler_output
+    scale = max(r.abs().max().item() for r in ref)
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) <= VISION_TOL * scale
+    monkeypatch.undo()
+    dense.prepare_dense(vision)
+
+
 def test_vision_tower_is_our_code(setup, monkeypatch):
     """No module of the tower is transformers', the patch embedding never calls a convolution
     (transformers' ``Qwen3_5VisionPatchEmbed`` is a Conv3d with kernel == stride: ours is the

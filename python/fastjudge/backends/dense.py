@@ -49,6 +49,7 @@ cannot lower the packed op on an opaque oneDNN tensor or call the engine, and co
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -154,9 +155,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for any leading shape of ``x``, on a weight from :func:`pack`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = None) -> torch.Tensor:
+    """``act(x @ W.T + bias)`` for any leading shape of ``x``, on a weight from :func:`pack`: the
+    bias and the activation (one of :data:`ACTIVATIONS`) in the GEMM's epilogue."""
+    attr, algorithm = ("none", "") if activation is None else ACTIVATIONS[activation][1:]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], algorithm)
 
 
 # the activations a gated projection applies to its gate: name -> (the torch function, oneDNN's
@@ -203,24 +207,39 @@ def _panels_changed() -> None:
 
 
 class Dense(torch.nn.Module):
-    """``forward(x) = x @ weight.T`` (no bias), for ``x`` of any leading shape; with ``gate``
+    """``forward(x) = act(x @ weight.T + bias)``, for ``x`` of any leading shape; with ``gate``
     (a gate/up weight, gate rows first, and the gate's activation) also :meth:`gated_product`.
+
+    ``bias`` (optional, ``[out]``) and ``activation`` (optional, one of :data:`ACTIVATIONS`,
+    applied to the output) are fused into oneDNN's packed GEMM as its epilogue, and follow the
+    engine's and ``F.linear``'s products as tensor ops; neither goes with ``gate``. A weight of more
+    than two dimensions is read as ``[out, in]`` over its flattened trailing dimensions (a
+    convolution whose kernel is its stride), and kept in its own shape (the checkpoint's).
     ``prompts=False``: a projection only decoding steps run (a full-vocabulary head), which keeps
     no oneDNN copy where the engine's panels serve it (one copy of a large weight, not two)."""
 
-    def __init__(self, weight: torch.Tensor | torch.nn.Module, gate: str | None = None, prompts: bool = True):
+    def __init__(self, weight: torch.Tensor | torch.nn.Module, gate: str | None = None, prompts: bool = True,
+                 bias: torch.Tensor | None = None, activation: str | None = None):
         super().__init__()
-        if gate is not None and gate not in ACTIVATIONS:
-            raise ValueError(f"no gated activation {gate!r} (one of {', '.join(ACTIVATIONS)})")
-        self.gate = gate
+        for name in (gate, activation):
+            if name is not None and name not in ACTIVATIONS:
+                raise ValueError(f"no activation {name!r} (one of {', '.join(ACTIVATIONS)})")
+        if gate is not None and (bias is not None or activation is not None):
+            raise ValueError("a gated projection takes no bias or output activation")
+        self.gate, self.activation = gate, activation
         self.prompts = prompts
         # a module weight is an fp8.Fp8Weight, applied as it is
         if isinstance(weight, torch.nn.Module):
+            if bias is not None or activation is not None:
+                raise ValueError("an FP8 weight takes no bias or output activation")
             self.weight = weight
         else:
-            if weight.dim() != 2:
+            if weight.dim() < 2:
                 raise ValueError(f"Dense wants a [out, in] weight, got shape {tuple(weight.shape)}")
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != self.weight.shape[0]):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} for {self.weight.shape[0]} outputs")
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self._packed: torch.Tensor | tuple | None = None  # oneDNN's packed weight (halves when gated)
         self._panels: np.ndarray | tuple | None = None  # the engine's panels (halves when gated)
         self._packed_for: tuple | None = None
@@ -229,7 +248,12 @@ class Dense(torch.nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return math.prod(self.weight.shape[1:])
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The plain weight as ``[out, in]`` (a view of it)."""
+        return self.weight.flatten(1)
 
     @property
     def out_features(self) -> int:
@@ -256,9 +280,9 @@ class Dense(torch.nn.Module):
         returns :attr:`path`."""
         _panels_changed()
         self._packed = self._panels = self._packed_for = None
-        w = self.weight
-        if isinstance(w, torch.nn.Module):
+        if isinstance(self.weight, torch.nn.Module):
             return self.path
+        w = self.matrix
         # a gated weight packs its halves apart (gated_product), and only those
         if takes_panels(w):
             self._panels = tuple(pack_panels(half) for half in w.chunk(2)) if self.gate else pack_panels(w)
@@ -286,19 +310,24 @@ class Dense(torch.nn.Module):
         return "onednn-packed" if self._packed is not None and rows >= self._min_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if isinstance(w, torch.nn.Module):
-            return w(x)
+        if isinstance(self.weight, torch.nn.Module):
+            return self.weight(x)
+        w = self.matrix
         how = self._prepared_for_input(x)
         if how is None:
-            return F.linear(x, w)
+            return self._activate(F.linear(x, w, self.bias))
         if how == "engine":
             halves = self._panels if self.gate else (self._panels,)
             parts = [engine_linear(x, panels, w.shape[0] // len(halves)) for panels in halves]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            if self.gate:
+                return torch.cat(parts, dim=-1)
+            return self._activate(parts[0] if self.bias is None else parts[0].add_(self.bias))
         if self.gate:
             return torch.cat([packed_linear(x, half) for half in self._packed], dim=-1)
-        return packed_linear(x, self._packed)
+        return packed_linear(x, self._packed, self.bias, self.activation)
+
+    def _activate(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.activation is None else ACTIVATIONS[self.activation][0](y)
 
     def gated_product(self, x: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` of ``x`` (``[rows, inner]``) through a gated weight."""
@@ -324,7 +353,8 @@ class Dense(torch.nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+        extra = "".join(f", {k}={v}" for k, v in (("bias", self.bias is not None), ("activation", self.activation)) if v)
+        return f"in_features={self.in_features}, out_features={self.out_features}{extra}, path={self.path}"
 
 
 def _repack_after_load(module: Dense, _incompatible) -> None:

@@ -74,6 +74,7 @@ class TorchQwenBackend:
             from .vision import QwenVision
 
             self.vision = QwenVision(cfg, state, self.device, self.dtype)
+            prepare_dense(self.vision)
             self.image_token_id = cfg["image_token_id"]
             self._image_embeds = ImageEmbeddingCache(DEFAULT_IMAGE_CACHE_BYTES)
         del state

@@ -14,8 +14,11 @@
   asking for them is refused.
 - ``QwenVision.encode_images``: many images, each its own ``(pixel_values, grid_thw)``; pixels
   are never concatenated (each image's patch embeddings land in one shared tensor), the frames of
-  one grid size attend as one batched SDPA call, everything else runs over all patches at once;
-  each grid size's position taps and rotary tables are kept (the last :data:`GRID_TABLES`).
+  one grid size attend as one batched call (the engine's on the CPU, else SDPA), everything else
+  runs over all patches at once; each grid size's position taps and rotary tables are kept (the
+  last :data:`GRID_TABLES`). Every projection is a biased ``Dense``: the backend's
+  ``prepare_dense`` puts it on oneDNN's packed GEMM (the bias and the MLP's activation in its
+  epilogue) or, for images of few patches, the engine's panels.
 
 The image tokens and M-RoPE positions of a prompt are ``positions``. Within a frame the patches come merge block by
 merge block, row-major inside each block.
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_engine import attend_all_in_engine, engine_attends
+from ..dense import Dense
 from ..loading import (
     CheckpointError,
     check_shapes,
@@ -48,11 +52,11 @@ from ..loading import (
 VISION_PREFIX = "model.visual."
 GRID_TABLES = 64  # grid sizes whose position taps and rotary tables the tower keeps
 NORM_EPS = 1e-6  # the tower's LayerNorms (not in the config)
-ACTIVATIONS = {  # the block MLP's hidden_act, by its transformers name
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu, "silu": F.silu, "swish": F.silu, "relu": F.relu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+# the block MLP's hidden_act, by its transformers name: the activation a Dense applies in its
+# GEMM's epilogue (dense.ACTIVATIONS), or a function applied after the product
+ACTIVATIONS = {
+    "gelu_pytorch_tanh": "gelu_new", "gelu_new": "gelu_new", "gelu": "gelu", "silu": "silu", "swish": "silu",
+    "relu": "relu", "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 
 
@@ -136,29 +140,36 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + turned * sin).to(x.dtype)
 
 
+def projection(d_in: int | tuple[int, ...], d_out: int, activation: str | None = None) -> Dense:
+    """A biased projection ``[d_out, *d_in]``, its values filled when the checkpoint loads."""
+    d_in = d_in if isinstance(d_in, tuple) else (d_in,)
+    return Dense(torch.empty(d_out, *d_in), bias=torch.empty(d_out), activation=activation)
+
+
 class PatchEmbed(torch.nn.Module):
     """The patch projection: a linear over each flattened patch row (the checkpoint's Conv3d
-    weight, kernel == stride, read as a matrix)."""
+    weight, kernel == stride, kept in its shape and read as a matrix)."""
 
     def __init__(self, s: VisionShape):
         super().__init__()
-        self.proj = torch.nn.Module()  # the conv's weight and bias, under the checkpoint's names
-        self.proj.weight = torch.nn.Parameter(torch.empty(s.hidden_size, s.in_channels, s.temporal_patch_size,
-                                                          s.patch_size, s.patch_size))
-        self.proj.bias = torch.nn.Parameter(torch.empty(s.hidden_size))
+        self.proj = projection((s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size), s.hidden_size)
 
-    def forward(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``rows [N, patch_dim]`` -> ``[N, hidden]``, written into ``out`` when given."""
-        return torch.addmm(self.proj.bias, rows, self.proj.weight.flatten(1).t(), out=out)
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:  # [N, patch_dim] -> [N, hidden]
+        return self.proj(rows)
 
 
 class VisionMLP(torch.nn.Module):
+    """Two biased projections, the activation in the first one's epilogue where a Dense has it."""
+
     def __init__(self, d_in: int, d_mid: int, d_out: int, act):
         super().__init__()
-        self.linear_fc1, self.linear_fc2, self.act = torch.nn.Linear(d_in, d_mid), torch.nn.Linear(d_mid, d_out), act
+        fused = act if isinstance(act, str) else None
+        self.linear_fc1, self.linear_fc2 = projection(d_in, d_mid, fused), projection(d_mid, d_out)
+        self.act = None if fused else act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        h = self.linear_fc1(x)
+        return self.linear_fc2(h if self.act is None else self.act(h))
 
 
 class VisionAttention(torch.nn.Module):
@@ -174,8 +185,7 @@ class VisionAttention(torch.nn.Module):
     def __init__(self, s: VisionShape):
         super().__init__()
         self.num_heads, self.scaling = s.num_heads, s.head_dim ** -0.5
-        self.qkv, self.proj = torch.nn.Linear(s.hidden_size, 3 * s.hidden_size), torch.nn.Linear(s.hidden_size,
-                                                                                                   s.hidden_size)
+        self.qkv, self.proj = projection(s.hidden_size, 3 * s.hidden_size), projection(s.hidden_size, s.hidden_size)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
         qkv, outs = self.qkv(x), []
@@ -211,7 +221,7 @@ class PatchMerger(VisionMLP):
 
     def __init__(self, s: VisionShape):
         width = s.hidden_size * s.spatial_merge_size ** 2
-        super().__init__(width, width, s.out_hidden_size, F.gelu)
+        super().__init__(width, width, s.out_hidden_size, "gelu")
         self.norm = torch.nn.LayerNorm(s.hidden_size, eps=NORM_EPS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,8 +254,8 @@ class VisionTower(torch.nn.Module):
         start = 0
         for i in order:
             pixels, (t, h, w) = images[i]
-            # each image's rows embedded in place: the pixels are never concatenated
-            self.patch_embed(pixels, out=x[start: start + pixels.shape[0]])
+            # each image's rows embedded apart: the pixels are never concatenated
+            x[start: start + pixels.shape[0]] = self.patch_embed(pixels)
             if groups and groups[-1][0] == (h, w):
                 groups[-1][2] += t
             else:
