@@ -26,6 +26,7 @@
 #include "prefix_index.hpp"
 #include "qwen_step.hpp"
 #include "rms_norm.hpp"
+#include "rotary.hpp"
 #include "t5_step.hpp"
 #include "triangular.hpp"
 
@@ -916,6 +917,57 @@ Otherwise as dense_product.)doc");
 }
 
 // ---------------------------------------------------------------------------------------
+// Rotary embedding of rows (rotate-half pairing)
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+void rotate_halves_typed(const py::array& x, const py::handle& cos, const py::handle& sin, const py::handle& out,
+                         int threads) {
+  constexpr int64_t size = sizeof(T);
+  const int64_t N = x.shape(0), H = x.shape(1), D = x.shape(2);
+  const bool rows_ok = (D <= 1 || x.strides(2) == size) && x.strides(0) % size == 0 && x.strides(1) % size == 0;
+  if (!rows_ok) throw py::value_error("x must have contiguous rows");
+  if (D % 2) throw py::value_error("x's rows must have an even length");
+  const py::array table = py::array::ensure(cos);
+  if (!table || table.ndim() != 2 || table.shape(0) < 1) throw py::value_error("cos must be a 2-D array [positions, dim]");
+  const int64_t P = table.shape(0);
+  if (N % P) throw py::value_error("x's rows must be whole runs of the tables' positions");
+  const float* c = typed_array<float>(cos, "cos", {P, D});
+  const float* s = typed_array<float>(sin, "sin", {P, D});
+  T* dst = typed_array<T>(out, "out", {N, H, D}, true);
+  const T* src = static_cast<const T*>(x.data());
+  py::gil_scoped_release release;
+  fastjudge::rotate_halves(src, x.strides(0) / size, x.strides(1) / size, c, s, dst, N, H, D, P, threads);
+}
+
+void rotate_halves(const py::handle& x, const py::handle& cos, const py::handle& sin, const py::handle& out,
+                   int threads) {
+  const py::array rows = py::array::ensure(x);
+  if (!rows || rows.ndim() != 3) throw py::value_error("x must be a 3-D array [rows, heads, dim]");
+  const char kind = rows.dtype().kind();
+  if (kind == 'f' && rows.itemsize() == 4) {
+    rotate_halves_typed<float>(rows, cos, sin, out, threads);
+  } else if ((kind == 'i' || kind == 'u') && rows.itemsize() == 2) {
+    rotate_halves_typed<uint16_t>(rows, cos, sin, out, threads);
+  } else {
+    throw py::value_error("x must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
+void bind_rotate_halves(py::module_& m) {
+  m.def("rotate_halves", &rotate_halves, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"),
+        py::arg("threads") = 1,
+        R"doc(Rotary embedding of each row in the rotate-half pairing, in one pass.
+
+x [N, H, D] (float32, or bfloat16 as 16-bit integers; any strides over N and H, contiguous rows;
+D even), cos and sin [P, D] float32 (row n takes position n % P; N a multiple of P), out [N, H, D]
+C-contiguous of x's dtype: out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos + x1 sin (x1, x2 the
+row's halves, cos and sin at each element's own index), each product and sum rounded apart in
+float32, then once to x's dtype: transformers' x cos + rotate_half(x) sin. Raises ValueError on
+arrays of another dtype, layout or shape.)doc");
+}
+
+// ---------------------------------------------------------------------------------------
 // RMSNorm of rows
 // ---------------------------------------------------------------------------------------
 
@@ -1405,6 +1457,7 @@ PYBIND11_MODULE(_engine, m) {
   bind_causal_attention(m);
   bind_dense(m);
   bind_rms_norm(m);
+  bind_rotate_halves(m);
   bind_qwen_step(m);
   bind_t5_step(m);
   bind_cpu_threads(m);

@@ -417,3 +417,15 @@ def test_engine_product_refuses_what_it_cannot_take():
         _engine.gated_dense_product(x, w, w, np.zeros((3, 70), np.float32), "tanh")
     with pytest.raises(ValueError, match="out"):
         _engine.dense_product(x, w, np.zeros((3, 140), np.float32)[:, ::2])
+
+
+def test_traced_graphs_take_f_linear():
+    """Under ``torch.jit.trace`` (an ONNX export's exporter) a prepared projection runs
+    ``F.linear``: the engine's output, written through numpy, would be a constant of the graph."""
+    w, b = torch.randn(64, 32), torch.randn(64)
+    d = Dense(w, bias=b, activation="gelu_new")
+    d.prepare()
+    first, second = torch.randn(5, 32), torch.randn(5, 32)
+    with torch.no_grad():
+        traced = torch.jit.trace(d, first)
+        assert torch.equal(traced(second), F.gelu(F.linear(second, w, b), approximate="tanh"))

@@ -13,9 +13,10 @@ ENGINE_DTYPES = (torch.float32, torch.bfloat16)  # what the attention and DeltaN
 
 
 def engine_takes(x: torch.Tensor) -> bool:
-    """Whether the engine's CPU kernels can take ``x``: CPU tensors in eager code only (a traced
-    graph keeps the tensor ops)."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    """Whether the engine's CPU kernels can take ``x``: CPU tensors in eager code only (a
+    compiled or traced graph, e.g. an ONNX export, keeps the tensor ops: it cannot record a
+    kernel that writes through numpy)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
 
 
 def engine_array(t: torch.Tensor) -> np.ndarray:
@@ -54,6 +55,29 @@ def _weight_rows(weight_f32: torch.Tensor) -> np.ndarray:
         rows = weight_f32.detach().reshape(-1, weight_f32.shape[-1]).contiguous().numpy()
         weight_f32._engine_rows = rows
     return rows
+
+
+def rotate_halves_in_engine(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of ``x`` [B, n, ..., D] on the engine (``_engine.rotate_halves``: one
+    pass, where torch's ops take five): element ``i`` of each row's first half paired with ``i +
+    D / 2``, position ``t`` taking float32 ``cos``/``sin`` rows ``[n, D]`` (any shape of ``n x D``
+    values), the products and sums in float32 each rounded apart (transformers' ``x cos +
+    rotate_half(x) sin``, the same bits), back to ``x``'s dtype. ``x`` is read in place, even a
+    slice of a fused projection's output. None where the engine does not take it."""
+    if not engine_takes(x) or x.dtype not in ENGINE_DTYPES or x.dim() < 3 or x.shape[-1] % 2:
+        return None
+    B, n, D = x.shape[0], x.shape[1], x.shape[-1]
+    try:
+        rows = x.view(B * n, -1, D)  # the batch and positions merged, the rest as heads (views)
+        tables = [t.view(n, D) for t in (cos, sin)]
+    except RuntimeError:
+        return None
+    if rows.stride(-1) != 1 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tables):
+        return None
+    out = x.new_empty(rows.shape)
+    _engine.rotate_halves(engine_array(rows), tables[0].numpy(), tables[1].numpy(), engine_array(out),
+                          torch.get_num_threads())
+    return out.view(x.shape)
 
 
 def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -44,7 +44,8 @@ and oneDNN's). They are rebuilt after ``.to()`` and
 ``load_state_dict`` and is bypassed (``F.linear``) when it no longer matches the weight's
 storage or dtype, when the input needs a gradient, and inside ``torch.compile``d code: inductor
 cannot lower the packed op on an opaque oneDNN tensor or call the engine, and compiles
-``F.linear`` instead.
+``F.linear`` instead; likewise under ``torch.jit.trace`` (an ONNX export), whose graph would
+hold the engine's output as a constant.
 """
 
 from __future__ import annotations
@@ -302,7 +303,8 @@ class Dense(torch.nn.Module):
     def _prepared_for_input(self, x: torch.Tensor) -> str | None:
         """Which prepared GEMM runs ``x`` (``engine`` or ``onednn-packed``), or None (``F.linear``
         / the module weight)."""
-        if self._packed_for is None or torch.compiler.is_compiling() or not _usable(x, self.weight, self._packed_for):
+        if (self._packed_for is None or torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or not _usable(x, self.weight, self._packed_for)):
             return None
         rows = x.numel() // max(x.shape[-1], 1)
         if self._panels is not None and (rows <= ENGINE_MAX_ROWS[x.dtype] or self._packed is None):

@@ -16,9 +16,8 @@
   are never concatenated (each image's patch embeddings land in one shared tensor), the frames of
   one grid size attend as one batched call (the engine's on the CPU, else SDPA), everything else
   runs over all patches at once; each grid size's position taps and rotary tables are kept (the
-  last :data:`GRID_TABLES`). Every projection is a biased ``Dense``: the backend's
-  ``prepare_dense`` puts it on oneDNN's packed GEMM (the bias and the MLP's activation in its
-  epilogue) or, for images of few patches, the engine's panels.
+  last :data:`GRID_TABLES`). Every projection is a biased ``Dense`` (the backend prepares them:
+  oneDNN's packed GEMM, bias and activation in its epilogue; the engine's panels for few patches).
 
 The image tokens and M-RoPE positions of a prompt are ``positions``. Within a frame the patches come merge block by
 merge block, row-major inside each block.
@@ -35,7 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..cpu_engine import attend_all_in_engine, engine_attends
+from ..cpu_engine import attend_all_in_engine, engine_attends, rotate_halves_in_engine
 from ..dense import Dense
 from ..loading import (
     CheckpointError,
@@ -132,8 +131,10 @@ class Span(NamedTuple):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` (last dim = head_dim) in float32, back to ``x``'s dtype: each
-    element ``i`` of the first half pairs with ``i + head_dim / 2``."""
+    """Rotary embedding of ``x`` [frames, n, ..., head_dim] (element ``i`` paired with ``i +
+    head_dim / 2``) in float32, back to ``x``'s dtype: one engine pass on the CPU, same bits."""
+    if (done := rotate_halves_in_engine(x, cos, sin)) is not None:
+        return done
     xf = x.float()
     half = xf.shape[-1] // 2
     turned = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
@@ -141,9 +142,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def projection(d_in: int | tuple[int, ...], d_out: int, activation: str | None = None) -> Dense:
-    """A biased projection ``[d_out, *d_in]``, its values filled when the checkpoint loads."""
-    d_in = d_in if isinstance(d_in, tuple) else (d_in,)
-    return Dense(torch.empty(d_out, *d_in), bias=torch.empty(d_out), activation=activation)
+    """A biased projection ``[d_out, *d_in]``; its values are the checkpoint's, loaded later."""
+    shape = (d_out, *d_in) if isinstance(d_in, tuple) else (d_out, d_in)
+    return Dense(torch.empty(shape), bias=torch.empty(d_out), activation=activation)
 
 
 class PatchEmbed(torch.nn.Module):
@@ -177,10 +178,8 @@ class VisionAttention(torch.nn.Module):
     call per grid size over its frames, one output GEMM. The attention: on the CPU (eager,
     float32 or bfloat16) the engine's (``cpu_engine.attend_all_in_engine``: each frame's rotated
     queries and keys and its values read in place, the output written as the rows the output
-    GEMM reads); elsewhere SDPA over ``[frames, heads, n, head_dim]``. The engine against SDPA,
-    two threads: 4 frames x 4 heads x 1,024 patches x 32 dims 20.7 -> 15.5 ms float32, 21.1 ->
-    10.8 ms bfloat16; 16 heads x 72 dims (Qwen3.5's tower) 38.3 -> 37.3 ms float32, 40.0 ->
-    23.7 ms bfloat16."""
+    GEMM reads); elsewhere SDPA over ``[frames, heads, n, head_dim]`` (figures: docs/engine.md,
+    "Encoders' attention")."""
 
     def __init__(self, s: VisionShape):
         super().__init__()
