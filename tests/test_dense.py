@@ -429,3 +429,21 @@ def test_traced_graphs_take_f_linear():
     with torch.no_grad():
         traced = torch.jit.trace(d, first)
         assert torch.equal(traced(second), F.gelu(F.linear(second, w, b), approximate="tanh"))
+
+
+@pytest.mark.skipif(not PACKS, reason="oneDNN's packed linear is not in this build")
+def test_projections_no_step_runs_keep_one_copy():
+    """``steps=False`` (the vision tower's projections): a weight oneDNN packs keeps no engine
+    panels, and its few-row inputs take the packed GEMM; one too small to pack keeps the panels;
+    a projection for neither prompts nor steps is refused."""
+    g = torch.Generator().manual_seed(11)
+    big = Dense(torch.randn(576, 384, generator=g) / 20, bias=torch.randn(576, generator=g), steps=False)
+    small = Dense(torch.randn(48, 64, generator=g), steps=False)
+    assert big.prepare() == "onednn-packed" and big.panels is None
+    assert small.prepare() == "engine"
+    x = torch.randn(3, 384, generator=g)
+    with torch.no_grad():
+        assert big._prepared_for_input(x) == "onednn-packed"
+        assert rel_err(big(x), F.linear(x, big.weight, big.bias)) <= 1e-5
+    with pytest.raises(ValueError, match="prompts, decoding steps or both"):
+        Dense(torch.randn(8, 8), prompts=False, steps=False)

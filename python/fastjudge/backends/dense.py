@@ -217,18 +217,22 @@ class Dense(torch.nn.Module):
     than two dimensions is read as ``[out, in]`` over its flattened trailing dimensions (a
     convolution whose kernel is its stride), and kept in its own shape (the checkpoint's).
     ``prompts=False``: a projection only decoding steps run (a full-vocabulary head), which keeps
-    no oneDNN copy where the engine's panels serve it (one copy of a large weight, not two)."""
+    no oneDNN copy where the engine's panels serve it (one copy of a large weight, not two);
+    ``steps=False``: one no decoding step runs (the vision tower's, whose inputs are an image's
+    patches), which keeps no engine panels where oneDNN's packed copy serves it."""
 
     def __init__(self, weight: torch.Tensor | torch.nn.Module, gate: str | None = None, prompts: bool = True,
-                 bias: torch.Tensor | None = None, activation: str | None = None):
+                 bias: torch.Tensor | None = None, activation: str | None = None, steps: bool = True):
         super().__init__()
+        if not (prompts or steps):
+            raise ValueError("a projection runs prompts, decoding steps or both")
         for name in (gate, activation):
             if name is not None and name not in ACTIVATIONS:
                 raise ValueError(f"no activation {name!r} (one of {', '.join(ACTIVATIONS)})")
         if gate is not None and (bias is not None or activation is not None):
             raise ValueError("a gated projection takes no bias or output activation")
         self.gate, self.activation = gate, activation
-        self.prompts = prompts
+        self.prompts, self.steps = prompts, steps
         # a module weight is an fp8.Fp8Weight, applied as it is
         if isinstance(weight, torch.nn.Module):
             if bias is not None or activation is not None:
@@ -285,7 +289,7 @@ class Dense(torch.nn.Module):
             return self.path
         w = self.matrix
         # a gated weight packs its halves apart (gated_product), and only those
-        if takes_panels(w):
+        if takes_panels(w) and (self.steps or not should_pack(w)):
             self._panels = tuple(pack_panels(half) for half in w.chunk(2)) if self.gate else pack_panels(w)
             self._packed_for = (w.data_ptr(), w.dtype)
         if should_pack(w) and (self.prompts or self._panels is None):

@@ -17,7 +17,7 @@
   one grid size attend as one batched call (the engine's on the CPU, else SDPA), everything else
   runs over all patches at once; each grid size's position taps and rotary tables are kept (the
   last :data:`GRID_TABLES`). Every projection is a biased ``Dense`` (the backend prepares them:
-  oneDNN's packed GEMM, bias and activation in its epilogue; the engine's panels for few patches).
+  oneDNN's packed GEMM, bias and activation in its epilogue; the engine's panels if too small).
 
 The image tokens and M-RoPE positions of a prompt are ``positions``. Within a frame the patches come merge block by
 merge block, row-major inside each block.
@@ -144,7 +144,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def projection(d_in: int | tuple[int, ...], d_out: int, activation: str | None = None) -> Dense:
     """A biased projection ``[d_out, *d_in]``; its values are the checkpoint's, loaded later."""
     shape = (d_out, *d_in) if isinstance(d_in, tuple) else (d_out, d_in)
-    return Dense(torch.empty(shape), bias=torch.empty(d_out), activation=activation)
+    return Dense(torch.empty(shape), bias=torch.empty(d_out), activation=activation, steps=False)
 
 
 class PatchEmbed(torch.nn.Module):
