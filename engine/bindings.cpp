@@ -917,41 +917,59 @@ Otherwise as dense_product.)doc");
 }
 
 // ---------------------------------------------------------------------------------------
-// Rotary embedding of rows (rotate-half pairing)
+// Rows of float32 or bfloat16 values, read in place (RMSNorm, rotary embedding)
 // ---------------------------------------------------------------------------------------
 
-template <typename T>
-void rotate_halves_typed(const py::array& x, const py::handle& cos, const py::handle& sin, const py::handle& out,
-                         int threads) {
-  constexpr int64_t size = sizeof(T);
-  const int64_t N = x.shape(0), H = x.shape(1), D = x.shape(2);
-  const bool rows_ok = (D <= 1 || x.strides(2) == size) && x.strides(0) % size == 0 && x.strides(1) % size == 0;
-  if (!rows_ok) throw py::value_error("x must have contiguous rows");
-  if (D % 2) throw py::value_error("x's rows must have an even length");
-  const py::array table = py::array::ensure(cos);
-  if (!table || table.ndim() != 2 || table.shape(0) < 1) throw py::value_error("cos must be a 2-D array [positions, dim]");
-  const int64_t P = table.shape(0);
-  if (N % P) throw py::value_error("x's rows must be whole runs of the tables' positions");
-  const float* c = typed_array<float>(cos, "cos", {P, D});
-  const float* s = typed_array<float>(sin, "sin", {P, D});
-  T* dst = typed_array<T>(out, "out", {N, H, D}, true);
-  const T* src = static_cast<const T*>(x.data());
-  py::gil_scoped_release release;
-  fastjudge::rotate_halves(src, x.strides(0) / size, x.strides(1) / size, c, s, dst, N, H, D, P, threads);
-}
+// A [N, H, D] array's shape and element strides over N and H (its rows contiguous)
+struct RowsLayout {
+  int64_t N, H, D, row_stride, head_stride;
+};
 
-void rotate_halves(const py::handle& x, const py::handle& cos, const py::handle& sin, const py::handle& out,
-                   int threads) {
+// run(data, layout) on x, a 3-D array of float32 (data: const float*) or of bfloat16 bits as
+// 16-bit integers (const uint16_t*) with contiguous rows; ValueError otherwise
+template <typename Run>
+void with_rows(const py::handle& x, Run run) {
   const py::array rows = py::array::ensure(x);
   if (!rows || rows.ndim() != 3) throw py::value_error("x must be a 3-D array [rows, heads, dim]");
+  const auto typed = [&](auto element) {
+    using T = decltype(element);
+    constexpr int64_t size = sizeof(T);
+    const int64_t D = rows.shape(2);
+    if (!((D <= 1 || rows.strides(2) == size) && rows.strides(0) % size == 0 && rows.strides(1) % size == 0))
+      throw py::value_error("x must have contiguous rows");
+    run(static_cast<const T*>(rows.data()),
+        RowsLayout{rows.shape(0), rows.shape(1), D, rows.strides(0) / size, rows.strides(1) / size});
+  };
   const char kind = rows.dtype().kind();
   if (kind == 'f' && rows.itemsize() == 4) {
-    rotate_halves_typed<float>(rows, cos, sin, out, threads);
+    typed(float{});
   } else if ((kind == 'i' || kind == 'u') && rows.itemsize() == 2) {
-    rotate_halves_typed<uint16_t>(rows, cos, sin, out, threads);
+    typed(uint16_t{});
   } else {
     throw py::value_error("x must be float32, or bfloat16 as 16-bit integers");
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotary embedding of rows (rotate-half pairing)
+// ---------------------------------------------------------------------------------------
+
+void rotate_halves(const py::handle& x, const py::handle& cos, const py::handle& sin, const py::handle& out,
+                   int threads) {
+  with_rows(x, [&](const auto* src, const RowsLayout& x) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
+    if (x.D % 2) throw py::value_error("x's rows must have an even length");
+    const py::array table = py::array::ensure(cos);
+    if (!table || table.ndim() != 2 || table.shape(0) < 1)
+      throw py::value_error("cos must be a 2-D array [positions, dim]");
+    const int64_t P = table.shape(0);
+    if (x.N % P) throw py::value_error("x's rows must be whole runs of the tables' positions");
+    const float* c = typed_array<float>(cos, "cos", {P, x.D});
+    const float* s = typed_array<float>(sin, "sin", {P, x.D});
+    T* dst = typed_array<T>(out, "out", {x.N, x.H, x.D}, true);
+    py::gil_scoped_release release;
+    fastjudge::rotate_halves(src, x.row_stride, x.head_stride, c, s, dst, x.N, x.H, x.D, P, threads);
+  });
 }
 
 void bind_rotate_halves(py::module_& m) {
@@ -971,30 +989,14 @@ arrays of another dtype, layout or shape.)doc");
 // RMSNorm of rows
 // ---------------------------------------------------------------------------------------
 
-template <typename T>
-void rms_norm_typed(const py::array& x, const py::handle& weight, const py::handle& out, float eps, int threads) {
-  constexpr int64_t size = sizeof(T);
-  const int64_t N = x.shape(0), H = x.shape(1), D = x.shape(2);
-  const bool rows_ok = (D <= 1 || x.strides(2) == size) && x.strides(0) % size == 0 && x.strides(1) % size == 0;
-  if (!rows_ok) throw py::value_error("x must have contiguous rows");
-  const float* w = typed_array<float>(weight, "weight", {H, D});
-  T* dst = typed_array<T>(out, "out", {N, H, D}, true);
-  const T* src = static_cast<const T*>(x.data());
-  py::gil_scoped_release release;
-  fastjudge::rms_norm(src, x.strides(0) / size, x.strides(1) / size, w, dst, N, H, D, eps, threads);
-}
-
 void rms_norm(const py::handle& x, const py::handle& weight, const py::handle& out, float eps, int threads) {
-  const py::array rows = py::array::ensure(x);
-  if (!rows || rows.ndim() != 3) throw py::value_error("x must be a 3-D array [rows, heads, dim]");
-  const char kind = rows.dtype().kind();
-  if (kind == 'f' && rows.itemsize() == 4) {
-    rms_norm_typed<float>(rows, weight, out, eps, threads);
-  } else if ((kind == 'i' || kind == 'u') && rows.itemsize() == 2) {
-    rms_norm_typed<uint16_t>(rows, weight, out, eps, threads);
-  } else {
-    throw py::value_error("x must be float32, or bfloat16 as 16-bit integers");
-  }
+  with_rows(x, [&](const auto* src, const RowsLayout& x) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
+    const float* w = typed_array<float>(weight, "weight", {x.H, x.D});
+    T* dst = typed_array<T>(out, "out", {x.N, x.H, x.D}, true);
+    py::gil_scoped_release release;
+    fastjudge::rms_norm(src, x.row_stride, x.head_stride, w, dst, x.N, x.H, x.D, eps, threads);
+  });
 }
 
 void bind_rms_norm(py::module_& m) {

@@ -359,7 +359,8 @@ class Dense(torch.nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {k}={v}" for k, v in (("bias", self.bias is not None), ("activation", self.activation)) if v)
+        named = (("bias", self.bias is not None), ("activation", self.activation))
+        extra = "".join(f", {k}={v}" for k, v in named if v)
         return f"in_features={self.in_features}, out_features={self.out_features}{extra}, path={self.path}"
 
 
