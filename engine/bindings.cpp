@@ -956,19 +956,19 @@ void with_rows(const py::handle& x, Run run) {
 
 void rotate_halves(const py::handle& x, const py::handle& cos, const py::handle& sin, const py::handle& out,
                    int threads) {
-  with_rows(x, [&](const auto* src, const RowsLayout& x) {
+  with_rows(x, [&](const auto* src, const RowsLayout& rows) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
-    if (x.D % 2) throw py::value_error("x's rows must have an even length");
+    if (rows.D % 2) throw py::value_error("x's rows must have an even length");
     const py::array table = py::array::ensure(cos);
     if (!table || table.ndim() != 2 || table.shape(0) < 1)
       throw py::value_error("cos must be a 2-D array [positions, dim]");
     const int64_t P = table.shape(0);
-    if (x.N % P) throw py::value_error("x's rows must be whole runs of the tables' positions");
-    const float* c = typed_array<float>(cos, "cos", {P, x.D});
-    const float* s = typed_array<float>(sin, "sin", {P, x.D});
-    T* dst = typed_array<T>(out, "out", {x.N, x.H, x.D}, true);
+    if (rows.N % P) throw py::value_error("x's rows must be whole runs of the tables' positions");
+    const float* c = typed_array<float>(cos, "cos", {P, rows.D});
+    const float* s = typed_array<float>(sin, "sin", {P, rows.D});
+    T* dst = typed_array<T>(out, "out", {rows.N, rows.H, rows.D}, true);
     py::gil_scoped_release release;
-    fastjudge::rotate_halves(src, x.row_stride, x.head_stride, c, s, dst, x.N, x.H, x.D, P, threads);
+    fastjudge::rotate_halves(src, rows.row_stride, rows.head_stride, c, s, dst, rows.N, rows.H, rows.D, P, threads);
   });
 }
 
@@ -990,12 +990,12 @@ arrays of another dtype, layout or shape.)doc");
 // ---------------------------------------------------------------------------------------
 
 void rms_norm(const py::handle& x, const py::handle& weight, const py::handle& out, float eps, int threads) {
-  with_rows(x, [&](const auto* src, const RowsLayout& x) {
+  with_rows(x, [&](const auto* src, const RowsLayout& rows) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
-    const float* w = typed_array<float>(weight, "weight", {x.H, x.D});
-    T* dst = typed_array<T>(out, "out", {x.N, x.H, x.D}, true);
+    const float* w = typed_array<float>(weight, "weight", {rows.H, rows.D});
+    T* dst = typed_array<T>(out, "out", {rows.N, rows.H, rows.D}, true);
     py::gil_scoped_release release;
-    fastjudge::rms_norm(src, x.row_stride, x.head_stride, w, dst, x.N, x.H, x.D, eps, threads);
+    fastjudge::rms_norm(src, rows.row_stride, rows.head_stride, w, dst, rows.N, rows.H, rows.D, eps, threads);
   });
 }
 

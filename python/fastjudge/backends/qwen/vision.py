@@ -16,8 +16,8 @@
   are never concatenated (each image's patch embeddings land in one shared tensor), the frames of
   one grid size attend as one batched call (the engine's on the CPU, else SDPA), everything else
   runs over all patches at once; each grid size's position taps and rotary tables are kept (the
-  last :data:`GRID_TABLES`). Every projection is a biased ``Dense`` (the backend prepares them:
-  oneDNN's packed GEMM, bias and activation in its epilogue; the engine's panels if too small).
+  last :data:`GRID_TABLES`). Every projection is a biased ``Dense``, prepared by the backend:
+  oneDNN's packed GEMM, bias and activation in its epilogue (too small to pack: engine panels).
 
 The image tokens and M-RoPE positions of a prompt are ``positions``. Within a frame the patches come merge block by
 merge block, row-major inside each block.
