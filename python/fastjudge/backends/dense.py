@@ -257,8 +257,10 @@ class Dense(torch.nn.Module):
 
     @property
     def matrix(self) -> torch.Tensor:
-        """The plain weight as ``[out, in]`` (a view of it)."""
-        return self.weight.flatten(1)
+        """The plain weight as ``[out, in]`` (itself, or a view of a weight of more dims: no op
+        on a decoding step's path for the usual 2-D weight)."""
+        w = self.weight
+        return w if w.dim() == 2 else w.flatten(1)
 
     @property
     def out_features(self) -> int:
