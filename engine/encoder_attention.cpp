@@ -1,10 +1,12 @@
 #include "encoder_attention.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
+#include "causal_attention.hpp"
 #include "cpu_parallel.hpp"
 #include "small_product.hpp"
 #include "vector_math.hpp"
@@ -63,6 +65,49 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
   }
 }
 
+// The online softmax of a block's scores [rows][kBlockKeys] (n of them real) for each query row:
+// each turned into its weight against the row's running maximum top[r] (the block's past n set
+// to zero), the running total and the row's weighted sums [rows][dim] rescaled where the maximum
+// grows
+__attribute__((always_inline)) inline void online_softmax(float* scores, int64_t rows, int64_t n, float scale,
+                                                          float* top, float* total, float* sums, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* w = scores + r * kBlockKeys;
+    for (int64_t j = n; j < kBlockKeys; ++j) w[j] = -__builtin_inff();
+    Floats most = splat(-__builtin_inff());
+    for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
+      const Floats x = load(w + j) * scale;
+      most = x > most ? x : most;
+    }
+    float m = top[r];
+    for (int i = 0; i < kLanes; ++i) m = std::max(m, most[i]);
+    if (m > top[r] && top[r] > -__builtin_inff()) {  // earlier weights were against a lower maximum
+      const float shrink = exp_nonpositive(splat(top[r] - m))[0];
+      total[r] *= shrink;
+      for (int64_t d = 0; d < dim; d += kLanes) store(sums + r * dim + d, load(sums + r * dim + d) * shrink);
+    }
+    top[r] = m;
+    Floats added{};
+    for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
+      const Floats x = load(w + j) * scale - m;
+      const Floats p = x == splat(-__builtin_inff()) ? Floats{} : exp_nonpositive(x);
+      store(w + j, p);
+      added += p;
+    }
+    for (int i = 0; i < kLanes; ++i) total[r] += added[i];
+  }
+}
+
+// The group's outputs: each row's weighted sums over its total, stored as O (rounded once)
+template <typename O>
+__attribute__((always_inline)) inline void write_group(const float* sums, const float* total, int64_t rows,
+                                                       int64_t dim, O* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+    for (int64_t d = 0; d < dim; d += kLanes) store_floats(out + r * dim + d, load(sums + r * dim + d) * inverse);
+  }
+}
+
 // One row's group of query rows [r0, r0 + rows) over its first `length` states (queries of type
 // Q, states T, outputs O: float32 or bfloat16 bits each).
 template <bool kZmm, typename Q, typename T, typename O>
@@ -107,40 +152,12 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     } else {
       block_scores<2, 8, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
     }
-    for (int64_t r = 0; r < rows; ++r) {  // the online softmax: weights against the running maximum
-      float* w = scores + r * kBlockKeys;
-      for (int64_t j = n; j < kBlockKeys; ++j) w[j] = -__builtin_inff();
-      Floats most = splat(-__builtin_inff());
-      for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
-        const Floats x = load(w + j) * scale;
-        most = x > most ? x : most;
-      }
-      float m = top[r];
-      for (int i = 0; i < kLanes; ++i) m = std::max(m, most[i]);
-      if (m > top[r] && top[r] > -__builtin_inff()) {  // earlier weights were against a lower maximum
-        const float shrink = exp_nonpositive(splat(top[r] - m))[0];
-        total[r] *= shrink;
-        for (int64_t d = 0; d < dim; d += kLanes) store(sums + r * dim + d, load(sums + r * dim + d) * shrink);
-      }
-      top[r] = m;
-      Floats added{};
-      for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
-        const Floats x = load(w + j) * scale - m;
-        const Floats p = x == splat(-__builtin_inff()) ? Floats{} : exp_nonpositive(x);
-        store(w + j, p);
-        added += p;
-      }
-      for (int i = 0; i < kLanes; ++i) total[r] += added[i];
-    }
+    online_softmax(scores, rows, n, scale, top, total, sums, dim);
     // six rows a register block where the build has 32 registers: a decoding step's six heads
     // read the block's states once
     product<kZmm, false, float, kZmm ? 6 : kProductRows>(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    O* o = out + (b * R + r0 + r) * dim;
-    const float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
-    for (int64_t d = 0; d < dim; d += kLanes) store_floats(o + d, load(sums + r * dim + d) * inverse);
-  }
+  write_group(sums, total, rows, dim, out + (b * R + r0) * dim);
 }
 
 // One call's attention: queries of type Q over states T into outputs O
@@ -181,6 +198,206 @@ using AttendBF16 = Attend<uint16_t, uint16_t, uint16_t>;
 FASTJUDGE_VERSIONED(attend_units_f32, attend_units, AttendF32)
 FASTJUDGE_VERSIONED(attend_units_mixed, attend_units, AttendMixed)
 FASTJUDGE_VERSIONED(attend_units_bf16, attend_units, AttendBF16)
+
+#ifdef FASTJUDGE_BF16_DOT
+// Bfloat16 states on CPUs with AVX512-BF16 (bf16_dot_products()): both products as bfloat16 dot
+// products (vdpbf16ps: two exact bfloat16 products added into each float32 lane, twice the
+// multiply-adds of a float32 FMA), the states read in place, never widened. The queries are
+// rounded to bfloat16 first (a bfloat16 model's mapped queries, held in float32 between the
+// steps) and each block's softmax weights before the weighted sum, as transformers' eager path
+// rounds its attention weights; the running sums and the softmax stay float32.
+
+// scores[q * kBlockKeys + j] = queries[q] . keys[j] for q < rows (a multiple of kQueries), j < n,
+// over bfloat16 rows of dim (a multiple of 32): kQueries queries by four keys a register block,
+// each pair's 32-element dot products summed over the lanes at the end; ahead as block_scores
+template <int kQueries>
+FASTJUDGE_BF16_TARGET inline void block_scores_dot(const uint16_t* queries, int64_t rows, const uint16_t* keys,
+                                                   int64_t ldk, int64_t n, int64_t dim, float* scores,
+                                                   int64_t ahead) {
+  constexpr int kKeys = 4, kAcc = kKeys * kQueries;
+  for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
+    const uint16_t* key[kKeys];
+    for (int k = 0; k < kKeys; ++k) key[k] = keys + std::min<int64_t>(k0 + k, n - 1) * ldk;
+    for (int64_t q0 = 0; q0 < rows; q0 += kQueries) {
+      Floats acc[kLanes * 2] = {};  // the first kAcc used; the rest zero for the second lane_sums
+      for (int64_t d = 0; d < dim; d += 2 * kLanes) {
+        __m512bh q[kQueries];
+        for (int i = 0; i < kQueries; ++i) {
+          q[i] = (__m512bh)_mm512_loadu_si512(queries + (q0 + i) * dim + d);
+          asm("" : "+v"(q[i]));  // in a register for the four keys' products, not loaded for each
+        }
+        for (int k = 0; k < kKeys; ++k) {
+          if (ahead && q0 == 0) __builtin_prefetch(key[k] + d + ahead, 0, 2);
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(key[k] + d);
+          for (int i = 0; i < kQueries; ++i)
+            acc[k * kQueries + i] = (Floats)_mm512_dpbf16_ps((__m512)acc[k * kQueries + i], kv, q[i]);
+        }
+      }
+      float sums[2 * kLanes];
+      store(sums, lane_sums(*reinterpret_cast<const Floats(*)[kLanes]>(acc)));
+      if constexpr (kAcc > kLanes) store(sums + kLanes, lane_sums(*reinterpret_cast<const Floats(*)[kLanes]>(acc + kLanes)));
+      for (int k = 0; k < kKeys && k0 + k < n; ++k)
+        for (int i = 0; i < kQueries; ++i) scores[(q0 + i) * kBlockKeys + k0 + k] = sums[k * kQueries + i];
+    }
+  }
+}
+
+// A block's n states (bfloat16 rows of dim, a multiple of 32) as pairs of consecutive keys:
+// pairs[p * dim + d] holds key 2p's element d in its low half and key 2p + 1's in its high half
+// (zero past the n-th key: a state past a row's length is never read)
+FASTJUDGE_BF16_TARGET inline void pack_key_pairs(const uint16_t* keys, int64_t ldk, int64_t n, int64_t dim,
+                                                 uint32_t* pairs) {
+  // the pairs of an even and an odd word's halves (dims 0, 2, .. and 1, 3, .. of 32) merged back in order
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m512i low = _mm512_set1_epi32(0xffff);
+  for (int64_t p = 0; 2 * p < n; ++p) {
+    const uint16_t* k0 = keys + 2 * p * ldk;
+    const uint16_t* k1 = 2 * p + 1 < n ? k0 + ldk : nullptr;
+    for (int64_t d = 0; d < dim; d += 2 * kLanes) {
+      const __m512i a = _mm512_loadu_si512(k0 + d);
+      const __m512i b = k1 ? _mm512_loadu_si512(k1 + d) : _mm512_setzero_si512();
+      const __m512i even = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_slli_epi32(b, 16));
+      const __m512i odd = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_andnot_si512(low, b));
+      _mm512_storeu_si512(pairs + p * dim + d, _mm512_permutex2var_epi32(even, first, odd));
+      _mm512_storeu_si512(pairs + p * dim + d + kLanes, _mm512_permutex2var_epi32(even, second, odd));
+    }
+  }
+}
+
+// Each row's block weights [rows][kBlockKeys] rounded to bfloat16, as pairs of consecutive keys
+// [padded][kBlockKeys / 2] (rows past `rows` zero)
+FASTJUDGE_BF16_TARGET inline void weight_pairs(const float* weights, int64_t rows, int64_t padded,
+                                               uint32_t* pairs) {
+  typedef uint64_t Wide __attribute__((vector_size(64)));    // 16 float32 lanes seen as 8 pairs
+  typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat16
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
+      // lanes 2i and 2i + 1 rounded give pair i: their high halves
+      const Wide x = reinterpret_cast<Wide>(rounded<uint16_t>(load(weights + r * kBlockKeys + j)));
+      const Narrow packed = __builtin_convertvector(((x >> 16) & 0xffffu) | ((x >> 32) & 0xffff0000u), Narrow);
+      std::memcpy(pairs + r * (kBlockKeys / 2) + j / 2, &packed, sizeof packed);
+    }
+  std::fill(pairs + rows * (kBlockKeys / 2), pairs + padded * (kBlockKeys / 2), 0u);
+}
+
+// sums[r][d] += sum over key pairs p < count of weights[r][p] . states[p][d] (pairs of bfloat16
+// each) for r < rows (a multiple of kRows), d < dim: kRows rows by NV vectors a register block,
+// in increasing p
+template <int kRows, int NV>
+FASTJUDGE_BF16_TARGET inline void weighted_pairs_tile(const uint32_t* weights, const uint32_t* states, int64_t count,
+                                                      int64_t dim, float* sums) {
+  __m512 acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(sums + r * dim + v * kLanes);
+  for (int64_t p = 0; p < count; ++p) {
+    __m512bh s[NV];
+    for (int v = 0; v < NV; ++v) s[v] = (__m512bh)_mm512_loadu_si512(states + p * dim + v * kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r * (kBlockKeys / 2) + p]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w, s[v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sums + r * dim + v * kLanes, acc[r][v]);
+}
+
+template <int kRows>
+FASTJUDGE_BF16_TARGET inline void weighted_pairs(const uint32_t* weights, int64_t rows, const uint32_t* states,
+                                                 int64_t count, int64_t dim, float* sums) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const uint32_t* w = weights + r0 * (kBlockKeys / 2);
+    int64_t d = 0;
+    for (; d + 4 * kLanes <= dim; d += 4 * kLanes) weighted_pairs_tile<kRows, 4>(w, states + d, count, dim, sums + r0 * dim + d);
+    for (; d < dim; d += 2 * kLanes) weighted_pairs_tile<kRows, 2>(w, states + d, count, dim, sums + r0 * dim + d);
+  }
+}
+
+// What the dot-product groups of one thread hold: the group's queries as bfloat16, its weights
+// and the block's states as pairs, its scores and sums in float32
+struct DotScratch {
+  std::vector<uint16_t> queries;
+  std::vector<uint32_t> weights, states;
+  std::vector<float> scores, sums;
+  explicit DotScratch(int64_t dim)
+      : queries(kDotRows * dim), weights(kDotRows * kBlockKeys / 2), states(kBlockKeys / 2 * dim),
+        scores(kDotRows * kBlockKeys), sums(kDotRows * dim) {}
+  static constexpr int64_t kDotRows = kGroupRows + 2;  // a group's rows padded to a multiple of six
+};
+
+// attend_group by bfloat16 dot products (states bfloat16, dim a multiple of 32)
+template <typename Q, typename O>
+FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<Q>& query, const StridedRows<uint16_t>& states,
+                                            int64_t length, O* out, int64_t b, int64_t r0, int64_t rows, int64_t R,
+                                            int64_t dim, float scale, DotScratch& s) {
+  // six rows a register block where they fill it (a decoding step's six heads), else four
+  const bool sixes = rows % 6 == 0;
+  const int64_t padded = sixes ? rows : (rows + 3) / 4 * 4;
+  for (int64_t r = 0; r < padded; ++r)
+    for (int64_t d = 0; d < dim; d += kLanes)
+      store_floats(s.queries.data() + r * dim + d, r < rows ? load_floats(query.row(b, r0 + r, 0) + d) : Floats{});
+  std::fill_n(s.sums.data(), padded * dim, 0.0f);
+  float top[kGroupRows], total[kGroupRows];
+  std::fill_n(top, rows, -__builtin_inff());
+  std::fill_n(total, rows, 0.0f);
+  for (int64_t j0 = 0; j0 < length; j0 += kBlockKeys) {
+    const int64_t n = std::min(kBlockKeys, length - j0);
+    const uint16_t* keys = states.row(b, j0, 0);
+    const int64_t ahead = j0 + kBlockKeys < length ? kBlockKeys * states.token : 0;
+    if (sixes) {
+      block_scores_dot<6>(s.queries.data(), padded, keys, states.token, n, dim, s.scores.data(), ahead);
+    } else {
+      block_scores_dot<4>(s.queries.data(), padded, keys, states.token, n, dim, s.scores.data(), ahead);
+    }
+    online_softmax(s.scores.data(), rows, n, scale, top, total, s.sums.data(), dim);
+    weight_pairs(s.scores.data(), rows, padded, s.weights.data());
+    pack_key_pairs(keys, states.token, n, dim, s.states.data());
+    if (sixes) {
+      weighted_pairs<6>(s.weights.data(), padded, s.states.data(), (n + 1) / 2, dim, s.sums.data());
+    } else {
+      weighted_pairs<4>(s.weights.data(), padded, s.states.data(), (n + 1) / 2, dim, s.sums.data());
+    }
+  }
+  write_group(s.sums.data(), total, rows, dim, out + (b * R + r0) * dim);
+}
+
+template <typename Q, typename O>
+FASTJUDGE_BF16_TARGET void attend_units_dot(const Attend<Q, uint16_t, O>& a) {
+  const int64_t groups = (a.R + a.group - 1) / a.group;
+  DotScratch scratch(a.dim);
+  for (int64_t i = a.first; i < a.last; ++i) {
+    const int64_t u = a.reverse ? a.units - 1 - i : i;
+    const int64_t b = u / groups, r0 = (u % groups) * a.group;
+    attend_group_dot(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, a.dim,
+                     a.scale, scratch);
+  }
+}
+#endif
+
+// Whether attention over bfloat16 states of dim takes the dot products
+inline bool dot_products_for(int64_t dim) {
+#ifdef FASTJUDGE_BF16_DOT
+  return dim % (2 * kLanes) == 0 && bf16_dot_products();
+#else
+  (void)dim;
+  return false;
+#endif
+}
+
+// The units [first, last) of an attention over bfloat16 states: by dot products where `dot`,
+// else in float32
+template <typename Q, typename O>
+void attend_units_bf16_states(const Attend<Q, uint16_t, O>& a, bool dot) {
+#ifdef FASTJUDGE_BF16_DOT
+  if (dot) return attend_units_dot(a);
+#endif
+  (void)dot;
+  if constexpr (std::is_same_v<Q, float>) {
+    attend_units_mixed(a);
+  } else {
+    attend_units_bf16(a);
+  }
+}
 
 // T5's per-head maps around the attention. A unit of work is one head-position pair (head h =
 // pair / P, position p = pair % P) and one slice of the weights it reads (64 columns of w_k[h],
@@ -361,12 +578,13 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
   const int64_t workers = workers_for(4.0 * R * dim * keys, threads), group = group_rows(B, R, workers);
   const int64_t units = B * ((R + group - 1) / group);
+  [[maybe_unused]] const bool dot = !wide && dot_products_for(dim);
   parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
       attend_units_f32(AttendF32{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last});
     } else {
-      attend_units_mixed(
-          AttendMixed{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last});
+      attend_units_bf16_states(
+          AttendMixed{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last}, dot);
     }
   });
   parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), map_workers, 1, [&](int64_t first, int64_t last) {
@@ -393,11 +611,13 @@ void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states
   for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
   const int64_t workers = workers_for(4.0 * R * dim * keys, threads), group = group_rows(B, R, workers);
   const int64_t units = B * ((R + group - 1) / group);
+  [[maybe_unused]] const bool dot = !std::is_same_v<T, float> && dot_products_for(dim);
   parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<T, float>) {
       attend_units_f32(AttendF32{query, states, lengths, out, R, dim, scale, group, units, reverse, first, last});
     } else {
-      attend_units_bf16(AttendBF16{query, states, lengths, out, R, dim, scale, group, units, reverse, first, last});
+      attend_units_bf16_states(
+          AttendBF16{query, states, lengths, out, R, dim, scale, group, units, reverse, first, last}, dot);
     }
   });
 }
