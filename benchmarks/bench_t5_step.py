@@ -7,8 +7,9 @@ layer's own weights, so they stream from memory as in a real step:
 * projections: each layer's fused q/k/v, o, cross q, cross o, gated feed-forward and down
   projection through ``_engine.dense_product`` / ``gated_dense_product`` on the model's panels;
 * cross-attention: each layer's ``_engine.reassociated_attention`` (queries mapped into model
-  space, attention over ``--encoder-tokens`` states a row, contexts mapped back), with a
-  layer's worth of other data read between layers (not timed), as a step's projections pass
+  space, attention over ``--encoder-tokens`` states a row, contexts mapped back; a bfloat16
+  model's key weights paired once, ``_engine.pair_key_weights``, as the step binds them), with
+  a layer's worth of other data read between layers (not timed), as a step's projections pass
   through the cache;
 * the step: ``T5Decoder.step`` alone (no LM head), one new token a row, positions cycling
   from 8 to 24.
@@ -88,15 +89,17 @@ def cross_attention(model, rows: int, tokens: int, threads: int):
     out = engine_array(torch.empty(rows, 1, H, dk, dtype=dtype))
     weights = [(engine_array(layer.x_k.detach().view(H, dk, d)), engine_array(layer.x_v.detach().view(H, dk, d)))
                for layer in model.decoder]
+    paired = dtype == torch.bfloat16 and _engine.bf16_dot_products() and dk % 2 == 0 and d % 32 == 0
+    pairs = [_engine.pair_key_weights(w_k) if paired else None for w_k, _ in weights]
     ff = model.decoder[0].wi.out_features // 2
     other = torch.ones(6 * d * H * dk + 3 * d * ff)  # as many floats as a layer's other weights
 
     def run() -> float:
         seconds = 0.0
-        for i, (w_k, w_v) in enumerate(weights):
+        for i, ((w_k, w_v), w_k_pairs) in enumerate(zip(weights, pairs)):
             other.sum()
             start = time.perf_counter()
-            _engine.reassociated_attention(xq, w_k, w_v, states, lengths, out, 1.0, i % 2 == 1, threads)
+            _engine.reassociated_attention(xq, w_k, w_v, states, lengths, out, 1.0, i % 2 == 1, threads, w_k_pairs)
             seconds += time.perf_counter() - start
         return seconds
 

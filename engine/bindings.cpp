@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -699,7 +700,7 @@ void encoder_attention(const py::handle& query, const py::handle& states, const 
 template <typename T>
 void reassociated_attention_typed(const py::array& xq, const py::handle& w_k, const py::handle& w_v,
                                   const py::handle& states, const py::handle& lengths, const py::handle& out,
-                                  float scale, bool reverse, int threads) {
+                                  float scale, bool reverse, int threads, const py::handle& w_k_pairs) {
   const int64_t B = xq.shape(0), P = xq.shape(1), H = xq.shape(2), dk = xq.shape(3);
   py::array held = py::array::ensure(states);
   if (!held || held.ndim() != 4) throw py::value_error("states must be a 4-D array [B, L, 1, dim]");
@@ -715,20 +716,26 @@ void reassociated_attention_typed(const py::array& xq, const py::handle& w_k, co
   const T* wv = typed_array<T>(w_v, "w_v", {H, dk, dim});
   const auto s = strided_rows<T>(states, "states", {B, L, 1, dim});
   T* dst = typed_array<T>(out, "out", {B, P, H, dk}, true);
+  const uint32_t* pairs = nullptr;
+  if (!w_k_pairs.is_none()) {
+    if (!std::is_same_v<T, uint16_t>) throw py::value_error("w_k_pairs are for bfloat16 weights");
+    pairs = typed_array<uint32_t>(w_k_pairs, "w_k_pairs", {H, dk / 2, dim});
+  }
   py::gil_scoped_release release;
-  fastjudge::reassociated_attention<T>(x, wk, wv, s, keys.data(), dst, B, P, H, dk, dim, scale, reverse, threads);
+  fastjudge::reassociated_attention<T>(x, wk, wv, s, keys.data(), dst, B, P, H, dk, dim, scale, reverse, threads,
+                                       pairs);
 }
 
 void reassociated_attention(const py::handle& xq, const py::handle& w_k, const py::handle& w_v,
                             const py::handle& states, const py::handle& lengths, const py::handle& out, float scale,
-                            bool reverse, int threads) {
+                            bool reverse, int threads, const py::handle& w_k_pairs) {
   py::array x = py::isinstance<py::array>(xq) ? py::reinterpret_borrow<py::array>(xq) : py::array();
   if (!x || x.ndim() != 4) throw py::value_error("xq must be a 4-D array [B, P, heads, d_kv]");
   if (!(scale > 0.0f)) throw py::value_error("scale must be positive");
   if (x.dtype().kind() == 'f' && x.itemsize() == 4) {
-    reassociated_attention_typed<float>(x, w_k, w_v, states, lengths, out, scale, reverse, threads);
+    reassociated_attention_typed<float>(x, w_k, w_v, states, lengths, out, scale, reverse, threads, w_k_pairs);
   } else if ((x.dtype().kind() == 'i' || x.dtype().kind() == 'u') && x.itemsize() == 2) {
-    reassociated_attention_typed<uint16_t>(x, w_k, w_v, states, lengths, out, scale, reverse, threads);
+    reassociated_attention_typed<uint16_t>(x, w_k, w_v, states, lengths, out, scale, reverse, threads, w_k_pairs);
   } else {
     throw py::value_error("xq must be float32, or bfloat16 as 16-bit integers");
   }
@@ -765,16 +772,38 @@ dim a multiple of 16. reverse: the rows in reverse order, with the same results 
 same states that alternate it start where the last one ended, on states still in cache).
 threads: at most this many, used only where the work pays for them. Raises ValueError on arrays
 of another dtype, layout or shape.)doc");
+  m.def(
+      "pair_key_weights",
+      [](const py::handle& w_k) {
+        py::array w = py::isinstance<py::array>(w_k) ? py::reinterpret_borrow<py::array>(w_k) : py::array();
+        if (!w || w.ndim() != 3) throw py::value_error("w_k must be a 3-D array [heads, d_kv, dim]");
+        const int64_t H = w.shape(0), dk = w.shape(1), dim = w.shape(2);
+        const uint16_t* src = typed_array<uint16_t>(w, "w_k", {H, dk, dim});
+        if (!fastjudge::reassociated_pairs_usable(dk, dim))
+          throw py::value_error("the key weights' pairs need AVX512-BF16, an even d_kv and dim a multiple of 32");
+        py::array_t<uint32_t> pairs({H, dk / 2, dim});
+        fastjudge::pair_key_weights(src, H, dk, dim, pairs.mutable_data());
+        return pairs;
+      },
+      py::arg("w_k"),
+      R"doc(A bfloat16 model's cross-attention key weights w_k [heads, d_kv, dim] (16-bit integer array of
+their bits) as pairs of consecutive d_kv rows, uint32 [heads, d_kv / 2, dim] (row 2i's element in
+the low half): what reassociated_attention's bfloat16 dot products map the queries through,
+made once where a model decodes many steps. Raises ValueError where the CPU has no AVX512-BF16,
+d_kv is odd or dim is not a multiple of 32.)doc");
   m.def("reassociated_attention", &reassociated_attention, py::arg("xq"), py::arg("w_k"), py::arg("w_v"),
         py::arg("states"), py::arg("lengths"), py::arg("out"), py::arg("scale"), py::arg("reverse") = false,
-        py::arg("threads") = 1,
+        py::arg("threads") = 1, py::arg("w_k_pairs") = py::none(),
         R"doc(T5's reassociated cross-attention in one call: for each row b, position p and head h,
 q = w_k[h]^T xq[b, p, h] (the query in model space), ctx = encoder_attention of q over the row's
 states, out[b, p, h] = w_v[h] ctx. xq, out [B, P, heads, d_kv] and w_k, w_v [heads, d_kv, dim]
 C-contiguous; states [B, L, 1, dim] with contiguous rows; lengths int64 [B] in [0, L]; all
-float32, or all bfloat16 as 16-bit integer arrays of their bits (q and ctx held in float32, out
-rounded once); dim a multiple of 16. reverse and threads as for encoder_attention. Raises
-ValueError on arrays of another dtype, layout or shape.)doc");
+float32, or all bfloat16 as 16-bit integer arrays of their bits (out rounded once); dim a
+multiple of 16. q and ctx are held in float32, or for bfloat16 on bfloat16 dot products
+(bf16_dot_products(); d_kv even, dim a multiple of 32) as bfloat16, each rounded once, the
+queries mapped through w_k_pairs (pair_key_weights of w_k; None: made from w_k in this call).
+reverse and threads as for encoder_attention. Raises ValueError on arrays of another dtype,
+layout or shape.)doc");
   m.def("causal_attention", &causal_attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("scale"), py::arg("offsets") = py::none(), py::arg("counts") = py::none(), py::arg("bias") = py::none(),
         py::arg("shared_columns") = 0, py::arg("shared_from") = py::none(), py::arg("threads") = 1,
@@ -1351,11 +1380,19 @@ class T5Decoder : BoundArrays {
       l.down = packed<W>(layer, "down", m.d_ff, m.d);
       l.x_k = array<T>(layer, "x_k", {H, dk, m.d});
       l.x_v = array<T>(layer, "x_v", {H, dk, m.d});
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (fastjudge::reassociated_pairs_usable(dk, m.d)) {  // made once here, not at every step
+          key_pairs_.emplace_back(static_cast<std::size_t>(H * dk / 2 * m.d));
+          fastjudge::pair_key_weights(static_cast<const uint16_t*>(l.x_k), H, dk, m.d, key_pairs_.back().data());
+          l.x_k_pairs = key_pairs_.back().data();
+        }
+      }
       m.layers.push_back(l);
     }
   }
 
   fastjudge::T5StepModel model_;
+  std::deque<std::vector<uint32_t>> key_pairs_;  // the layers' x_k_pairs (a deque: they never move)
   fastjudge::T5StepScratch scratch_;
   bool bf16_ = false;
 };

@@ -200,12 +200,11 @@ FASTJUDGE_VERSIONED(attend_units_mixed, attend_units, AttendMixed)
 FASTJUDGE_VERSIONED(attend_units_bf16, attend_units, AttendBF16)
 
 #ifdef FASTJUDGE_BF16_DOT
-// Bfloat16 states on CPUs with AVX512-BF16 (bf16_dot_products()): both products as bfloat16 dot
-// products (vdpbf16ps: two exact bfloat16 products added into each float32 lane, twice the
-// multiply-adds of a float32 FMA), the states read in place, never widened. The queries are
-// rounded to bfloat16 first (a bfloat16 model's mapped queries, held in float32 between the
-// steps) and each block's softmax weights before the weighted sum, as transformers' eager path
-// rounds its attention weights; the running sums and the softmax stay float32.
+// Bfloat16 attention on CPUs with AVX512-BF16 (bf16_dot_products()): both products as bfloat16
+// dot products (vdpbf16ps: two exact bfloat16 products added into each float32 lane, twice the
+// multiply-adds of a float32 FMA), the states read in place, never widened. Each block's softmax
+// weights are rounded to bfloat16 before the weighted sum, as transformers' eager path rounds
+// its attention weights; the scores, the softmax and the running sums stay float32.
 
 // scores[q * kBlockKeys + j] = queries[q] . keys[j] for q < rows (a multiple of kQueries), j < n,
 // over bfloat16 rows of dim (a multiple of 32): kQueries queries by four keys a register block,
@@ -308,7 +307,8 @@ FASTJUDGE_BF16_TARGET inline void weighted_pairs(const uint32_t* weights, int64_
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const uint32_t* w = weights + r0 * (kBlockKeys / 2);
     int64_t d = 0;
-    for (; d + 4 * kLanes <= dim; d += 4 * kLanes) weighted_pairs_tile<kRows, 4>(w, states + d, count, dim, sums + r0 * dim + d);
+    for (; d + 4 * kLanes <= dim; d += 4 * kLanes)
+      weighted_pairs_tile<kRows, 4>(w, states + d, count, dim, sums + r0 * dim + d);
     for (; d < dim; d += 2 * kLanes) weighted_pairs_tile<kRows, 2>(w, states + d, count, dim, sums + r0 * dim + d);
   }
 }
@@ -325,17 +325,15 @@ struct DotScratch {
   static constexpr int64_t kDotRows = kGroupRows + 2;  // a group's rows padded to a multiple of six
 };
 
-// attend_group by bfloat16 dot products (states bfloat16, dim a multiple of 32)
-template <typename Q, typename O>
-FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<Q>& query, const StridedRows<uint16_t>& states,
-                                            int64_t length, O* out, int64_t b, int64_t r0, int64_t rows, int64_t R,
-                                            int64_t dim, float scale, DotScratch& s) {
+// attend_group by bfloat16 dot products (dim a multiple of 32)
+FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& states,
+                                            int64_t length, uint16_t* out, int64_t b, int64_t r0, int64_t rows,
+                                            int64_t R, int64_t dim, float scale, DotScratch& s) {
   // six rows a register block where they fill it (a decoding step's six heads), else four
   const bool sixes = rows % 6 == 0;
   const int64_t padded = sixes ? rows : (rows + 3) / 4 * 4;
-  for (int64_t r = 0; r < padded; ++r)
-    for (int64_t d = 0; d < dim; d += kLanes)
-      store_floats(s.queries.data() + r * dim + d, r < rows ? load_floats(query.row(b, r0 + r, 0) + d) : Floats{});
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(query.row(b, r0 + r, 0), dim, s.queries.data() + r * dim);
+  std::fill(s.queries.data() + rows * dim, s.queries.data() + padded * dim, uint16_t{0});
   std::fill_n(s.sums.data(), padded * dim, 0.0f);
   float top[kGroupRows], total[kGroupRows];
   std::fill_n(top, rows, -__builtin_inff());
@@ -361,8 +359,7 @@ FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<Q>& query, const S
   write_group(s.sums.data(), total, rows, dim, out + (b * R + r0) * dim);
 }
 
-template <typename Q, typename O>
-FASTJUDGE_BF16_TARGET void attend_units_dot(const Attend<Q, uint16_t, O>& a) {
+FASTJUDGE_BF16_TARGET void attend_units_dot(const AttendBF16& a) {
   const int64_t groups = (a.R + a.group - 1) / a.group;
   DotScratch scratch(a.dim);
   for (int64_t i = a.first; i < a.last; ++i) {
@@ -384,19 +381,13 @@ inline bool dot_products_for(int64_t dim) {
 #endif
 }
 
-// The units [first, last) of an attention over bfloat16 states: by dot products where `dot`,
-// else in float32
-template <typename Q, typename O>
-void attend_units_bf16_states(const Attend<Q, uint16_t, O>& a, bool dot) {
+// The units [first, last) of a bfloat16 attention: by dot products where `dot`, else in float32
+void attend_units_bf16_states(const AttendBF16& a, bool dot) {
 #ifdef FASTJUDGE_BF16_DOT
   if (dot) return attend_units_dot(a);
 #endif
   (void)dot;
-  if constexpr (std::is_same_v<Q, float>) {
-    attend_units_mixed(a);
-  } else {
-    attend_units_bf16(a);
-  }
+  attend_units_bf16(a);
 }
 
 // T5's per-head maps around the attention. A unit of work is one head-position pair (head h =
@@ -531,6 +522,114 @@ void map_contexts_bf16(const float* ctx, const uint16_t* w, uint16_t* out, int64
   map_contexts(ctx, w, out, B, P, H, dk, dim, first, last);
 }
 
+#ifdef FASTJUDGE_BF16_DOT
+// The maps on bfloat16 dot products (a bfloat16 model where bf16_dot_products(), d_kv even, dim
+// a multiple of 32): queries into model space from the key weights' pairs of consecutive d_kv
+// rows (pair_key_weights), x read as pairs of consecutive k, each query rounded to bfloat16 once;
+// contexts (bfloat16) back to head space against the value weights' rows as they are.
+
+// map_query_block by dot products: fetch steps a line of the next unit's pair rows at each pair
+template <int NV>
+FASTJUDGE_BF16_TARGET inline void map_query_block_dot(const uint16_t* x, const uint32_t* pairs, uint16_t* q,
+                                                      int64_t b0, int64_t rows, int64_t P, int64_t H, int64_t dk,
+                                                      int64_t dim, int64_t h, int64_t p, int64_t c0,
+                                                      const char* fetch) {
+  const int64_t half = dk / 2;
+  const uint16_t* xr[kMapRows];
+  for (int r = 0; r < kMapRows; ++r) xr[r] = x + ((std::min<int64_t>(b0 + r, b0 + rows - 1) * P + p) * H + h) * dk;
+  __m512 acc[kMapRows][NV];
+  for (int r = 0; r < kMapRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < half; ++i) {
+    if (fetch) __builtin_prefetch(fetch + i * dim * static_cast<int64_t>(sizeof(uint32_t)), 0, 2);
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) {
+      w[v] = (__m512bh)_mm512_loadu_si512(pairs + (h * half + i) * dim + c0 + v * kLanes);
+      asm("" : "+v"(w[v]));
+    }
+    for (int r = 0; r < kMapRows; ++r) {
+      uint32_t word;
+      std::memcpy(&word, xr[r] + 2 * i, sizeof word);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v)
+      store_floats(q + ((b0 + r) * H * P + h * P + p) * dim + c0 + v * kLanes, (Floats)acc[r][v]);
+}
+
+FASTJUDGE_BF16_TARGET void map_queries_dot(const uint16_t* x, const uint32_t* pairs, uint16_t* q, int64_t B,
+                                           int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t first,
+                                           int64_t last) {
+  const int64_t slices = (dim + kMapColumns - 1) / kMapColumns, half = dk / 2;
+  for (int64_t u = first; u < last; ++u) {
+    const int64_t pair = u / slices, h = pair / P, p = pair % P;
+    const int64_t c0 = (u % slices) * kMapColumns, wide = std::min(kMapColumns, dim - c0);
+    // the next unit's pair rows fetched while these compute, as map_queries fetches its rows
+    const int64_t next_c0 = c0 + kMapColumns < dim ? c0 + kMapColumns : 0;
+    const int64_t next_h = next_c0 ? h : (pair + 1) / P;
+    const uint32_t* next = u + 1 < last && next_h < H ? pairs + next_h * half * dim + next_c0 : nullptr;
+    for (int64_t b0 = 0, line = 0; b0 < B; b0 += kMapRows, ++line) {
+      const int64_t rows = std::min(kMapRows, B - b0);
+      const char* fetch = next && line * kLanes < kMapColumns && B > kMapRows && B <= kMapFetchRows
+                              ? reinterpret_cast<const char*>(next + line * kLanes) : nullptr;
+      if (wide == kMapColumns) {
+        map_query_block_dot<4>(x, pairs, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
+      } else {
+        for (int64_t c = c0; c < c0 + wide; c += 2 * kLanes)
+          map_query_block_dot<2>(x, pairs, q, b0, rows, P, H, dk, dim, h, p, c, c == c0 ? fetch : nullptr);
+      }
+    }
+  }
+}
+
+// map_contexts by dot products over bfloat16 contexts
+FASTJUDGE_BF16_TARGET void map_contexts_dot(const uint16_t* ctx, const uint16_t* w, uint16_t* out, int64_t B,
+                                            int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t first,
+                                            int64_t last) {
+  constexpr int kOut = kMapOutputs;
+  const int64_t slices = (dk + kOut - 1) / kOut;
+  for (int64_t u = first; u < last; ++u) {
+    const int64_t pair = u / slices, h = pair / P, p = pair % P, k0 = (u % slices) * kOut;
+    const uint16_t* wr[kOut];
+    for (int k = 0; k < kOut; ++k) wr[k] = w + (h * dk + std::min<int64_t>(k0 + k, dk - 1)) * dim;
+    const int64_t next_k = k0 + kOut < dk ? k0 + kOut : 0, next_h = next_k ? h : (pair + 1) / P;
+    const char* next = u + 1 < last && next_h < H ? reinterpret_cast<const char*>(w + (next_h * dk + next_k) * dim)
+                                                  : nullptr;
+    const int64_t fetch_bytes = kOut * dim * static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t blocks = (B + kMapRows - 1) / kMapRows;
+    for (int64_t b0 = 0, block = 0; b0 < B; b0 += kMapRows, ++block) {
+      const int64_t rows = std::min(kMapRows, B - b0);
+      const char* fetch = next && B > kMapRows && B <= kMapFetchRows ? next + block * fetch_bytes / blocks : nullptr;
+      const int64_t fetch_step = fetch_bytes / blocks / std::max<int64_t>(1, dim / (2 * kLanes));
+      const uint16_t* cr[kMapRows];
+      for (int r = 0; r < kMapRows; ++r)
+        cr[r] = ctx + (std::min<int64_t>(b0 + r, b0 + rows - 1) * H * P + h * P + p) * dim;
+      Floats acc[kMapRows * kOut] = {};
+      for (int64_t d = 0; d < dim; d += 2 * kLanes) {
+        if (fetch) __builtin_prefetch(fetch + d / (2 * kLanes) * fetch_step, 0, 2);
+        __m512bh c[kMapRows];
+        for (int r = 0; r < kMapRows; ++r) {
+          c[r] = (__m512bh)_mm512_loadu_si512(cr[r] + d);
+          asm("" : "+v"(c[r]));
+        }
+        for (int k = 0; k < kOut; ++k) {
+          const __m512bh wk = (__m512bh)_mm512_loadu_si512(wr[k] + d);
+          for (int r = 0; r < kMapRows; ++r)
+            acc[r * kOut + k] = (Floats)_mm512_dpbf16_ps((__m512)acc[r * kOut + k], c[r], wk);
+        }
+      }
+      float sums[kLanes];
+      store(sums, lane_sums(acc));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int k = 0; k < kOut && k0 + k < dk; ++k)
+          from_float(sums[r * kOut + k], out + (((b0 + r) * P + p) * H + h) * dk + k0 + k);
+    }
+  }
+}
+#endif
+
 // threads for `flops` of work: one for each kFlopsPerThread, at most `threads`
 int64_t workers_for(double flops, int threads) {
   return std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
@@ -547,25 +646,101 @@ inline int64_t group_rows(int64_t B, int64_t R, int64_t workers) {
   return (R + groups - 1) / groups;
 }
 
+bool reassociated_pairs_usable(int64_t dk, int64_t dim) {
+  return cpu_has_bf16_dot() && dk % 2 == 0 && dim % (2 * kLanes) == 0;
+}
+
+void pair_key_weights(const uint16_t* w_k, int64_t H, int64_t dk, int64_t dim, uint32_t* pairs) {
+#ifdef FASTJUDGE_BF16_DOT
+  if (reassociated_pairs_usable(dk, dim)) {
+    for (int64_t h = 0; h < H; ++h) pack_key_pairs(w_k + h * dk * dim, dim, dk, dim, pairs + h * (dk / 2) * dim);
+    return;
+  }
+#endif
+  (void)w_k, (void)H, (void)pairs;
+  throw std::invalid_argument("the key weights' pairs need AVX512-BF16, an even d_kv and dim a multiple of 32");
+}
+
+namespace {
+
+// How a reassociated attention's work splits: the maps' threads (a map's weights, H x dk x dim,
+// stream from memory at a decoding step's few rows: a thread for each kWeightBytesPerThread of
+// them too), the attention's threads, query rows a unit and units
+struct ReassociatedSplit {
+  int64_t map_workers, workers, group, units;
+
+  ReassociatedSplit(const int64_t* lengths, int64_t B, int64_t H, int64_t P, int64_t dk, int64_t dim,
+                    std::size_t type_bytes, int threads) {
+    const int64_t R = H * P;
+    const double map_bytes = static_cast<double>(H * dk * dim) * static_cast<double>(type_bytes);
+    map_workers = std::min<int64_t>(threads, static_cast<int64_t>(std::max(2.0 * B * R * dk * dim / kFlopsPerThread,
+                                                                             map_bytes / kWeightBytesPerThread)) + 1);
+    double keys = 0.0;
+    for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
+    workers = workers_for(4.0 * R * dim * keys, threads), group = group_rows(B, R, workers);
+    units = B * ((R + group - 1) / group);
+  }
+};
+
+#ifdef FASTJUDGE_BF16_DOT
+// reassociated_attention of a bfloat16 model on dot products: the queries in model space and the
+// contexts as bfloat16 (kept from call to call, they only grow), the key weights' pairs given or
+// made here
+void reassociated_dot(const uint16_t* xq, const uint16_t* w_k, const uint32_t* w_k_pairs, const uint16_t* w_v,
+                      const StridedRows<uint16_t>& states, const int64_t* lengths, uint16_t* out, int64_t B, int64_t P,
+                      int64_t H, int64_t dk, int64_t dim, float scale, bool reverse, const ReassociatedSplit& split) {
+  const int64_t R = H * P;
+  thread_local std::vector<uint16_t> scratch;
+  thread_local std::vector<uint32_t> own_pairs;
+  const auto held = static_cast<std::size_t>(2 * B * R * dim);
+  if (scratch.size() < held) scratch.resize(held);
+  if (!w_k_pairs) {
+    own_pairs.resize(static_cast<std::size_t>(H * dk / 2 * dim));
+    pair_key_weights(w_k, H, dk, dim, own_pairs.data());
+    w_k_pairs = own_pairs.data();
+  }
+  uint16_t* q = scratch.data();
+  uint16_t* ctx = q + B * R * dim;
+  parallel_ranges(R * ((dim + kMapColumns - 1) / kMapColumns), split.map_workers, 1, [&](int64_t first, int64_t last) {
+    map_queries_dot(xq, w_k_pairs, q, B, P, H, dk, dim, first, last);
+  });
+  const StridedRows<uint16_t> queries{q, R * dim, dim, 0};
+  parallel_ranges(split.units, split.workers, 1, [&](int64_t first, int64_t last) {
+    attend_units_dot(AttendBF16{queries, states, lengths, ctx, R, dim, scale, split.group, split.units, reverse, first,
+                                last});
+  });
+  parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), split.map_workers, 1, [&](int64_t first, int64_t last) {
+    map_contexts_dot(ctx, w_v, out, B, P, H, dk, dim, first, last);
+  });
+}
+#endif
+
+}  // namespace
+
 template <typename T>
 void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const StridedRows<T>& states,
                             const int64_t* lengths, T* out, int64_t B, int64_t P, int64_t H, int64_t dk, int64_t dim,
-                            float scale, bool reverse, int threads) {
+                            float scale, bool reverse, int threads, const uint32_t* w_k_pairs) {
   const int64_t R = H * P;
   if (B == 0 || R == 0 || dk == 0) return;
+  const ReassociatedSplit split(lengths, B, H, P, dk, dim, sizeof(T), threads);
+  constexpr bool wide = std::is_same_v<T, float>;
+#ifdef FASTJUDGE_BF16_DOT
+  if constexpr (!wide) {
+    if (dk % 2 == 0 && dot_products_for(dim)) {
+      reassociated_dot(xq, w_k, w_k_pairs, w_v, states, lengths, out, B, P, H, dk, dim, scale, reverse, split);
+      return;
+    }
+  }
+#endif
+  (void)w_k_pairs;
   // the queries in model space and the contexts, float32, kept from call to call (they only grow)
   thread_local std::vector<float> scratch;
   const auto held = static_cast<std::size_t>(2 * B * R * dim);
   if (scratch.size() < held) scratch.resize(held);
   float* q = scratch.data();
   float* ctx = q + B * R * dim;
-  // a map's weights (H x dk x dim) stream from memory at a decoding step's few rows: a thread
-  // for each kWeightBytesPerThread of them too
-  const double map_bytes = static_cast<double>(H * dk * dim * sizeof(T));
-  const int64_t map_workers = std::min<int64_t>(
-      threads, static_cast<int64_t>(std::max(2.0 * B * R * dk * dim / kFlopsPerThread,
-                                             map_bytes / kWeightBytesPerThread)) + 1);
-  constexpr bool wide = std::is_same_v<T, float>;
+  const int64_t map_workers = split.map_workers, group = split.group, units = split.units;
   parallel_ranges(R * ((dim + kMapColumns - 1) / kMapColumns), map_workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
       map_queries_f32(xq, w_k, q, B, P, H, dk, dim, first, last);
@@ -574,17 +749,11 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
     }
   });
   const StridedRows<float> queries{q, R * dim, dim, 0};
-  double keys = 0.0;
-  for (int64_t b = 0; b < B; ++b) keys += static_cast<double>(lengths[b]);
-  const int64_t workers = workers_for(4.0 * R * dim * keys, threads), group = group_rows(B, R, workers);
-  const int64_t units = B * ((R + group - 1) / group);
-  [[maybe_unused]] const bool dot = !wide && dot_products_for(dim);
-  parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
+  parallel_ranges(units, split.workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
       attend_units_f32(AttendF32{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last});
     } else {
-      attend_units_bf16_states(
-          AttendMixed{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last}, dot);
+      attend_units_mixed(AttendMixed{queries, states, lengths, ctx, R, dim, scale, group, units, reverse, first, last});
     }
   });
   parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), map_workers, 1, [&](int64_t first, int64_t last) {
@@ -598,10 +767,10 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
 
 template void reassociated_attention<float>(const float*, const float*, const float*, const StridedRows<float>&,
                                             const int64_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                            float, bool, int);
+                                            float, bool, int, const uint32_t*);
 template void reassociated_attention<uint16_t>(const uint16_t*, const uint16_t*, const uint16_t*,
                                                const StridedRows<uint16_t>&, const int64_t*, uint16_t*, int64_t,
-                                               int64_t, int64_t, int64_t, int64_t, float, bool, int);
+                                               int64_t, int64_t, int64_t, int64_t, float, bool, int, const uint32_t*);
 
 template <typename T>
 void encoder_attention(const StridedRows<T>& query, const StridedRows<T>& states, const int64_t* lengths, T* out,

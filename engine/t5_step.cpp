@@ -164,7 +164,7 @@ class Step {
       const StridedRows<T> states{mem, m_.enc_capacity * d, d, 0};
       reassociated_attention<T>(xq, static_cast<const T*>(layer.x_k), static_cast<const T*>(layer.x_v), states,
                                 m_.enc_lengths + in_.start, context, B, S, H, dk, d, 1.0f, index % 2 == 1,
-                                threads_);
+                                threads_, layer.x_k_pairs);
     } else {
       // each head's positions as that head's query rows [B, 1, H * S, dk], every one seeing its
       // row's whole prompt (the last key as the offset of one token)

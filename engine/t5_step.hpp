@@ -21,11 +21,13 @@ namespace fastjudge {
 
 // One decoder layer: its three norms (float32 [d]), the self-attention's fused qkv and o, the
 // cross-attention's x_q and x_o with the key and value weights [H, dk, d] (the model's type) that
-// the reassociated form maps through, and the gated feed-forward.
+// the reassociated form maps through (a bfloat16 model's keys also as pairs of d_kv rows,
+// pair_key_weights, where its maps take them; else null), and the gated feed-forward.
 struct T5StepLayer {
   const float *norm = nullptr, *x_norm = nullptr, *ff_norm = nullptr;
   PackedWeight qkv, o, x_q, x_o, gate, up, down;
   const void *x_k = nullptr, *x_v = nullptr;
+  const uint32_t* x_k_pairs = nullptr;
 };
 
 struct T5StepModel {

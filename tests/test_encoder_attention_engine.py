@@ -261,3 +261,38 @@ def test_reassociated_attention_refusals():
     with pytest.raises(ValueError, match="out must be"):
         call(out=torch.empty(2, 1, 6, 4))
     assert torch.equal(out, torch.full((2, 1, 6, 8), 7.0))
+
+
+def test_key_weight_pairs_made_once_give_the_bits_made_in_the_call():
+    """``_engine.pair_key_weights`` (what the engine's T5 step makes once when it binds a bfloat16
+    model): w_k's consecutive d_kv rows paired in 32-bit words, row 2i's bits in the low half;
+    given to ``reassociated_attention`` they give the bits of the pairs it makes itself, over
+    rows in blocks of four and one and a 32-wide column tail (dim 96). Refused for an odd d_kv,
+    a dim not a multiple of 32 and float32 weights."""
+    if not _engine.bf16_dot_products():
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = torch.Generator().manual_seed(5)
+    B, H, dk, d, lengths = 5, 6, 64, 96, [9, 1, 70, 64, 33]
+    w_k = (torch.randn(H, dk, d, generator=g) / d ** 0.5).bfloat16()
+    w_v = (torch.randn(H, dk, d, generator=g) / d ** 0.5).bfloat16()
+    pairs = _engine.pair_key_weights(engine_array(w_k))
+    bits = engine_array(w_k).view(np.uint16)
+    assert pairs.shape == (H, dk // 2, d) and pairs.dtype == np.uint32
+    assert np.array_equal(pairs & 0xFFFF, bits[:, 0::2]) and np.array_equal(pairs >> 16, bits[:, 1::2])
+    xq = torch.randn(B, 1, H, dk, generator=g).bfloat16()
+    states = torch.randn(B, 70, d, generator=g).bfloat16()
+    outs = []
+    for given in (None, pairs):
+        out = torch.empty_like(xq)
+        _engine.reassociated_attention(engine_array(xq), engine_array(w_k), engine_array(w_v),
+                                       engine_array(states.unsqueeze(2)), np.array(lengths), engine_array(out), 1.0,
+                                       threads=2, w_k_pairs=given)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), reassociated_reference(xq, w_k, w_v, states, lengths),
+                               rtol=5e-2, atol=5e-2)
+    for bad in (torch.zeros(H, 5, d), torch.zeros(H, dk, 48)):
+        with pytest.raises(ValueError, match="pairs need"):
+            _engine.pair_key_weights(engine_array(bad.bfloat16()))
+    with pytest.raises(ValueError, match="w_k must be"):
+        _engine.pair_key_weights(engine_array(w_k.float()))
