@@ -592,9 +592,6 @@ FASTJUDGE_BF16_TARGET inline void block_dot(const uint32_t* a, int64_t lda, cons
 
 inline uint32_t bf16_pair(uint16_t low, uint16_t high) { return low | static_cast<uint32_t>(high) << 16; }
 
-typedef uint64_t Wide __attribute__((vector_size(64)));    // 16 float32 lanes seen as 8 pairs
-typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat16
-
 // attend_pairs for bfloat16 by dot products: keys packed [dim / 2][ldk] as pairs of consecutive
 // dims, values [W / 2][ldv] as pairs of consecutive keys, queries and weights as pairs too
 FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const StridedRows<uint16_t>& query,
@@ -642,12 +639,7 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
         if (p.bias) add_distance_bias(p, h, offset + t0 + r, w, last + 1);
         const float inverse = softmax_row(w, last, width, p.bias ? 1.0f : p.scale);
         uint32_t* wp = pairs.data() + r * ldp;
-        for (int64_t j = 0; j < width; j += kLanes) {
-          // 16 weights rounded; lanes 2i and 2i + 1 give pair i: their high halves
-          const Wide x = reinterpret_cast<Wide>(rounded<uint16_t>(load(w + j) * inverse));
-          const Narrow packed = __builtin_convertvector(((x >> 16) & 0xffffu) | ((x >> 32) & 0xffff0000u), Narrow);
-          std::memcpy(wp + j / 2, &packed, sizeof packed);
-        }
+        for (int64_t j = 0; j < width; j += kLanes) store_bf16_pairs(wp + j / 2, load(w + j) * inverse);
       }
       for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
       for (int64_t r0 = 0; r0 < rows; r0 += kRows) {

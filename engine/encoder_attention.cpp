@@ -268,15 +268,9 @@ FASTJUDGE_BF16_TARGET inline void pack_key_pairs(const uint16_t* keys, int64_t l
 // [padded][kBlockKeys / 2] (rows past `rows` zero)
 FASTJUDGE_BF16_TARGET inline void weight_pairs(const float* weights, int64_t rows, int64_t padded,
                                                uint32_t* pairs) {
-  typedef uint64_t Wide __attribute__((vector_size(64)));    // 16 float32 lanes seen as 8 pairs
-  typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat16
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
-      // lanes 2i and 2i + 1 rounded give pair i: their high halves
-      const Wide x = reinterpret_cast<Wide>(rounded<uint16_t>(load(weights + r * kBlockKeys + j)));
-      const Narrow packed = __builtin_convertvector(((x >> 16) & 0xffffu) | ((x >> 32) & 0xffff0000u), Narrow);
-      std::memcpy(pairs + r * (kBlockKeys / 2) + j / 2, &packed, sizeof packed);
-    }
+    for (int64_t j = 0; j < kBlockKeys; j += kLanes)
+      store_bf16_pairs(pairs + r * (kBlockKeys / 2) + j / 2, load(weights + r * kBlockKeys + j));
   std::fill(pairs + rows * (kBlockKeys / 2), pairs + padded * (kBlockKeys / 2), 0u);
 }
 

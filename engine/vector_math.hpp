@@ -171,6 +171,16 @@ inline Floats rounded(Floats x) {
 }
 
 
+// 16 float32 lanes rounded to bfloat16 as 8 pairs of consecutive lanes (lane 2i in pair i's
+// low half, 2i + 1 in its high half): what a bfloat16 dot product takes
+inline void store_bf16_pairs(uint32_t* pairs, Floats x) {
+  typedef uint64_t Wide __attribute__((vector_size(64)));    // 16 float32 lanes seen as 8 pairs
+  typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat16
+  const Wide w = reinterpret_cast<Wide>(rounded<uint16_t>(x));  // each pair's two high halves
+  const Narrow packed = __builtin_convertvector(((w >> 16) & 0xffffu) | ((w >> 32) & 0xffff0000u), Narrow);
+  std::memcpy(pairs, &packed, sizeof packed);
+}
+
 // 16 values of T (float32, or bfloat16 bits) as float32 lanes
 inline Floats load_floats(const float* p) { return load(p); }
 inline Floats load_floats(const uint16_t* p) { return load_bf16(p); }
