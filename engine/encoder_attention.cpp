@@ -419,49 +419,67 @@ __attribute__((always_inline)) inline void map_query_block(const T* x, const T* 
     for (int v = 0; v < NV; ++v) store(q + ((b0 + r) * H * P + h * P + p) * dim + c0 + v * kLanes, acc[r][v]);
 }
 
-template <typename T>
-__attribute__((always_inline)) inline void map_queries(const T* x, const T* w, float* q, int64_t B, int64_t P,
-                                                       int64_t H, int64_t dk, int64_t dim, int64_t first,
-                                                       int64_t last) {
+// The units [first, last) of a queries' map, each of its row blocks in turn: unit u is the head-
+// position pair u / slices (head h = pair / P, position p = pair % P) and its (u % slices)-th
+// kMapColumns columns from c0 (`wide` of them), and block(b0, rows, h, p, c0, wide, fetch) takes
+// rows [b0, b0 + rows). The weights w hold `depth` rows of dim a head. A few rows read the unit's
+// weights from memory: the next unit's (the same head's next columns, or the next head's first)
+// are fetched while these compute, a line of each of its rows per row block (fetch), so its
+// first block does not wait on them.
+template <typename W, typename Block>
+__attribute__((always_inline)) inline void query_map_units(const W* w, int64_t depth, int64_t B, int64_t P,
+                                                           int64_t H, int64_t dim, int64_t first, int64_t last,
+                                                           Block&& block) {
   const int64_t slices = (dim + kMapColumns - 1) / kMapColumns;
   for (int64_t u = first; u < last; ++u) {
     const int64_t pair = u / slices, h = pair / P, p = pair % P;
     const int64_t c0 = (u % slices) * kMapColumns, wide = std::min(kMapColumns, dim - c0);
-    // a few rows read the unit's weights from memory: the next unit's (the same head's next
-    // columns, or the next head's first) are fetched while these compute, a line of each of its
-    // rows per row block, so its first block does not wait on them
     const int64_t next_c0 = c0 + kMapColumns < dim ? c0 + kMapColumns : 0;
     const int64_t next_h = next_c0 ? h : (pair + 1) / P;
-    const T* next = u + 1 < last && next_h < H ? w + next_h * dk * dim + next_c0 : nullptr;
+    const W* next = u + 1 < last && next_h < H ? w + next_h * depth * dim + next_c0 : nullptr;
     for (int64_t b0 = 0, line = 0; b0 < B; b0 += kMapRows, ++line) {
-      const int64_t rows = std::min(kMapRows, B - b0);
       const char* fetch = next && line * kLanes < kMapColumns && B > kMapRows && B <= kMapFetchRows
                               ? reinterpret_cast<const char*>(next + line * kLanes) : nullptr;
-      if (wide == kMapColumns) {
-        map_query_block<4>(x, w, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
-      } else {
-        for (int64_t c = c0; c < c0 + wide; c += kLanes)
-          map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c, c == c0 ? fetch : nullptr);
-      }
+      block(b0, std::min(kMapRows, B - b0), h, p, c0, wide, fetch);
     }
   }
 }
 
-// contexts back to head space: out[b, p, h, k] = ctx[b, h * P + p, :] . w[h, k, :] for the unit's
-// four k, four rows by four k at a time, each pair's products summed over the lanes at the end
-// (rows past B and k past dk repeat the last one, never stored)
 template <typename T>
-__attribute__((always_inline)) inline void map_contexts(const float* ctx, const T* w, T* out, int64_t B, int64_t P,
-                                                        int64_t H, int64_t dk, int64_t dim, int64_t first,
-                                                        int64_t last) {
+__attribute__((always_inline)) inline void map_queries(const T* x, const T* w, float* q, int64_t B, int64_t P,
+                                                       int64_t H, int64_t dk, int64_t dim, int64_t first,
+                                                       int64_t last) {
+  // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
+  query_map_units(w, dk, B, P, H, dim, first, last,
+                  [&](int64_t b0, int64_t rows, int64_t h, int64_t p, int64_t c0, int64_t wide, const char* fetch)
+                      __attribute__((always_inline)) {
+                        if (wide == kMapColumns) {
+                          map_query_block<4>(x, w, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
+                        } else {
+                          for (int64_t c = c0; c < c0 + wide; c += kLanes)
+                            map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c, c == c0 ? fetch : nullptr);
+                        }
+                      });
+}
+
+// The units [first, last) of the contexts' map back to head space, each of its row blocks in
+// turn: unit u is the head-position pair u / slices (head h, position p) and its (u % slices)-th
+// kMapOutputs values of k from k0; products(cr, wr, fetch, fetch_step, sums) sums the block's
+// context rows cr[r] (of dim; rows past B repeat the last) against the unit's weight rows wr[k]
+// (k past dk repeat the last) into sums[r * kMapOutputs + k], fetching the line at fetch + i *
+// fetch_step at each of its `steps` column steps; the sums are then stored in out[b, p, h, k],
+// rounded once. The next unit's weight rows (the next kMapOutputs rows of w, or the next head's
+// first) are fetched while these compute, as the queries' map fetches.
+template <typename C, typename T, typename Products>
+__attribute__((always_inline)) inline void context_map_units(const C* ctx, const T* w, T* out, int64_t B, int64_t P,
+                                                             int64_t H, int64_t dk, int64_t dim, int64_t steps,
+                                                             int64_t first, int64_t last, Products&& products) {
   constexpr int kOut = kMapOutputs;
   const int64_t slices = (dk + kOut - 1) / kOut;
   for (int64_t u = first; u < last; ++u) {
     const int64_t pair = u / slices, h = pair / P, p = pair % P, k0 = (u % slices) * kOut;
     const T* wr[kOut];
     for (int k = 0; k < kOut; ++k) wr[k] = w + (h * dk + std::min<int64_t>(k0 + k, dk - 1)) * dim;
-    // the next unit's weight rows (the next kOut rows of w, or the next head's first), fetched
-    // while these compute as map_queries fetches
     const int64_t next_k = k0 + kOut < dk ? k0 + kOut : 0, next_h = next_k ? h : (pair + 1) / P;
     const char* next = u + 1 < last && next_h < H ? reinterpret_cast<const char*>(w + (next_h * dk + next_k) * dim)
                                                   : nullptr;
@@ -469,27 +487,39 @@ __attribute__((always_inline)) inline void map_contexts(const float* ctx, const 
     for (int64_t b0 = 0, block = 0; b0 < B; b0 += kMapRows, ++block) {
       const int64_t rows = std::min(kMapRows, B - b0);
       const char* fetch = next && B > kMapRows && B <= kMapFetchRows ? next + block * fetch_bytes / blocks : nullptr;
-      const int64_t fetch_step = fetch_bytes / blocks / std::max<int64_t>(1, dim / kLanes);
-      const float* cr[kMapRows];
+      const C* cr[kMapRows];
       for (int r = 0; r < kMapRows; ++r)
         cr[r] = ctx + (std::min<int64_t>(b0 + r, b0 + rows - 1) * H * P + h * P + p) * dim;
-      Floats acc[kMapRows * kOut] = {};
-      for (int64_t d = 0; d < dim; d += kLanes) {
-        if (fetch) __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
-        Floats c[kMapRows];
-        for (int r = 0; r < kMapRows; ++r) c[r] = load(cr[r] + d);
-        for (int k = 0; k < kOut; ++k) {
-          const Floats wk = load_floats(wr[k] + d);
-          for (int r = 0; r < kMapRows; ++r) acc[r * kOut + k] += c[r] * wk;
-        }
-      }
       float sums[kLanes];
-      store(sums, lane_sums(acc));
+      products(cr, wr, fetch, fetch_bytes / blocks / std::max<int64_t>(1, steps), sums);
       for (int64_t r = 0; r < rows; ++r)
         for (int k = 0; k < kOut && k0 + k < dk; ++k)
           from_float(sums[r * kOut + k], out + (((b0 + r) * P + p) * H + h) * dk + k0 + k);
     }
   }
+}
+
+// contexts back to head space: out[b, p, h, k] = ctx[b, h * P + p, :] . w[h, k, :] for the unit's
+// four k, four rows by four k at a time, each pair's products summed over the lanes at the end
+template <typename T>
+__attribute__((always_inline)) inline void map_contexts(const float* ctx, const T* w, T* out, int64_t B, int64_t P,
+                                                        int64_t H, int64_t dk, int64_t dim, int64_t first,
+                                                        int64_t last) {
+  context_map_units(ctx, w, out, B, P, H, dk, dim, dim / kLanes, first, last,
+                    [&](const float* const* cr, const T* const* wr, const char* fetch, int64_t fetch_step,
+                        float* sums) __attribute__((always_inline)) {
+                      Floats acc[kMapRows * kMapOutputs] = {};
+                      for (int64_t d = 0; d < dim; d += kLanes) {
+                        if (fetch) __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
+                        Floats c[kMapRows];
+                        for (int r = 0; r < kMapRows; ++r) c[r] = load(cr[r] + d);
+                        for (int k = 0; k < kMapOutputs; ++k) {
+                          const Floats wk = load_floats(wr[k] + d);
+                          for (int r = 0; r < kMapRows; ++r) acc[r * kMapOutputs + k] += c[r] * wk;
+                        }
+                      }
+                      store(sums, lane_sums(acc));
+                    });
 }
 
 FASTJUDGE_CLONES
@@ -556,71 +586,43 @@ FASTJUDGE_BF16_TARGET inline void map_query_block_dot(const uint16_t* x, const u
 FASTJUDGE_BF16_TARGET void map_queries_dot(const uint16_t* x, const uint32_t* pairs, uint16_t* q, int64_t B,
                                            int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t first,
                                            int64_t last) {
-  const int64_t slices = (dim + kMapColumns - 1) / kMapColumns, half = dk / 2;
-  for (int64_t u = first; u < last; ++u) {
-    const int64_t pair = u / slices, h = pair / P, p = pair % P;
-    const int64_t c0 = (u % slices) * kMapColumns, wide = std::min(kMapColumns, dim - c0);
-    // the next unit's pair rows fetched while these compute, as map_queries fetches its rows
-    const int64_t next_c0 = c0 + kMapColumns < dim ? c0 + kMapColumns : 0;
-    const int64_t next_h = next_c0 ? h : (pair + 1) / P;
-    const uint32_t* next = u + 1 < last && next_h < H ? pairs + next_h * half * dim + next_c0 : nullptr;
-    for (int64_t b0 = 0, line = 0; b0 < B; b0 += kMapRows, ++line) {
-      const int64_t rows = std::min(kMapRows, B - b0);
-      const char* fetch = next && line * kLanes < kMapColumns && B > kMapRows && B <= kMapFetchRows
-                              ? reinterpret_cast<const char*>(next + line * kLanes) : nullptr;
-      if (wide == kMapColumns) {
-        map_query_block_dot<4>(x, pairs, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
-      } else {
-        for (int64_t c = c0; c < c0 + wide; c += 2 * kLanes)
-          map_query_block_dot<2>(x, pairs, q, b0, rows, P, H, dk, dim, h, p, c, c == c0 ? fetch : nullptr);
-      }
-    }
-  }
+  query_map_units(pairs, dk / 2, B, P, H, dim, first, last,
+                  [&](int64_t b0, int64_t rows, int64_t h, int64_t p, int64_t c0, int64_t wide, const char* fetch)
+                      FASTJUDGE_BF16_TARGET {
+                        if (wide == kMapColumns) {
+                          map_query_block_dot<4>(x, pairs, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
+                        } else {
+                          for (int64_t c = c0; c < c0 + wide; c += 2 * kLanes)
+                            map_query_block_dot<2>(x, pairs, q, b0, rows, P, H, dk, dim, h, p, c,
+                                                   c == c0 ? fetch : nullptr);
+                        }
+                      });
 }
 
 // map_contexts by dot products over bfloat16 contexts
 FASTJUDGE_BF16_TARGET void map_contexts_dot(const uint16_t* ctx, const uint16_t* w, uint16_t* out, int64_t B,
                                             int64_t P, int64_t H, int64_t dk, int64_t dim, int64_t first,
                                             int64_t last) {
-  constexpr int kOut = kMapOutputs;
-  const int64_t slices = (dk + kOut - 1) / kOut;
-  for (int64_t u = first; u < last; ++u) {
-    const int64_t pair = u / slices, h = pair / P, p = pair % P, k0 = (u % slices) * kOut;
-    const uint16_t* wr[kOut];
-    for (int k = 0; k < kOut; ++k) wr[k] = w + (h * dk + std::min<int64_t>(k0 + k, dk - 1)) * dim;
-    const int64_t next_k = k0 + kOut < dk ? k0 + kOut : 0, next_h = next_k ? h : (pair + 1) / P;
-    const char* next = u + 1 < last && next_h < H ? reinterpret_cast<const char*>(w + (next_h * dk + next_k) * dim)
-                                                  : nullptr;
-    const int64_t fetch_bytes = kOut * dim * static_cast<int64_t>(sizeof(uint16_t));
-    const int64_t blocks = (B + kMapRows - 1) / kMapRows;
-    for (int64_t b0 = 0, block = 0; b0 < B; b0 += kMapRows, ++block) {
-      const int64_t rows = std::min(kMapRows, B - b0);
-      const char* fetch = next && B > kMapRows && B <= kMapFetchRows ? next + block * fetch_bytes / blocks : nullptr;
-      const int64_t fetch_step = fetch_bytes / blocks / std::max<int64_t>(1, dim / (2 * kLanes));
-      const uint16_t* cr[kMapRows];
-      for (int r = 0; r < kMapRows; ++r)
-        cr[r] = ctx + (std::min<int64_t>(b0 + r, b0 + rows - 1) * H * P + h * P + p) * dim;
-      Floats acc[kMapRows * kOut] = {};
-      for (int64_t d = 0; d < dim; d += 2 * kLanes) {
-        if (fetch) __builtin_prefetch(fetch + d / (2 * kLanes) * fetch_step, 0, 2);
-        __m512bh c[kMapRows];
-        for (int r = 0; r < kMapRows; ++r) {
-          c[r] = (__m512bh)_mm512_loadu_si512(cr[r] + d);
-          asm("" : "+v"(c[r]));
-        }
-        for (int k = 0; k < kOut; ++k) {
-          const __m512bh wk = (__m512bh)_mm512_loadu_si512(wr[k] + d);
-          for (int r = 0; r < kMapRows; ++r)
-            acc[r * kOut + k] = (Floats)_mm512_dpbf16_ps((__m512)acc[r * kOut + k], c[r], wk);
-        }
-      }
-      float sums[kLanes];
-      store(sums, lane_sums(acc));
-      for (int64_t r = 0; r < rows; ++r)
-        for (int k = 0; k < kOut && k0 + k < dk; ++k)
-          from_float(sums[r * kOut + k], out + (((b0 + r) * P + p) * H + h) * dk + k0 + k);
-    }
-  }
+  context_map_units(ctx, w, out, B, P, H, dk, dim, dim / (2 * kLanes), first, last,
+                    [&](const uint16_t* const* cr, const uint16_t* const* wr, const char* fetch, int64_t fetch_step,
+                        float* sums) FASTJUDGE_BF16_TARGET {
+                      Floats acc[kMapRows * kMapOutputs] = {};
+                      for (int64_t d = 0; d < dim; d += 2 * kLanes) {
+                        if (fetch) __builtin_prefetch(fetch + d / (2 * kLanes) * fetch_step, 0, 2);
+                        __m512bh c[kMapRows];
+                        for (int r = 0; r < kMapRows; ++r) {
+                          c[r] = (__m512bh)_mm512_loadu_si512(cr[r] + d);
+                          asm("" : "+v"(c[r]));
+                        }
+                        for (int k = 0; k < kMapOutputs; ++k) {
+                          const __m512bh wk = (__m512bh)_mm512_loadu_si512(wr[k] + d);
+                          for (int r = 0; r < kMapRows; ++r)
+                            acc[r * kMapOutputs + k] =
+                                (Floats)_mm512_dpbf16_ps((__m512)acc[r * kMapOutputs + k], c[r], wk);
+                        }
+                      }
+                      store(sums, lane_sums(acc));
+                    });
 }
 #endif
 

@@ -172,8 +172,9 @@ inline Floats rounded(Floats x) {
 
 
 // 16 float32 lanes rounded to bfloat16 as 8 pairs of consecutive lanes (lane 2i in pair i's
-// low half, 2i + 1 in its high half): what a bfloat16 dot product takes
-inline void store_bf16_pairs(uint32_t* pairs, Floats x) {
+// low half, 2i + 1 in its high half): what a bfloat16 dot product takes (forced inline, as
+// sigmoid: a copy built for the baseline ISA would take the vector through memory)
+__attribute__((always_inline)) inline void store_bf16_pairs(uint32_t* pairs, Floats x) {
   typedef uint64_t Wide __attribute__((vector_size(64)));    // 16 float32 lanes seen as 8 pairs
   typedef uint32_t Narrow __attribute__((vector_size(32)));  // 8 pairs of bfloat16
   const Wide w = reinterpret_cast<Wide>(rounded<uint16_t>(x));  // each pair's two high halves
