@@ -724,7 +724,7 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
   constexpr bool wide = std::is_same_v<T, float>;
 #ifdef FASTJUDGE_BF16_DOT
   if constexpr (!wide) {
-    if (dk % 2 == 0 && dot_products_for(dim)) {
+    if (reassociated_pairs_usable(dk, dim) && bf16_dot_products()) {
       reassociated_dot(xq, w_k, w_k_pairs, w_v, states, lengths, out, B, P, H, dk, dim, scale, reverse, split);
       return;
     }
