@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_inputs.hpp"
 #include "causal_attention.hpp"
 #include "cpu_parallel.hpp"
 #include "delta_rule.hpp"
@@ -499,7 +500,8 @@ template <typename T>
 void deltanet_step_typed(const py::array& projected, const py::handle& conv_state, const py::handle& taps,
                          const py::handle& memory, const py::handle& counts, const py::handle& dt_bias,
                          const py::handle& neg_A, const py::handle& gated_norm, const py::handle& out,
-                         int64_t key_heads, int64_t key_dim, float eps, float l2_eps, bool fresh, int threads) {
+                         int64_t key_heads, int64_t key_dim, float eps, float l2_eps, bool fresh, int64_t chunk,
+                         float exp_floor, int threads) {
   py::array kernel = py::array::ensure(taps), bias = py::array::ensure(dt_bias), norm = py::array::ensure(gated_norm);
   if (!kernel || kernel.ndim() != 2 || !bias || bias.ndim() != 1 || !norm || norm.ndim() != 1) {
     throw py::value_error("taps must be [K, C], dt_bias [value heads] and gated_norm [value dim]");
@@ -510,6 +512,12 @@ void deltanet_step_typed(const py::array& projected, const py::handle& conv_stat
   if (K < 1 || Hk < 1 || dk < 1 || Hv % Hk != 0 || C != 2 * Hk * dk + Hv * dv || width != C + Hv * dv + 2 * Hv) {
     throw py::value_error("projected [B, S, C + Hv dv + 2 Hv] and taps [K, C] must fit C = 2 Hk dk + Hv dv, "
                           "with value heads a multiple of key heads");
+  }
+  if (chunk < 0 || chunk > fastjudge::kMaxChunk) {
+    throw py::value_error("chunk must lie in [0, " + std::to_string(fastjudge::kMaxChunk) + "]");
+  }
+  if (chunk > 0 && (dv % 16 != 0 || K > 16)) {
+    throw py::value_error("the chunked form needs a value head size that is a multiple of 16 and at most 16 taps");
   }
   const Int64Array rows = row_counts(counts, B, S);
   const fastjudge::DeltaNetStep step{B, S, K, Hk, Hv, dk, dv, eps, l2_eps, fresh, rows.data(),
@@ -522,21 +530,26 @@ void deltanet_step_typed(const py::array& projected, const py::handle& conv_stat
   float* state = typed_array<float>(memory, "memory", {B, Hv, dk, dv}, true);
   T* dst = typed_array<T>(out, "out", {B, S, Hv * dv}, true);
   py::gil_scoped_release release;
-  fastjudge::deltanet_step(step, in, conv, w, state, dst, threads);
+  if (chunk > 0) {
+    fastjudge::deltanet_prompt(step, in, conv, w, state, dst, chunk, exp_floor, threads);
+  } else {
+    fastjudge::deltanet_step(step, in, conv, w, state, dst, threads);
+  }
 }
 
 void deltanet_step(const py::handle& projected, const py::handle& conv_state, const py::handle& taps,
                    const py::handle& memory, const py::handle& counts, const py::handle& dt_bias,
                    const py::handle& neg_A, const py::handle& gated_norm, const py::handle& out, int64_t key_heads,
-                   int64_t key_dim, float eps, float l2_eps, bool fresh, int threads) {
+                   int64_t key_dim, float eps, float l2_eps, bool fresh, int64_t chunk, float exp_floor,
+                   int threads) {
   py::array p = py::isinstance<py::array>(projected) ? py::reinterpret_borrow<py::array>(projected) : py::array();
   if (!p || p.ndim() != 3) throw py::value_error("projected must be a 3-D array [B, S, width]");
   if (p.dtype().kind() == 'f' && p.itemsize() == 4) {
     deltanet_step_typed<float>(p, conv_state, taps, memory, counts, dt_bias, neg_A, gated_norm, out, key_heads,
-                               key_dim, eps, l2_eps, fresh, threads);
+                               key_dim, eps, l2_eps, fresh, chunk, exp_floor, threads);
   } else if ((p.dtype().kind() == 'i' || p.dtype().kind() == 'u') && p.itemsize() == 2) {
     deltanet_step_typed<uint16_t>(p, conv_state, taps, memory, counts, dt_bias, neg_A, gated_norm, out, key_heads,
-                                  key_dim, eps, l2_eps, fresh, threads);
+                                  key_dim, eps, l2_eps, fresh, chunk, exp_floor, threads);
   } else {
     throw py::value_error("projected must be float32, or bfloat16 as 16-bit integers");
   }
@@ -571,8 +584,8 @@ layout or shape.)doc");
   m.def("deltanet_step", &deltanet_step, py::arg("projected"), py::arg("conv_state"), py::arg("taps"),
         py::arg("memory"), py::arg("counts"), py::arg("dt_bias"), py::arg("neg_A"), py::arg("gated_norm"),
         py::arg("out"), py::arg("key_heads"), py::arg("key_dim"), py::arg("eps"), py::arg("l2_eps"),
-        py::arg("fresh") = false, py::arg("threads") = 1,
-        R"doc(A Gated DeltaNet layer's few-token step between its input and output projections.
+        py::arg("fresh") = false, py::arg("chunk") = 0, py::arg("exp_floor") = -87.33f, py::arg("threads") = 1,
+        R"doc(A Gated DeltaNet layer's step between its input and output projections.
 
 projected [B, S, C + Hv dv + 2 Hv] (the input projection: conv inputs, z, b, a; C = 2 Hk dk +
 Hv dv), conv_state [B, K - 1, C] (updated: each row's last K - 1 real inputs), taps [K, C] (the
@@ -582,8 +595,12 @@ memory [B, Hv, dk, dv] (float32, the recurrent state, updated; zeroed first when
 counts (int64 [B], each row's real tokens: later ones are padding and leave the state as it
 is), dt_bias and neg_A [Hv], gated_norm [dv]: float32. key_heads (Hk) and key_dim (dk) give
 the split of C; eps: the gated norm's; l2_eps: the query/key L2 norm's (inside the root, before
-dividing by dk). fresh: every row starts empty. All arrays C-contiguous. Raises ValueError on
-arrays of another dtype, layout or shape.)doc");
+dividing by dk). fresh: every row starts empty. chunk: 0 (the default) runs the rule one token
+at a time (decoding, a few tokens); 1 .. chunked_delta_rule_max_chunk runs a prompt: every
+token's conv and gates at once (the conv's products summed unrounded in float32), the rule chunk
+tokens at a time (chunked_delta_rule, queries and keys normalised there with l2_eps, decay
+exponents clamped at exp_floor; the value head size a multiple of 16). All arrays C-contiguous.
+Raises ValueError on arrays of another dtype, layout or shape.)doc");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1035,6 +1052,92 @@ x [N, H, D] (float32, or bfloat16 as 16-bit integers; any strides over N and H, 
 weight [H, D] float32 (row (n, h) takes weight[h]), out [N, H, D] C-contiguous of x's dtype.
 Arithmetic in float32; a bfloat16 output rounded once. Raises ValueError on arrays of another
 dtype, layout or shape.)doc");
+}
+
+
+// ---------------------------------------------------------------------------------------
+// A Qwen attention layer's inputs and output gate over a prompt
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+void attention_inputs_typed(const py::array& qkv, const py::handle& qk_norm, const py::handle& cos,
+                            const py::handle& sin, const py::handle& rotated, const py::handle& keys,
+                            const py::handle& values, const py::handle& where, int64_t H, int64_t Hkv,
+                            int64_t values_at, int64_t half, float eps, int threads) {
+  const py::array pool = py::array::ensure(keys);
+  if (!pool || pool.ndim() != 4) throw py::value_error("keys must be a 4-D array [B, kv_heads, columns, dim]");
+  const int64_t B = qkv.shape(0), S = qkv.shape(1), width = qkv.shape(2), columns = pool.shape(2);
+  const int64_t hd = pool.shape(3), heads = H + Hkv;
+  if (H < 1 || Hkv < 1 || hd < 1 || hd % 16 != 0 || half < 0 || 2 * half > hd || heads * hd > width ||
+      values_at < heads * hd || values_at + Hkv * hd > width || pool.shape(1) != Hkv) {
+    throw py::value_error("qkv's rows must hold H + Hkv heads of queries and keys from column 0 and Hkv heads of "
+                          "values from values_at, the head size a multiple of 16 with the rotary dims within it");
+  }
+  const Int64Array columns_of = as_int64_vector(where, "where");
+  if (columns_of.shape(0) != B * S) throw py::value_error("where must hold one column per token");
+  for (int64_t n = 0; n < B * S; ++n) {
+    if (columns_of.at(n) < 0 || columns_of.at(n) >= columns) throw py::value_error("where must lie in [0, columns)");
+  }
+  const fastjudge::AttentionInputs<T> in{typed_array<T>(qkv, "qkv", {B, S, width}), width, values_at,
+                                         typed_array<float>(qk_norm, "qk_norm", {heads, hd}), eps,
+                                         typed_array<T>(cos, "cos", {B, S, hd}), typed_array<T>(sin, "sin", {B, S, hd}),
+                                         half, typed_array<T>(rotated, "rotated", {B, S, heads, hd}, true),
+                                         typed_array<T>(keys, "keys", {B, Hkv, columns, hd}, true),
+                                         typed_array<T>(values, "values", {B, Hkv, columns, hd}, true),
+                                         columns_of.data(), B, S, H, Hkv, hd, columns};
+  py::gil_scoped_release release;
+  fastjudge::attention_inputs(in, threads);
+}
+
+void attention_inputs(const py::handle& qkv, const py::handle& qk_norm, const py::handle& cos, const py::handle& sin,
+                      const py::handle& rotated, const py::handle& keys, const py::handle& values,
+                      const py::handle& where, int64_t heads, int64_t kv_heads, int64_t values_at, int64_t half,
+                      float eps, int threads) {
+  py::array rows = py::isinstance<py::array>(qkv) ? py::reinterpret_borrow<py::array>(qkv) : py::array();
+  if (!rows || rows.ndim() != 3) throw py::value_error("qkv must be a 3-D array [B, S, width]");
+  const char kind = rows.dtype().kind();
+  if (kind == 'f' && rows.itemsize() == 4) {
+    attention_inputs_typed<float>(rows, qk_norm, cos, sin, rotated, keys, values, where, heads, kv_heads, values_at,
+                                  half, eps, threads);
+  } else if ((kind == 'i' || kind == 'u') && rows.itemsize() == 2) {
+    attention_inputs_typed<uint16_t>(rows, qk_norm, cos, sin, rotated, keys, values, where, heads, kv_heads,
+                                     values_at, half, eps, threads);
+  } else {
+    throw py::value_error("qkv must be float32, or bfloat16 as 16-bit integers");
+  }
+}
+
+void output_gate(const py::handle& o, const py::handle& gate, int threads) {
+  with_rows(gate, [&](const auto* g, const RowsLayout& rows) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+    if (rows.H != 1 || rows.D % 16 != 0) throw py::value_error("gate must be [N, 1, n], n a multiple of 16");
+    T* dst = typed_array<T>(o, "o", {rows.N, rows.D}, true);
+    py::gil_scoped_release release;
+    fastjudge::output_gate(dst, g, rows.row_stride, rows.N, rows.D, threads);
+  });
+}
+
+void bind_attention_inputs(py::module_& m) {
+  m.def("attention_inputs", &attention_inputs, py::arg("qkv"), py::arg("qk_norm"), py::arg("cos"), py::arg("sin"),
+        py::arg("rotated"), py::arg("keys"), py::arg("values"), py::arg("where"), py::arg("heads"),
+        py::arg("kv_heads"), py::arg("values_at"), py::arg("half"), py::arg("eps"), py::arg("threads") = 1,
+        R"doc(A Qwen attention layer's inputs over B rows of S tokens, in one pass.
+
+qkv [B, S, width] (the fused projection's rows: queries of `heads` heads and keys of `kv_heads`
+heads side by side from column 0, values of kv_heads heads from column values_at): queries and
+keys RMS-normalised per head (qk_norm [heads + kv_heads, dim] float32, eps), then rotated (cos
+and sin [B, S, dim], each token's rows, sin carrying rotate-half's sign; half: half the rotary
+dims) into rotated [B, S, heads + kv_heads, dim]; each token's rotated key and its value written
+into keys and values [B, kv_heads, columns, dim] (the pool's rows) at column where[b S + s] (int64
+[B S]). Every value rounded where the layer's tensor ops round it. float32, or bfloat16 as
+16-bit integers (qk_norm float32); all C-contiguous; dim a multiple of 16. Raises ValueError on
+arrays of another dtype, layout or shape.)doc");
+  m.def("output_gate", &output_gate, py::arg("o"), py::arg("gate"), py::arg("threads") = 1,
+        R"doc(o <- o * sigmoid(gate), the sigmoid rounded to o's type first.
+
+o [N, n] C-contiguous, gate [N, 1, n] (contiguous rows, any row stride: a slice of the fused
+projection's rows); float32, or bfloat16 as 16-bit integers; n a multiple of 16. Raises
+ValueError on arrays of another dtype, layout or shape.)doc");
 }
 
 
@@ -1494,6 +1597,7 @@ PYBIND11_MODULE(_engine, m) {
   bind_causal_attention(m);
   bind_dense(m);
   bind_rms_norm(m);
+  bind_attention_inputs(m);
   bind_rotate_halves(m);
   bind_qwen_step(m);
   bind_t5_step(m);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -113,6 +114,49 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
+// A token's gates for value head h, from its projected row [conv inputs C | z | b | a]:
+// g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) held in T, both 0 on padding
+template <typename T>
+__attribute__((always_inline)) inline void token_gates(const DeltaNetStep& s, const T* row, int64_t C, int64_t h,
+                                                       bool real, float& g, float& beta) {
+  const int64_t Hv = s.Hv, dv = s.dv;
+  const float a = to_float(row[C + Hv * dv + Hv + h]) + s.dt_bias[h];
+  const float softplus = a > 20.0f ? a : std::log1p(std::exp(a));
+  g = real ? s.neg_A[h] * softplus : 0.0f;
+  beta = real ? rounded<T>(1.0f / (1.0f + std::exp(-to_float(row[C + Hv * dv + h])))) : 0.0f;
+}
+
+// The gated RMSNorm of one value head's rule output core [dvp] (zeros past dv; overwritten):
+// normalised in float32 from its value in T (its squares summed lane by lane, then across the
+// lanes by halves), scaled by the weight (float32: as one RMSNorm with
+// its weight; bfloat16: the norm and the product each rounded, as two tensor ops round them),
+// times silu(z) (z [dv] in T), into o [dv]; gate: dvp floats of scratch, zeros past dv
+template <typename T>
+__attribute__((always_inline)) inline void gated_rms_norm(float* core, const T* z, const float* weight, float eps,
+                                                          int64_t dv, int64_t dvp, float* gate, T* o) {
+  Floats squares{};
+  for (int64_t j = 0; j < dvp; j += kLanes) {
+    const Floats x = rounded<T>(load(core + j));
+    store(core + j, x);
+    squares += x * x;
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2) {  // a tree across the lanes: 4 steps deep, not 16
+    for (int i = 0; i < width; ++i) squares[i] += squares[i + width];
+  }
+  const float total = squares[0];
+  const float inverse = 1.0f / std::sqrt(total / static_cast<float>(dv) + eps);
+  const int64_t whole = dv / kLanes * kLanes;
+  for (int64_t j = 0; j < whole; j += kLanes) store(gate + j, load_floats(z + j));
+  for (int64_t j = whole; j < dv; ++j) gate[j] = to_float(z[j]);
+  for (int64_t j = 0; j < dvp; j += kLanes) {
+    const Floats x = load(core + j) * inverse, w = load(weight + j);
+    const Floats normed = std::is_same_v<T, float> ? x * w : rounded<T>(rounded<T>(x) * w);
+    store(core + j, normed * silu(load(gate + j)));
+  }
+  for (int64_t j = 0; j < whole; j += kLanes) store_floats(o + j, load(core + j));
+  for (int64_t j = whole; j < dv; ++j) from_float(core[j], o + j);
+}
+
 // rows [first, last) of a DeltaNet layer's step (DeltaNetStep); vectors of channels padded to
 // whole vectors with zeros
 template <typename T>
@@ -124,8 +168,8 @@ __attribute__((always_inline)) inline void deltanet_rows(const DeltaNetStep& s, 
   const int64_t Cp = whole_vectors(C), dvp = whole_vectors(dv);
   std::vector<float> window(static_cast<std::size_t>((K - 1 + S) * Cp), 0.0f);
   std::vector<float> kernel(static_cast<std::size_t>(K * Cp), 0.0f), act(static_cast<std::size_t>(Cp));
-  std::vector<float> vectors(static_cast<std::size_t>(4 * dvp), 0.0f), scratch(static_cast<std::size_t>(2 * dv));
-  float *core = vectors.data(), *gate = core + dvp, *weight = gate + dvp, *result = weight + dvp;
+  std::vector<float> vectors(static_cast<std::size_t>(3 * dvp), 0.0f), scratch(static_cast<std::size_t>(2 * dv));
+  float *core = vectors.data(), *gate = core + dvp, *weight = gate + dvp;
   float *read = scratch.data(), *u = read + dv;
   for (int64_t j = 0; j < K; ++j)
     for (int64_t c = 0; c < C; ++c) kernel[j * Cp + c] = to_float(taps[j * C + c]);
@@ -163,25 +207,11 @@ __attribute__((always_inline)) inline void deltanet_rows(const DeltaNetStep& s, 
       }
       for (int64_t h = 0; h < Hv; ++h) {
         const int64_t hk = h / G;
-        const float a = to_float(row[C + Hv * dv + Hv + h]) + s.dt_bias[h];
-        const float softplus = a > 20.0f ? a : std::log1p(std::exp(a));
-        const float g = real ? s.neg_A[h] * softplus : 0.0f;
-        const float beta = real ? rounded<T>(1.0f / (1.0f + std::exp(-to_float(row[C + Hv * dv + h])))) : 0.0f;
+        float g, beta;
+        token_gates(s, row, C, h, real, g, beta);
         update_head(M + h * dk * dv, act.data() + hk * dk, act.data() + (Hk + hk) * dk,
                     act.data() + 2 * Hk * dk + h * dv, std::exp(g), beta, core, read, u, dk, dv);
-        // gated RMSNorm: the output normalised in float32 from its value in T, scaled by the
-        // weight (float32: as one RMSNorm with its weight; bfloat16: the norm and the product
-        // each rounded, as two tensor ops round them), times silu(z)
-        for (int64_t j = 0; j < dvp; j += kLanes) store(core + j, rounded<T>(load(core + j)));
-        const float inverse = 1.0f / std::sqrt(sum_of_squares(core, dv) / static_cast<float>(dv) + s.eps);
-        for (int64_t j = 0; j < dv; ++j) gate[j] = to_float(row[C + h * dv + j]);
-        for (int64_t j = 0; j < dvp; j += kLanes) {
-          const Floats x = load(core + j) * inverse, w = load(weight + j);
-          const Floats normed = std::is_same_v<T, float> ? x * w : rounded<T>(rounded<T>(x) * w);
-          store(result + j, normed * silu(load(gate + j)));
-        }
-        T* o = out + ((b * S + t) * Hv + h) * dv;
-        for (int64_t j = 0; j < dv; ++j) from_float(result[j], o + j);
+        gated_rms_norm(core, row + C + h * dv, weight, s.eps, dv, dvp, gate, out + ((b * S + t) * Hv + h) * dv);
       }
     }
     // the row's new conv state: its last K - 1 real inputs (window rows count .. count + K - 2)
@@ -216,6 +246,161 @@ void deltanet(const DeltaNetStep& s, const T* projected, T* conv_state, const T*
   });
 }
 
+// The chunked form's conv and gates over tokens [first, last) of the B x S: each token's
+// causal depthwise conv over its row's inputs t - K + 1 .. t (those before the first from the
+// conv state; zeros when fresh), its sum in float32 held in T, then SiLU held in T, into
+// inputs [N, C] as float32 (the rule's queries, keys and values); its gates into g and beta
+// [N, Hv]. kernel [K, Cp]: the taps in float32, channels padded to whole vectors.
+template <typename T>
+__attribute__((always_inline)) inline void conv_tokens(const DeltaNetStep& s, const T* projected,
+                                                       const T* conv_state, const float* kernel, float* inputs,
+                                                       float* g, float* beta, int64_t first, int64_t last) {
+  const int64_t S = s.S, K = s.K, Hv = s.Hv, C = 2 * s.Hk * s.dk + Hv * s.dv, width = C + Hv * s.dv + 2 * Hv;
+  const int64_t Cp = whole_vectors(C);
+  const T* sources[16];
+  float tail[kLanes];
+  for (int64_t n = first; n < last; ++n) {
+    const int64_t b = n / S, t = n % S;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t at = t - (K - 1) + j;  // a new input, or (negative) one of the conv state's
+      sources[j] = at >= 0 ? projected + (b * S + at) * width
+                 : s.fresh ? nullptr : conv_state + (b * (K - 1) + (K - 1) + at) * C;
+    }
+    float* act = inputs + n * C;
+    // four vectors of channels at a time: their SiLUs' long chains (an exponential, a division)
+    // overlap, where one vector at a time waits on each
+    constexpr int64_t kBlock = 4 * kLanes;
+    const int64_t blocked = C / kBlock * kBlock;
+    for (int64_t c = 0; c < blocked; c += kBlock) {
+      Floats total[4] = {};
+      for (int64_t j = 0; j < K; ++j) {
+        if (sources[j] == nullptr) continue;
+        for (int u = 0; u < 4; ++u) total[u] += load_floats(sources[j] + c + u * kLanes) * load(kernel + j * Cp + c + u * kLanes);
+      }
+      for (int u = 0; u < 4; ++u) store(act + c + u * kLanes, rounded<T>(silu(rounded<T>(total[u]))));
+    }
+    for (int64_t c = blocked; c < C; c += kLanes) {
+      const int64_t lanes = std::min<int64_t>(kLanes, C - c);
+      Floats total{};
+      for (int64_t j = 0; j < K; ++j) {
+        if (sources[j] == nullptr) continue;
+        Floats x;
+        if (lanes == kLanes) {
+          x = load_floats(sources[j] + c);
+        } else {
+          std::fill(tail, tail + kLanes, 0.0f);
+          for (int64_t i = 0; i < lanes; ++i) tail[i] = to_float(sources[j][c + i]);
+          x = load(tail);
+        }
+        total += x * load(kernel + j * Cp + c);
+      }
+      const Floats y = rounded<T>(silu(rounded<T>(total)));
+      if (lanes == kLanes) {
+        store(act + c, y);
+      } else {
+        store(tail, y);
+        std::copy(tail, tail + lanes, act + c);
+      }
+    }
+    const T* row = projected + n * width;
+    for (int64_t h = 0; h < Hv; ++h) token_gates(s, row, C, h, t < s.counts[n / S], g[n * Hv + h], beta[n * Hv + h]);
+  }
+}
+
+FASTJUDGE_CLONES
+void conv_tokens_f32(const DeltaNetStep& s, const float* projected, const float* conv_state, const float* kernel,
+                     float* inputs, float* g, float* beta, int64_t first, int64_t last) {
+  conv_tokens(s, projected, conv_state, kernel, inputs, g, beta, first, last);
+}
+
+FASTJUDGE_CLONES
+void conv_tokens_bf16(const DeltaNetStep& s, const uint16_t* projected, const uint16_t* conv_state,
+                      const float* kernel, float* inputs, float* g, float* beta, int64_t first, int64_t last) {
+  conv_tokens(s, projected, conv_state, kernel, inputs, g, beta, first, last);
+}
+
+// The gated norms of value heads [first, last) of the N x Hv: core [N, Hv, dv] (float32, dv a
+// multiple of kLanes; overwritten) into out [N, Hv dv]
+template <typename T>
+__attribute__((always_inline)) inline void gated_norm_heads(const DeltaNetStep& s, const T* projected, float* core,
+                                                            const float* weight, T* out, int64_t first,
+                                                            int64_t last) {
+  const int64_t Hv = s.Hv, dv = s.dv, C = 2 * s.Hk * s.dk + Hv * dv, width = C + Hv * dv + 2 * Hv;
+  std::vector<float> gate(static_cast<std::size_t>(dv), 0.0f);
+  for (int64_t head = first; head < last; ++head) {
+    const int64_t n = head / Hv, h = head % Hv;
+    gated_rms_norm(core + head * dv, projected + n * width + C + h * dv, weight, s.eps, dv, dv, gate.data(),
+                   out + head * dv);
+  }
+}
+
+FASTJUDGE_CLONES
+void gated_norm_heads_f32(const DeltaNetStep& s, const float* projected, float* core, const float* weight,
+                          float* out, int64_t first, int64_t last) {
+  gated_norm_heads(s, projected, core, weight, out, first, last);
+}
+
+FASTJUDGE_CLONES
+void gated_norm_heads_bf16(const DeltaNetStep& s, const uint16_t* projected, float* core, const float* weight,
+                           uint16_t* out, int64_t first, int64_t last) {
+  gated_norm_heads(s, projected, core, weight, out, first, last);
+}
+
+// The many-token form of deltanet_step: the conv and gates of every token at once (threads over
+// tokens), each row's new conv state, the chunked rule over float32 queries, keys and values,
+// then the gated norms (threads over heads)
+template <typename T>
+void deltanet_chunked(const DeltaNetStep& s, const T* projected, T* conv_state, const T* taps, float* memory, T* out,
+                      int64_t chunk, float exp_floor, int threads) {
+  const int64_t B = s.B, S = s.S, K = s.K, Hk = s.Hk, Hv = s.Hv, dk = s.dk, dv = s.dv, N = B * S;
+  const int64_t C = 2 * Hk * dk + Hv * dv, width = C + Hv * dv + 2 * Hv, Cp = whole_vectors(C);
+  if (N == 0) return;
+  std::vector<float> kernel(static_cast<std::size_t>(K * Cp), 0.0f);
+  for (int64_t j = 0; j < K; ++j)
+    for (int64_t c = 0; c < C; ++c) kernel[j * Cp + c] = to_float(taps[j * C + c]);
+  // written whole before they are read: no zeroing pass
+  std::unique_ptr<float[]> inputs(new float[N * C]), gates(new float[2 * N * Hv]), core(new float[N * Hv * dv]);
+  float *g = gates.get(), *beta = g + N * Hv;
+  const int64_t conv_workers = std::max<int64_t>(1, std::min<int64_t>(threads, N * C / kStepFloatsPerThread));
+  parallel_ranges(N, conv_workers, 1, [&](int64_t first, int64_t last) {
+    if constexpr (std::is_same_v<T, float>) {
+      conv_tokens_f32(s, projected, conv_state, kernel.data(), inputs.get(), g, beta, first, last);
+    } else {
+      conv_tokens_bf16(s, projected, conv_state, kernel.data(), inputs.get(), g, beta, first, last);
+    }
+  });
+  // each row's new conv state: its window rows count .. count + K - 2 (the window: the conv
+  // state's K - 1 rows, then the new inputs), in increasing order, so that a row of the old
+  // state is read before it is overwritten
+  for (int64_t b = 0; b < B; ++b) {
+    T* state = conv_state + b * (K - 1) * C;
+    for (int64_t i = 0; i < K - 1; ++i) {
+      const int64_t w = s.counts[b] + i;
+      if (w >= K - 1) {
+        std::copy(projected + (b * S + w - (K - 1)) * width, projected + (b * S + w - (K - 1)) * width + C,
+                  state + i * C);
+      } else if (s.fresh) {
+        std::fill(state + i * C, state + (i + 1) * C, T{});
+      } else if (w != i) {
+        std::copy(state + w * C, state + (w + 1) * C, state + i * C);
+      }
+    }
+  }
+  const float* x = inputs.get();
+  const StridedRows<float> query{x, S * C, C, dk}, key{x + Hk * dk, S * C, C, dk}, value{x + 2 * Hk * dk, S * C, C, dv};
+  chunked_delta_rule(memory, query, key, value, g, beta, core.get(), B, S, Hk, Hv, dk, dv, chunk, s.fresh, true,
+                     s.l2_eps, exp_floor, threads);
+  std::vector<float> weight(s.gated_norm, s.gated_norm + dv);
+  const int64_t norm_workers = std::max<int64_t>(1, std::min<int64_t>(threads, N * Hv * dv / kStepFloatsPerThread));
+  parallel_ranges(N * Hv, norm_workers, 1, [&](int64_t first, int64_t last) {
+    if constexpr (std::is_same_v<T, float>) {
+      gated_norm_heads_f32(s, projected, core.get(), weight.data(), out, first, last);
+    } else {
+      gated_norm_heads_bf16(s, projected, core.get(), weight.data(), out, first, last);
+    }
+  });
+}
+
 }  // namespace
 
 void recurrent_delta_rule(float* memory, const StridedRows<float>& query, const StridedRows<float>& key,
@@ -236,6 +421,17 @@ void deltanet_step(const DeltaNetStep& step, const float* projected, float* conv
 void deltanet_step(const DeltaNetStep& step, const uint16_t* projected, uint16_t* conv_state, const uint16_t* taps,
                    float* memory, uint16_t* out, int threads) {
   deltanet(step, projected, conv_state, taps, memory, out, threads);
+}
+
+void deltanet_prompt(const DeltaNetStep& step, const float* projected, float* conv_state, const float* taps,
+                     float* memory, float* out, int64_t chunk, float exp_floor, int threads) {
+  deltanet_chunked(step, projected, conv_state, taps, memory, out, chunk, exp_floor, threads);
+}
+
+void deltanet_prompt(const DeltaNetStep& step, const uint16_t* projected, uint16_t* conv_state,
+                     const uint16_t* taps, float* memory, uint16_t* out, int64_t chunk, float exp_floor,
+                     int threads) {
+  deltanet_chunked(step, projected, conv_state, taps, memory, out, chunk, exp_floor, threads);
 }
 
 }  // namespace fastjudge

@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "attention_inputs.hpp"
 #include "causal_attention.hpp"
 #include "cpu_parallel.hpp"
 #include "delta_rule.hpp"
@@ -21,54 +22,6 @@
 
 namespace fastjudge {
 namespace {
-
-// o <- o * sigmoid(gate) over n values (a multiple of kLanes), the sigmoid rounded to T first
-// (Qwen3.5's attention output gate, as `o * torch.sigmoid(gate)`)
-template <typename T>
-__attribute__((always_inline)) inline void gate_into(T* o, const T* gate, int64_t n) {
-  for (int64_t i = 0; i < n; i += kLanes) {
-    store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(gate + i))));
-  }
-}
-
-// Rotary embedding of `heads` rows of hd values from x into out (layers.rotate): out = x * cos,
-// then out[i] + x[half + i] * sin[i] on the first half of the rotary dims and out[half + i] +
-// x[i] * sin[half + i] on the second, each step rounded to T. hd a multiple of kLanes.
-template <typename T>
-__attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos, const T* sin, T* out,
-                                                        int64_t heads, int64_t hd, int64_t half) {
-  for (int64_t h = 0; h < heads; ++h) {
-    const T* src = x + h * hd;
-    T* dst = out + h * hd;
-    for (int64_t i = 0; i < hd; i += kLanes) store_floats(dst + i, load_floats(src + i) * load_floats(cos + i));
-    for (int64_t i = 0; i < half; ++i) {
-      from_float(to_float(dst[i]) + to_float(src[half + i]) * to_float(sin[i]), dst + i);
-      from_float(to_float(dst[half + i]) + to_float(src[i]) * to_float(sin[half + i]), dst + half + i);
-    }
-  }
-}
-
-// The ISA clones, one per element type (target_clones does not take templates)
-FASTJUDGE_CLONES void gate_f32(float* o, const float* gate, int64_t n) { gate_into(o, gate, n); }
-FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* gate, int64_t n) { gate_into(o, gate, n); }
-FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
-                                 int64_t hd, int64_t half) {
-  rotate_rows(x, cos, sin, out, heads, hd, half);
-}
-FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
-                                  int64_t heads, int64_t hd, int64_t half) {
-  rotate_rows(x, cos, sin, out, heads, hd, half);
-}
-
-void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
-void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
-void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
-  rotate_f32(x, cos, sin, out, heads, hd, half);
-}
-void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
-            int64_t half) {
-  rotate_bf16(x, cos, sin, out, heads, hd, half);
-}
 
 template <typename T>
 class Step {

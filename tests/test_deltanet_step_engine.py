@@ -1,11 +1,12 @@
-"""The engine's few-token Gated DeltaNet step (``fastjudge._engine.deltanet_step``,
-engine/delta_rule.cpp, called by ``DeltaNetLayer._engine_step``) against the layer's tensor ops
-(``DeltaNetLayer.mix`` with the engine out of reach: the causal conv step, gates, the query/key
-norms, ``recurrent_gated_delta_rule_``, the gated norm), run side by side on every DeltaNet layer
-of a real forward: fresh rows, cached rows, one to three new tokens, padding tokens; float32 and
-bfloat16. The tensor ops themselves are held against transformers in
-tests/test_gated_delta.py and, with this step in the model, whole models in
-tests/test_qwen_faithfulness.py and tests/test_prefix_route.py."""
+"""The engine's Gated DeltaNet layer between its projections (``fastjudge._engine.deltanet_step``,
+engine/delta_rule.cpp, called by ``DeltaNetLayer._engine_step``), in both forms: the few-token
+step and the chunked form for prompts and suffix passes, against the layer's tensor ops
+(``DeltaNetLayer.mix`` with the engine out of reach: the causal conv, gates, the query/key norms,
+``recurrent_gated_delta_rule_`` or ``chunk_gated_delta_rule_``, the gated norm), run side by
+side on every DeltaNet layer of a real forward: fresh rows, cached rows, one to three new tokens,
+passes of one chunk and of several, padding tokens; float32 and bfloat16. The tensor ops
+themselves are held against transformers in tests/test_gated_delta.py and, with this step in
+the model, whole models in tests/test_qwen_faithfulness.py and tests/test_prefix_route.py."""
 
 from __future__ import annotations
 
@@ -39,15 +40,14 @@ class SideBySide:
             conv, memory = state
             copies = (conv.clone(), memory.clone())
             ours = original(layer, h, step, state)
-            if h.shape[1] <= layers.RECURRENT_STEPS:
-                with monkeypatch.context() as m:
-                    m.setattr(layers, "engine_takes", lambda x: False)
-                    theirs = original(layer, h, step, copies)
-                self.calls += 1
-                real = step.real[..., 0]  # padding tokens' outputs are never read
-                self.out.append((ours[real].float(), theirs[real].float()))
-                self.conv.append(torch.equal(conv, copies[0]))
-                self.memory.append((memory.clone(), copies[1]))
+            with monkeypatch.context() as m:
+                m.setattr(layers, "engine_takes", lambda x: False)
+                theirs = original(layer, h, step, copies)
+            self.calls += 1
+            real = step.real[..., 0]  # padding tokens' outputs are never read
+            self.out.append((ours[real].float(), theirs[real].float()))
+            self.conv.append(torch.equal(conv, copies[0]))
+            self.memory.append((memory.clone(), copies[1]))
             return ours
 
         monkeypatch.setattr(layers.DeltaNetLayer, "mix", both)
@@ -56,7 +56,7 @@ class SideBySide:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_step_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
     backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype=dtype)
-    pool = backend._pool(64)
+    pool = backend._pool(256)
     seen = SideBySide(monkeypatch)
     # the model's tensor-op step, whose DeltaNet layers call this step (the whole-step engine,
     # tests/test_qwen_engine_step.py, calls the same kernel from C++)
@@ -71,9 +71,14 @@ def test_engine_step_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
     step([3, 2, 1], 3)             # fresh rows of up to three tokens, padded
     step([1, 1, 1], 1)             # one-token decoding steps on cached rows
     step([2, 3, 0], 3)             # jump-forward runs, a row with nothing new
-    step([40, 20, 33], 40)         # a longer pass (the chunked rule on both sides)
+    step([40, 20, 33], 40)         # a suffix pass of one chunk (the chunked form)
     step([1, 1, 1], 1)
-    assert seen.calls == 4 * sum(isinstance(layer, layers.DeltaNetLayer) for layer in backend.model.layers)
+    step([100, 2, 71], 100)        # a pass of several chunks, one row shorter than the conv
+    step([1, 1, 1], 1)
+    pool.load_rows(0, [None] * 3)
+    step([90, 57, 3], 90)          # fresh prompts of several chunks, padded
+    step([1, 1, 1], 1)
+    assert seen.calls == 9 * sum(isinstance(layer, layers.DeltaNetLayer) for layer in backend.model.layers)
     assert all(seen.conv)  # the conv state holds each row's last real inputs, bit for bit
     for ours, theirs in seen.out:
         scale = float(theirs.abs().max())
@@ -106,6 +111,9 @@ def test_refuses_arrays_that_do_not_fit():
         dict(counts=np.array([1])),
         dict(gated_norm=np.ones(dv + 1, np.float32)),
         dict(taps=np.zeros((K, C), np.float32).T),                               # not C-contiguous
+        dict(chunk=-1),
+        dict(chunk=_engine.chunked_delta_rule_max_chunk + 1),
+        dict(chunk=4),                                                           # dv = 8: no chunked form
     ]
     for change in bad:
         with pytest.raises(ValueError):

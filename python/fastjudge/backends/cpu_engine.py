@@ -80,6 +80,51 @@ def rotate_halves_in_engine(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return out.view(x.shape)
 
 
+def attention_inputs_in_engine(qkv: torch.Tensor, qk_norm: torch.Tensor, rope: tuple, keys: torch.Tensor,
+                               values: torch.Tensor, where: torch.Tensor, heads: int, kv_heads: int,
+                               values_at: int, eps: float) -> torch.Tensor | None:
+    """A Qwen attention layer's inputs in one engine pass (``_engine.attention_inputs``), from the
+    fused projection's output ``qkv`` [B, S, width] (queries then keys from column 0, values from
+    ``values_at``): the queries and keys normalised per head (``qk_norm`` [heads + kv_heads, hd]
+    float32) and rotated (``rope``: cos, sin [B, S, 1, hd] in qkv's dtype and half the rotary
+    dims, as ``layers.rotate`` takes them), returned as [B, S, heads + kv_heads, hd]; each
+    token's key and value written into the pool's ``keys``/``values`` [B, kv_heads, columns,
+    hd] at column ``where`` [B, S], as the layer's scattered writes put them. The same roundings
+    as the layer's tensor ops (``layers.rms``, ``layers.rotate``). None where the engine does
+    not take these tensors (the caller then runs those ops)."""
+    cos, sin, half = rope
+    B, S = qkv.shape[:2]
+    hd = keys.shape[-1]
+    if (not engine_takes(qkv) or qkv.dtype not in ENGINE_DTYPES or hd % 16 or cos.dtype != qkv.dtype
+            or not all(t.is_contiguous() for t in (qkv, keys, values, cos, sin))
+            or cos.shape != (B, S, 1, hd) or sin.shape != cos.shape):
+        return None
+    rotated = qkv.new_empty(B, S, heads + kv_heads, hd)
+    tables = (engine_array(t.view(B, S, hd)) for t in (cos, sin))
+    _engine.attention_inputs(engine_array(qkv), _weight_rows(qk_norm), *tables, engine_array(rotated),
+                             engine_array(keys), engine_array(values), where.reshape(-1).numpy(), heads, kv_heads,
+                             values_at, half, eps, torch.get_num_threads())
+    return rotated
+
+
+def output_gate_in_engine(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """``o * sigmoid(gate)`` (the sigmoid rounded to o's dtype first, as the tensor ops round
+    it) in place on ``o`` [..., n] (contiguous) in one engine pass (``_engine.output_gate``),
+    ``gate`` of o's shape read in place (rows of n contiguous values, a slice of the fused
+    projection's rows); returns ``o``. None where the engine does not take them."""
+    n = o.shape[-1]
+    if not engine_takes(o) or o.dtype not in ENGINE_DTYPES or gate.dtype != o.dtype or n % 16 or not o.is_contiguous():
+        return None
+    try:
+        rows = gate.view(-1, 1, n)
+    except RuntimeError:
+        return None
+    if rows.stride(-1) != 1:
+        return None
+    _engine.output_gate(engine_array(o.view(-1, n)), engine_array(rows), torch.get_num_threads())
+    return o
+
+
 def engine_attends(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether the engine's attention takes these queries and keys (CPU, eager, float32 or
     bfloat16 alike)."""

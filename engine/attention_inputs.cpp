@@ -1,0 +1,108 @@
+#include "attention_inputs.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_parallel.hpp"
+#include "rms_norm.hpp"
+#include "vector_math.hpp"
+
+namespace fastjudge {
+namespace {
+
+// One thread for each 64 Ki values: below that a wake-up of the team costs more than its share.
+constexpr int64_t kValuesPerThread = 1 << 16;
+
+template <typename T>
+__attribute__((always_inline)) inline void gate_into(T* o, const T* g, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(g + i))));
+  }
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos, const T* sin, T* out,
+                                                       int64_t heads, int64_t hd, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* src = x + h * hd;
+    T* dst = out + h * hd;
+    for (int64_t i = 0; i < hd; i += kLanes) store_floats(dst + i, load_floats(src + i) * load_floats(cos + i));
+    for (int64_t i = 0; i < half; ++i) {
+      from_float(to_float(dst[i]) + to_float(src[half + i]) * to_float(sin[i]), dst + i);
+      from_float(to_float(dst[half + i]) + to_float(src[i]) * to_float(sin[half + i]), dst + half + i);
+    }
+  }
+}
+
+// tokens [first, last) of a prompt's attention inputs; normed: (H + Hkv) hd values of scratch
+template <typename T>
+void inputs_of_tokens(const AttentionInputs<T>& in, T* normed, int64_t first, int64_t last) {
+  const int64_t heads = in.H + in.Hkv, hd = in.hd;
+  for (int64_t n = first; n < last; ++n) {
+    const T* row = in.qkv + n * in.width;
+    rms_norm(row, in.width, hd, in.qk_norm, normed, 1, heads, hd, in.eps, 1);
+    T* rotated = in.rotated + n * heads * hd;
+    rotate(normed, in.cos + n * hd, in.sin + n * hd, rotated, heads, hd, in.half);
+    const int64_t b = n / in.S;
+    for (int64_t h = 0; h < in.Hkv; ++h) {
+      const int64_t at = ((b * in.Hkv + h) * in.columns + in.where[n]) * hd;
+      std::memcpy(in.keys + at, rotated + (in.H + h) * hd, hd * sizeof(T));
+      std::memcpy(in.values + at, row + in.values_at + h * hd, hd * sizeof(T));
+    }
+  }
+}
+
+template <typename T>
+void all_inputs(const AttentionInputs<T>& in, int threads) {
+  const int64_t N = in.B * in.S, heads = in.H + in.Hkv;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, N * heads * in.hd / kValuesPerThread));
+  parallel_ranges(N, workers, 1, [&](int64_t first, int64_t last) {
+    std::vector<T> normed(static_cast<std::size_t>(heads * in.hd));
+    inputs_of_tokens(in, normed.data(), first, last);
+  });
+}
+
+template <typename T>
+void all_gates(T* o, const T* g, int64_t gate_stride, int64_t N, int64_t n, int threads) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, N * n / kValuesPerThread));
+  parallel_ranges(N, workers, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) gate(o + t * n, g + t * gate_stride, n);
+  });
+}
+
+// The ISA clones, one per element type (target_clones does not take templates)
+FASTJUDGE_CLONES void gate_f32(float* o, const float* g, int64_t n) { gate_into(o, g, n); }
+FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) { gate_into(o, g, n); }
+FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
+                                 int64_t hd, int64_t half) {
+  rotate_rows(x, cos, sin, out, heads, hd, half);
+}
+FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
+                                  int64_t heads, int64_t hd, int64_t half) {
+  rotate_rows(x, cos, sin, out, heads, hd, half);
+}
+
+}  // namespace
+
+void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
+void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
+void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
+  rotate_f32(x, cos, sin, out, heads, hd, half);
+}
+void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
+            int64_t half) {
+  rotate_bf16(x, cos, sin, out, heads, hd, half);
+}
+
+void attention_inputs(const AttentionInputs<float>& in, int threads) { all_inputs(in, threads); }
+void attention_inputs(const AttentionInputs<uint16_t>& in, int threads) { all_inputs(in, threads); }
+
+void output_gate(float* o, const float* g, int64_t gate_stride, int64_t N, int64_t n, int threads) {
+  all_gates(o, g, gate_stride, N, n, threads);
+}
+void output_gate(uint16_t* o, const uint16_t* g, int64_t gate_stride, int64_t N, int64_t n, int threads) {
+  all_gates(o, g, gate_stride, N, n, threads);
+}
+
+}  // namespace fastjudge
