@@ -14,11 +14,19 @@ namespace {
 // One thread for each 64 Ki values: below that a wake-up of the team costs more than its share.
 constexpr int64_t kValuesPerThread = 1 << 16;
 
+// four vectors at a time where n allows: their sigmoids' long chains (an exponential, a
+// division) overlap, where one vector at a time waits on each
 template <typename T>
 __attribute__((always_inline)) inline void gate_into(T* o, const T* g, int64_t n) {
-  for (int64_t i = 0; i < n; i += kLanes) {
-    store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(g + i))));
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    Floats y[4];
+    for (int u = 0; u < 4; ++u) {
+      y[u] = load_floats(o + i + u * kLanes) * rounded<T>(sigmoid(load_floats(g + i + u * kLanes)));
+    }
+    for (int u = 0; u < 4; ++u) store_floats(o + i + u * kLanes, y[u]);
   }
+  for (; i < n; i += kLanes) store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(g + i))));
 }
 
 template <typename T>
@@ -28,7 +36,14 @@ __attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos,
     const T* src = x + h * hd;
     T* dst = out + h * hd;
     for (int64_t i = 0; i < hd; i += kLanes) store_floats(dst + i, load_floats(src + i) * load_floats(cos + i));
-    for (int64_t i = 0; i < half; ++i) {
+    // the rotated pairs a vector at a time, then one by one (the same arithmetic)
+    int64_t i = 0;
+    for (; i + kLanes <= half; i += kLanes) {
+      const Floats low = load_floats(src + i), high = load_floats(src + half + i);
+      store_floats(dst + i, load_floats(dst + i) + high * load_floats(sin + i));
+      store_floats(dst + half + i, load_floats(dst + half + i) + low * load_floats(sin + half + i));
+    }
+    for (; i < half; ++i) {
       from_float(to_float(dst[i]) + to_float(src[half + i]) * to_float(sin[i]), dst + i);
       from_float(to_float(dst[half + i]) + to_float(src[i]) * to_float(sin[half + i]), dst + half + i);
     }

@@ -33,7 +33,7 @@ class SideBySide:
     copies of them; records outputs and the pools after each call."""
 
     def __init__(self, monkeypatch):
-        self.out, self.pools, self.engine_calls = [], [], 0
+        self.out, self.pools, self.engine_calls, self.gate_calls = [], [], 0, 0
         original = layers.AttentionLayer.mix
         inputs, gate = layers.attention_inputs_in_engine, layers.output_gate_in_engine
 
@@ -42,10 +42,16 @@ class SideBySide:
             self.engine_calls += result is not None
             return result
 
+        def gate_counted(*args):
+            result = gate(*args)
+            self.gate_calls += result is not None
+            return result
+
         def both(layer, h, step, state):
             copies = tuple(t.clone() for t in state)
             with monkeypatch.context() as m:
                 m.setattr(layers, "attention_inputs_in_engine", counted)
+                m.setattr(layers, "output_gate_in_engine", gate_counted)
                 ours = original(layer, h, step, state)
             with monkeypatch.context() as m:
                 m.setattr(layers, "attention_inputs_in_engine", lambda *args: None)
@@ -56,7 +62,6 @@ class SideBySide:
             self.pools.append((tuple(t.clone() for t in state), copies))
             return ours
 
-        assert gate is not None
         monkeypatch.setattr(layers.AttentionLayer, "mix", both)
 
 
@@ -77,7 +82,7 @@ def test_engine_pass_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
     step([20, 9, 1], 20)           # suffix passes over cached rows
     step([2, 1, 3], 3)             # a few tokens
     attention_layers = sum(isinstance(layer, layers.AttentionLayer) for layer in backend.model.layers)
-    assert seen.engine_calls == 3 * attention_layers > 0
+    assert seen.engine_calls == seen.gate_calls == 3 * attention_layers > 0
     for ours, theirs in seen.out:
         scale = float(theirs.abs().max())
         if dtype == "float32":  # the engine's sigmoid against torch's: within a few float32 ulps

@@ -110,8 +110,9 @@ def attention_inputs_in_engine(qkv: torch.Tensor, qk_norm: torch.Tensor, rope: t
 def output_gate_in_engine(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
     """``o * sigmoid(gate)`` (the sigmoid rounded to o's dtype first, as the tensor ops round
     it) in place on ``o`` [..., n] (contiguous) in one engine pass (``_engine.output_gate``),
-    ``gate`` of o's shape read in place (rows of n contiguous values, a slice of the fused
-    projection's rows); returns ``o``. None where the engine does not take them."""
+    ``gate`` of o's size read in place as rows of n contiguous values (a slice of the fused
+    projection's rows, in any shape that views so); returns ``o``. None where the engine does
+    not take them."""
     n = o.shape[-1]
     if not engine_takes(o) or o.dtype not in ENGINE_DTYPES or gate.dtype != o.dtype or n % 16 or not o.is_contiguous():
         return None

@@ -196,11 +196,11 @@ class AttentionLayer(QwenLayer):
         else:
             o = attend_cached(q, keys[:, :, :step.width], values[:, :, :step.width], step.mask, step.shared,
                               step.offsets, step.counts)
-        o = o.transpose(1, 2)  # [B, S, H, hd]
+        o = o.transpose(1, 2).reshape(B, S, H * hd)  # a view where the attention wrote [B, S, H, hd]
         if gate is not None:
             gated = output_gate_in_engine(o, gate)
-            o = gated if gated is not None else o * torch.sigmoid(gate)
-        return self.o(o.reshape(B, S, H * hd))
+            o = gated if gated is not None else o * torch.sigmoid(gate.reshape(B, S, H * hd))
+        return self.o(o)
 
 
 class DeltaNetLayer(QwenLayer):
