@@ -12,6 +12,7 @@ import os
 if not os.environ.get("FASTJUDGE_TEST_DEVICE", "cpu").startswith("cuda"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -55,6 +56,24 @@ def record_runs(monkeypatch, owner, name: str) -> list[int]:
 
     monkeypatch.setattr(owner, name, recorded)
     return runs
+
+
+def qwen_layer_steps(backend, monkeypatch, seed: int):
+    """A state pool of three rows (256 columns) on a Qwen ``backend`` whose forwards all run the
+    layers' own code (the whole-step engine kept out, ``model.engine_step``), and
+    ``step(counts, width)``: one forward of random token ids [3, width], row b's first
+    ``counts[b]`` real. Returns (pool, step); ``pool.load_rows(0, [None] * 3)`` empties it."""
+    from fastjudge.backends.qwen import model as qwen_model
+
+    pool = backend._pool(256)
+    monkeypatch.setattr(qwen_model, "engine_step", lambda *args: None)
+    rng = np.random.default_rng(seed)
+
+    def step(counts, width):
+        tokens = torch.from_numpy(rng.integers(5, 900, size=(len(counts), width)))
+        qwen_model.run_step(backend.model, pool, 0, tokens, counts)
+
+    return pool, step
 
 
 def write_lines(path, lines):

@@ -13,12 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import qwen_layer_steps
 
 from fastjudge import _engine
 from fastjudge.backends.qwen import layers
-from fastjudge.backends.qwen import model as qwen_model
 from fastjudge.backends.qwen.backend import TorchQwenBackend
-from fastjudge.backends.qwen.model import run_step
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 
@@ -68,15 +67,8 @@ class SideBySide:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_pass_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
     backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype=dtype)
-    pool = backend._pool(256)
     seen = SideBySide(monkeypatch)
-    monkeypatch.setattr(qwen_model, "engine_step", lambda *args: None)  # every step through the layers
-    rng = np.random.default_rng(1)
-
-    def step(counts, width):
-        tokens = torch.from_numpy(rng.integers(5, 900, size=(len(counts), width)))
-        run_step(backend.model, pool, 0, tokens, counts)
-
+    pool, step = qwen_layer_steps(backend, monkeypatch, seed=1)
     pool.load_rows(0, [None] * 3)
     step([70, 33, 5], 70)          # fresh prompts, padded
     step([20, 9, 1], 20)           # suffix passes over cached rows

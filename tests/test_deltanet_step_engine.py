@@ -13,12 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import qwen_layer_steps
 
 from fastjudge import _engine
 from fastjudge.backends.qwen import layers
-from fastjudge.backends.qwen import model as qwen_model
 from fastjudge.backends.qwen.backend import TorchQwenBackend
-from fastjudge.backends.qwen.model import run_step
 from fastjudge.checkpoints import build_random_qwen
 from fastjudge.demo import tokenizer_corpus
 
@@ -56,17 +55,10 @@ class SideBySide:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_step_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
     backend = TorchQwenBackend(qwen35_dir, device="cpu", dtype=dtype)
-    pool = backend._pool(256)
     seen = SideBySide(monkeypatch)
     # the model's tensor-op step, whose DeltaNet layers call this step (the whole-step engine,
     # tests/test_qwen_engine_step.py, calls the same kernel from C++)
-    monkeypatch.setattr(qwen_model, "engine_step", lambda *args: None)
-    rng = np.random.default_rng(0)
-
-    def step(counts, width):
-        tokens = torch.from_numpy(rng.integers(5, 900, size=(len(counts), width)))
-        run_step(backend.model, pool, 0, tokens, counts)
-
+    pool, step = qwen_layer_steps(backend, monkeypatch, seed=0)
     pool.load_rows(0, [None] * 3)
     step([3, 2, 1], 3)             # fresh rows of up to three tokens, padded
     step([1, 1, 1], 1)             # one-token decoding steps on cached rows

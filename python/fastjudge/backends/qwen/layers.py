@@ -146,8 +146,8 @@ class AttentionLayer(QwenLayer):
     eager code, the norm, rotary and K/V writes of adjacent queries and keys are one engine pass
     (``cpu_engine.attention_inputs_in_engine``), and so is the output gate
     (``output_gate_in_engine``): 4 x 512 tokens, mini, two threads, the whole mix with its
-    projections and attention, tensor ops -> engine: bfloat16 6.5 -> 5.9 ms, float32 10.4 ->
-    9.8 ms. ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
+    projections and attention, tensor ops -> engine: bfloat16 7.2-7.4 -> 6.4-6.5 ms, float32
+    10.6 -> 10.1 ms. ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
 
     def __init__(self, shape: QwenShape, qkv, o, q_norm, k_norm, kv=None, gate_apart: bool = False, **common):
         super().__init__(shape, **common)
@@ -283,8 +283,8 @@ class DeltaNetLayer(QwenLayer):
         projection. Up to ``RECURRENT_STEPS`` tokens (decoding, jump-forward runs) the rule runs a
         token at a time; more (prompts, suffix passes) take the chunked form, in the chunks the
         tensor ops take, its conv summed as the convolution op sums it (4 x 512 tokens, mini, two
-        threads, the whole mix with its projections, tensor ops -> engine: bfloat16 6.7 -> 5.5 ms,
-        float32 9.4 -> 8.5 ms)."""
+        threads, the whole mix with its projections, tensor ops -> engine: bfloat16 6.7-7.3 -> 5.5-6.1
+        ms, float32 9.4-9.8 -> 8.5-8.9 ms)."""
         s = self.s
         B, S, _ = h.shape
         chunk = 0 if S <= RECURRENT_STEPS else S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK
