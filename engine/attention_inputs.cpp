@@ -59,6 +59,9 @@ void inputs_of_tokens(const AttentionInputs<T>& in, T* normed, int64_t first, in
     rms_norm(row, in.width, hd, in.qk_norm, normed, 1, heads, hd, in.eps, 1);
     T* rotated = in.rotated + n * heads * hd;
     rotate(normed, in.cos + n * hd, in.sin + n * hd, rotated, heads, hd, in.half);
+    // the pool's last column is its scratch, where padding goes and nothing is read: not
+    // written here (several threads' padding tokens would write it at once)
+    if (in.where[n] == in.columns - 1) continue;
     const int64_t b = n / in.S;
     for (int64_t h = 0; h < in.Hkv; ++h) {
       const int64_t at = ((b * in.Hkv + h) * in.columns + in.where[n]) * hd;

@@ -32,7 +32,8 @@ void gate(uint16_t* o, const uint16_t* g, int64_t n);
 // head (qk_norm [H + Hkv, hd] float32, eps) and rotated (cos and sin [N, hd] in T: each token's
 // own rows; half: half the rotary dims) into rotated [N, H + Hkv, hd]; each token's rotated key
 // and its value written into the pool's keys and values [B, Hkv, columns, hd] of its row, at
-// column where[n] (a padding token's: the pool's scratch column).
+// column where[n]; a token whose column is the last (the pool's scratch column, where padding
+// goes) writes nothing there.
 template <typename T>
 struct AttentionInputs {
   const T* qkv;

@@ -1129,7 +1129,7 @@ keys RMS-normalised per head (qk_norm [heads + kv_heads, dim] float32, eps), the
 and sin [B, S, dim], each token's rows, sin carrying rotate-half's sign; half: half the rotary
 dims) into rotated [B, S, heads + kv_heads, dim]; each token's rotated key and its value written
 into keys and values [B, kv_heads, columns, dim] (the pool's rows) at column where[b S + s] (int64
-[B S]). Every value rounded where the layer's tensor ops round it. float32, or bfloat16 as
+[B S]; the last column, the pool's scratch for padding, is not written). Every value rounded where the layer's tensor ops round it. float32, or bfloat16 as
 16-bit integers (qk_norm float32); all C-contiguous; dim a multiple of 16. Raises ValueError on
 arrays of another dtype, layout or shape.)doc");
   m.def("output_gate", &output_gate, py::arg("o"), py::arg("gate"), py::arg("threads") = 1,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -128,9 +129,9 @@ __attribute__((always_inline)) inline void token_gates(const DeltaNetStep& s, co
 
 // The gated RMSNorm of one value head's rule output core [dvp] (zeros past dv; overwritten):
 // normalised in float32 from its value in T (its squares summed lane by lane, then across the
-// lanes by halves), scaled by the weight (float32: as one RMSNorm with
-// its weight; bfloat16: the norm and the product each rounded, as two tensor ops round them),
-// times silu(z) (z [dv] in T), into o [dv]; gate: dvp floats of scratch, zeros past dv
+// lanes by halves), scaled by the weight (float32: as one RMSNorm with its weight; bfloat16: the
+// norm and the product each rounded, as two tensor ops round them), times silu(z) (z [dv] in T),
+// into o [dv]; gate: dvp floats of scratch, zeros past dv
 template <typename T>
 __attribute__((always_inline)) inline void gated_rms_norm(float* core, const T* z, const float* weight, float eps,
                                                           int64_t dv, int64_t dvp, float* gate, T* o) {
@@ -246,6 +247,9 @@ void deltanet(const DeltaNetStep& s, const T* projected, T* conv_state, const T*
   });
 }
 
+// The chunked form's conv reads each token's inputs through this many pointers at most
+constexpr int64_t kMaxTaps = 16;
+
 // The chunked form's conv and gates over tokens [first, last) of the B x S: each token's
 // causal depthwise conv over its row's inputs t - K + 1 .. t (those before the first from the
 // conv state; zeros when fresh), its sum in float32 held in T, then SiLU held in T, into
@@ -257,7 +261,7 @@ __attribute__((always_inline)) inline void conv_tokens(const DeltaNetStep& s, co
                                                        float* g, float* beta, int64_t first, int64_t last) {
   const int64_t S = s.S, K = s.K, Hv = s.Hv, C = 2 * s.Hk * s.dk + Hv * s.dv, width = C + Hv * s.dv + 2 * Hv;
   const int64_t Cp = whole_vectors(C);
-  const T* sources[16];
+  const T* sources[kMaxTaps];
   float tail[kLanes];
   for (int64_t n = first; n < last; ++n) {
     const int64_t b = n / S, t = n % S;
@@ -275,7 +279,9 @@ __attribute__((always_inline)) inline void conv_tokens(const DeltaNetStep& s, co
       Floats total[4] = {};
       for (int64_t j = 0; j < K; ++j) {
         if (sources[j] == nullptr) continue;
-        for (int u = 0; u < 4; ++u) total[u] += load_floats(sources[j] + c + u * kLanes) * load(kernel + j * Cp + c + u * kLanes);
+        for (int u = 0; u < 4; ++u) {
+          total[u] += load_floats(sources[j] + c + u * kLanes) * load(kernel + j * Cp + c + u * kLanes);
+        }
       }
       for (int u = 0; u < 4; ++u) store(act + c + u * kLanes, rounded<T>(silu(rounded<T>(total[u]))));
     }
@@ -303,7 +309,7 @@ __attribute__((always_inline)) inline void conv_tokens(const DeltaNetStep& s, co
       }
     }
     const T* row = projected + n * width;
-    for (int64_t h = 0; h < Hv; ++h) token_gates(s, row, C, h, t < s.counts[n / S], g[n * Hv + h], beta[n * Hv + h]);
+    for (int64_t h = 0; h < Hv; ++h) token_gates(s, row, C, h, t < s.counts[b], g[n * Hv + h], beta[n * Hv + h]);
   }
 }
 
@@ -354,6 +360,7 @@ void deltanet_chunked(const DeltaNetStep& s, const T* projected, T* conv_state, 
                       int64_t chunk, float exp_floor, int threads) {
   const int64_t B = s.B, S = s.S, K = s.K, Hk = s.Hk, Hv = s.Hv, dk = s.dk, dv = s.dv, N = B * S;
   const int64_t C = 2 * Hk * dk + Hv * dv, width = C + Hv * dv + 2 * Hv, Cp = whole_vectors(C);
+  if (K > kMaxTaps) throw std::invalid_argument("deltanet_prompt: at most 16 conv taps");
   if (N == 0) return;
   std::vector<float> kernel(static_cast<std::size_t>(K * Cp), 0.0f);
   for (int64_t j = 0; j < K; ++j)
@@ -387,7 +394,8 @@ void deltanet_chunked(const DeltaNetStep& s, const T* projected, T* conv_state, 
     }
   }
   const float* x = inputs.get();
-  const StridedRows<float> query{x, S * C, C, dk}, key{x + Hk * dk, S * C, C, dk}, value{x + 2 * Hk * dk, S * C, C, dv};
+  const StridedRows<float> query{x, S * C, C, dk}, key{x + Hk * dk, S * C, C, dk};
+  const StridedRows<float> value{x + 2 * Hk * dk, S * C, C, dv};
   chunked_delta_rule(memory, query, key, value, g, beta, core.get(), B, S, Hk, Hv, dk, dv, chunk, s.fresh, true,
                      s.l2_eps, exp_floor, threads);
   std::vector<float> weight(s.gated_norm, s.gated_norm + dv);

@@ -79,7 +79,8 @@ void deltanet_step(const DeltaNetStep& step, const uint16_t* projected, uint16_t
 // each token's window summed in float32 (as a convolution op sums it, no product rounded) and held
 // in T, SiLU held in T; the rule chunk tokens at a time (chunked_delta_rule, queries and keys
 // normalised there with l2_eps, decay exponents clamped at exp_floor; dv a multiple of 16, chunk
-// in [1, kMaxChunk]); the gates and the gated norm as deltanet_step computes them.
+// in [1, kMaxChunk]); the gates and the gated norm as deltanet_step computes them. At most 16
+// conv taps (std::invalid_argument otherwise).
 void deltanet_prompt(const DeltaNetStep& step, const float* projected, float* conv_state, const float* taps,
                      float* memory, float* out, int64_t chunk, float exp_floor, int threads);
 void deltanet_prompt(const DeltaNetStep& step, const uint16_t* projected, uint16_t* conv_state,

@@ -89,7 +89,8 @@ def attention_inputs_in_engine(qkv: torch.Tensor, qk_norm: torch.Tensor, rope: t
     float32) and rotated (``rope``: cos, sin [B, S, 1, hd] in qkv's dtype and half the rotary
     dims, as ``layers.rotate`` takes them), returned as [B, S, heads + kv_heads, hd]; each
     token's key and value written into the pool's ``keys``/``values`` [B, kv_heads, columns,
-    hd] at column ``where`` [B, S], as the layer's scattered writes put them. The same roundings
+    hd] at column ``where`` [B, S], as the layer's scattered writes put them (padding's, in the
+    pool's last column, never read, are left out). The same roundings
     as the layer's tensor ops (``layers.rms``, ``layers.rotate``). None where the engine does
     not take these tensors (the caller then runs those ops)."""
     cos, sin, half = rope
