@@ -90,9 +90,9 @@ def attention_inputs_in_engine(qkv: torch.Tensor, qk_norm: torch.Tensor, rope: t
     dims, as ``layers.rotate`` takes them), returned as [B, S, heads + kv_heads, hd]; each
     token's key and value written into the pool's ``keys``/``values`` [B, kv_heads, columns,
     hd] at column ``where`` [B, S], as the layer's scattered writes put them (padding's, in the
-    pool's last column, never read, are left out). The same roundings
-    as the layer's tensor ops (``layers.rms``, ``layers.rotate``). None where the engine does
-    not take these tensors (the caller then runs those ops)."""
+    pool's last column, never read, are left out). The same roundings as the layer's tensor ops
+    (``layers.rms``, ``layers.rotate``). None where the engine does not take these tensors (the
+    caller then runs those ops)."""
     cos, sin, half = rope
     B, S = qkv.shape[:2]
     hd = keys.shape[-1]

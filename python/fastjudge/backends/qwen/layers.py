@@ -147,7 +147,8 @@ class AttentionLayer(QwenLayer):
     (``cpu_engine.attention_inputs_in_engine``), and so is the output gate
     (``output_gate_in_engine``): 4 x 512 tokens, mini, two threads, the whole mix with its
     projections and attention, tensor ops -> engine: bfloat16 7.2-7.4 -> 6.4-6.5 ms, float32
-    10.6 -> 10.1 ms. ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1, head_dim]."""
+    10.6 -> 10.1 ms. ``state``: the layer's K and V pool buffers [B, kv_heads, capacity + 1,
+    head_dim]."""
 
     def __init__(self, shape: QwenShape, qkv, o, q_norm, k_norm, kv=None, gate_apart: bool = False, **common):
         super().__init__(shape, **common)
@@ -232,7 +233,9 @@ class DeltaNetLayer(QwenLayer):
     def mix(self, h, step: Step, state) -> torch.Tensor:
         s = self.s
         B, S, _ = h.shape
-        if engine_takes(h) and h.dtype in ENGINE_DTYPES and (S <= RECURRENT_STEPS or s.lin_v_dim % 16 == 0):
+        # the chunked form (more tokens) wants value heads in whole vectors and at most 16 conv taps
+        chunked = s.lin_v_dim % 16 == 0 and s.conv_kernel <= 16
+        if engine_takes(h) and h.dtype in ENGINE_DTYPES and (S <= RECURRENT_STEPS or chunked):
             return self.out(self._engine_step(h, step, state))
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
         conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
@@ -283,8 +286,8 @@ class DeltaNetLayer(QwenLayer):
         projection. Up to ``RECURRENT_STEPS`` tokens (decoding, jump-forward runs) the rule runs a
         token at a time; more (prompts, suffix passes) take the chunked form, in the chunks the
         tensor ops take, its conv summed as the convolution op sums it (4 x 512 tokens, mini, two
-        threads, the whole mix with its projections, tensor ops -> engine: bfloat16 6.7-7.3 -> 5.5-6.1
-        ms, float32 9.4-9.8 -> 8.5-8.9 ms)."""
+        threads, the whole mix with its projections, tensor ops -> engine: bfloat16 6.7-7.3 ->
+        5.5-6.1 ms, float32 9.4-9.8 -> 8.5-8.9 ms)."""
         s = self.s
         B, S, _ = h.shape
         chunk = 0 if S <= RECURRENT_STEPS else S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK
