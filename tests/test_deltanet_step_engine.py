@@ -83,6 +83,42 @@ def test_engine_step_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
         assert float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
 
 
+@pytest.mark.parametrize("key_dim", [16, 8, 6])  # conv channels 128, 96 and 88: whole blocks, a lone vector, a tail
+@pytest.mark.parametrize("fresh", [True, False])
+def test_chunked_form_matches_the_few_token_form(key_dim, fresh):
+    """The chunked form (``chunk`` > 0) against the few-token form (``chunk`` = 0) on the same
+    float32 inputs and states, where both compute the same values (the few-token form rounds the
+    conv's products to the model's type, a no-op in float32): rows with padding and one row with
+    nothing new, every chunk size from one token to the whole pass, conv channels in whole blocks
+    of four vectors, with a lone vector, and with a tail of a vector."""
+    rng = np.random.default_rng(key_dim)
+    B, S, K, Hk, Hv, dv = 3, 21, 4, 2, 4, 16
+    C = 2 * Hk * key_dim + Hv * dv
+    width = C + Hv * dv + 2 * Hv
+    projected = rng.standard_normal((B, S, width)).astype(np.float32)
+    counts = np.array([S, 13, 0], np.int64)
+    taps = (0.5 * rng.standard_normal((K, C))).astype(np.float32)
+    conv0 = rng.standard_normal((B, K - 1, C)).astype(np.float32)
+    memory0 = (0.1 * rng.standard_normal((B, Hv, key_dim, dv))).astype(np.float32)
+    common = dict(counts=counts, dt_bias=rng.standard_normal(Hv).astype(np.float32),
+                  neg_A=-rng.random(Hv).astype(np.float32), gated_norm=rng.random(dv).astype(np.float32) + 0.5,
+                  key_heads=Hk, key_dim=key_dim, eps=1e-6, l2_eps=1e-6, fresh=fresh, threads=2)
+
+    def run(chunk):
+        conv, memory, out = conv0.copy(), memory0.copy(), np.zeros((B, S, Hv * dv), np.float32)
+        _engine.deltanet_step(projected, conv, taps, memory, out=out, chunk=chunk, **common)
+        return out, conv, memory
+
+    want_out, want_conv, want_memory = run(0)
+    real = np.arange(S)[None, :] < counts[:, None]
+    for chunk in (1, 5, 16, S):
+        out, conv, memory = run(chunk)
+        scale = np.abs(want_out[real]).max()
+        assert np.abs(out[real] - want_out[real]).max() <= 1e-5 * scale, chunk
+        assert np.array_equal(conv, want_conv)  # each row's last K - 1 real inputs, bit for bit
+        assert np.abs(memory - want_memory).max() <= 1e-5 * np.abs(want_memory).max(), chunk
+
+
 def test_refuses_arrays_that_do_not_fit():
     B, S, K, Hk, Hv, dk, dv = 2, 1, 4, 2, 4, 8, 8
     C = 2 * Hk * dk + Hv * dv
