@@ -16,6 +16,7 @@ import torch
 from conftest import qwen_layer_steps
 
 from fastjudge import _engine
+from fastjudge.backends import cpu_engine
 from fastjudge.backends.qwen import layers
 from fastjudge.backends.qwen.backend import TorchQwenBackend
 from fastjudge.checkpoints import build_random_qwen
@@ -94,6 +95,41 @@ def test_engine_pass_matches_the_tensor_ops(qwen35_dir, dtype, monkeypatch):
         else:
             assert float((keys[0] - keys[1]).abs().max()) <= 2 ** -7 * scale
             assert float((keys[0] == keys[1]).float().mean()) >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd, half", [(16, 4), (64, 16), (64, 24), (128, 32), (128, 64)])
+def test_pass_matches_the_tensor_ops_at_every_rotary_width(dtype, hd, half):
+    """``_engine.attention_inputs`` against ``layers.rms`` then ``layers.rotate`` and the K/V
+    writes, on random rows, for rotary halves in whole vectors, in a vector and a tail, and in a
+    tail alone (the model's test checkpoint has one head size): keys and queries identical in
+    bfloat16, within 1e-6 in float32; values copied; padding's scratch column left alone."""
+    gen = torch.Generator().manual_seed(hd + half)
+    B, S, H, Hkv, columns, eps = 2, 7, 4, 2, 12, 1e-6
+    width = (2 * H + 2 * Hkv) * hd  # queries, keys, a gate, values
+    qkv = torch.randn(B, S, width, generator=gen).to(dtype)
+    qk_norm = torch.rand(H + Hkv, hd, generator=gen) + 0.5
+    angle = torch.randn(B, S, 1, hd, generator=gen)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    where = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 11, 11, 11]])  # row 1: three padding tokens
+    keys, values = (torch.zeros(B, Hkv, columns, hd, dtype=dtype) for _ in range(2))
+    got = cpu_engine.attention_inputs_in_engine(qkv, qk_norm, (cos, sin, half), keys, values, where, H, Hkv,
+                                                width - Hkv * hd, eps)
+    want = layers.rotate(layers.rms(qkv[..., :(H + Hkv) * hd].reshape(B, S, H + Hkv, hd), qk_norm, eps),
+                         (cos, sin, half))
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    v = qkv[..., width - Hkv * hd:].reshape(B, S, Hkv, hd)
+    for b in range(B):
+        for t in range(S):
+            column = int(where[b, t])
+            if column == columns - 1:
+                continue
+            assert torch.equal(values[b, :, column], v[b, t])
+            assert torch.equal(keys[b, :, column], got[b, t, H:])
+    assert not keys[:, :, -1].any() and not values[:, :, -1].any()
 
 
 def test_refuses_arrays_that_do_not_fit():
