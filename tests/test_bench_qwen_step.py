@@ -5,6 +5,7 @@ figure is checked against a threshold."""
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,16 +27,28 @@ def test_engine_time_counts_only_inside_the_step():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quick_run_prints_each_row_count(dtype, capsys):
+def test_quick_run_prints_each_row_count(dtype, capsys, monkeypatch):
     if dtype == "bfloat16" and not _engine.bf16_dense_available():
         pytest.skip("the engine's bfloat16 step needs AVX512-BF16")
+    totals, timed = [], bench_qwen_step.engine_time
+
+    @contextmanager
+    def recorded():
+        with timed() as spent:
+            yield spent
+        totals.append(spent[0])
+
+    monkeypatch.setattr(bench_qwen_step, "engine_time", recorded)
     args = ["--shape", "tiny", "--dtype", dtype, "--rows", "1", "3", "--cached", "40", "--calls", "3",
             "--new-tokens", "4", "--repeats", "1"]
     assert bench_qwen_step.main(args) == 0
+    assert max(totals) > 0  # the judge's own decoding steps went through the engine
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [line.split() for line in lines if line.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["1", "3"]
     for r in rows:
         engine, bound, short, whole = float(r[1]), float(r[2]), float(r[5]), float(r[7])
-        assert engine > 0 and bound > 0 and short > 0 and whole > 0 and r[3] in ("memory", "compute")
-        assert float(r[8].rstrip("%")) < 100  # the judge's own steps went through the engine
+        # timings, not thresholds: the whole step and its host share are differences of two
+        # short runs' medians, which noise can bring to 0 at this size
+        assert engine > 0 and bound > 0 and short > 0 and whole >= 0 and r[3] in ("memory", "compute")
+        assert r[8].endswith("%") and float(r[8].rstrip("%")) >= 0
