@@ -14,7 +14,8 @@ namespace {
 // One thread for each 64 Ki values: below that a wake-up of the team costs more than its share.
 constexpr int64_t kValuesPerThread = 1 << 16;
 
-// four vectors at a time where n allows: their sigmoids' long chains (an exponential, a
+// o <- o * sigmoid(g) over n values (a multiple of 16), the sigmoid rounded to T first (as
+// `o * torch.sigmoid(gate)`); four vectors at a time where n allows: their sigmoids' long chains (an exponential, a
 // division) overlap, where one vector at a time waits on each
 template <typename T>
 __attribute__((always_inline)) inline void gate_into(T* o, const T* g, int64_t n) {
@@ -29,6 +30,10 @@ __attribute__((always_inline)) inline void gate_into(T* o, const T* g, int64_t n
   for (; i < n; i += kLanes) store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(g + i))));
 }
 
+// Rotary embedding of `heads` rows of hd values from x into out (out != x): out = x * cos, then
+// out[i] + x[half + i] * sin[i] on the first half of the rotary dims and out[half + i] + x[i] *
+// sin[half + i] on the second (sin carries rotate-half's sign), each step rounded to T; dims past
+// 2 half pass through as x * 1. hd a multiple of 16.
 template <typename T>
 __attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos, const T* sin, T* out,
                                                        int64_t heads, int64_t hd, int64_t half) {
@@ -50,7 +55,29 @@ __attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos,
   }
 }
 
-// tokens [first, last) of a prompt's attention inputs; normed: (H + Hkv) hd values of scratch
+// The ISA clones, one per element type (target_clones does not take templates)
+FASTJUDGE_CLONES void gate_f32(float* o, const float* g, int64_t n) { gate_into(o, g, n); }
+FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) { gate_into(o, g, n); }
+FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
+                                 int64_t hd, int64_t half) {
+  rotate_rows(x, cos, sin, out, heads, hd, half);
+}
+FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
+                                  int64_t heads, int64_t hd, int64_t half) {
+  rotate_rows(x, cos, sin, out, heads, hd, half);
+}
+
+void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
+void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
+void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
+  rotate_f32(x, cos, sin, out, heads, hd, half);
+}
+void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
+            int64_t half) {
+  rotate_bf16(x, cos, sin, out, heads, hd, half);
+}
+
+// tokens [first, last) of an attention layer's inputs; normed: (H + Hkv) hd values of scratch
 template <typename T>
 void inputs_of_tokens(const AttentionInputs<T>& in, T* normed, int64_t first, int64_t last) {
   const int64_t heads = in.H + in.Hkv, hd = in.hd;
@@ -58,7 +85,8 @@ void inputs_of_tokens(const AttentionInputs<T>& in, T* normed, int64_t first, in
     const T* row = in.qkv + n * in.width;
     rms_norm(row, in.width, hd, in.qk_norm, normed, 1, heads, hd, in.eps, 1);
     T* rotated = in.rotated + n * heads * hd;
-    rotate(normed, in.cos + n * hd, in.sin + n * hd, rotated, heads, hd, in.half);
+    const int64_t rope = in.rope_rows ? in.rope_rows[n] : n;
+    rotate(normed, in.cos + rope * hd, in.sin + rope * hd, rotated, heads, hd, in.half);
     // the pool's last column is its scratch, where padding goes and nothing is read: not
     // written here (several threads' padding tokens would write it at once)
     if (in.where[n] == in.columns - 1) continue;
@@ -89,29 +117,7 @@ void all_gates(T* o, const T* g, int64_t gate_stride, int64_t N, int64_t n, int 
   });
 }
 
-// The ISA clones, one per element type (target_clones does not take templates)
-FASTJUDGE_CLONES void gate_f32(float* o, const float* g, int64_t n) { gate_into(o, g, n); }
-FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) { gate_into(o, g, n); }
-FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
-                                 int64_t hd, int64_t half) {
-  rotate_rows(x, cos, sin, out, heads, hd, half);
-}
-FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
-                                  int64_t heads, int64_t hd, int64_t half) {
-  rotate_rows(x, cos, sin, out, heads, hd, half);
-}
-
 }  // namespace
-
-void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
-void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
-void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
-  rotate_f32(x, cos, sin, out, heads, hd, half);
-}
-void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
-            int64_t half) {
-  rotate_bf16(x, cos, sin, out, heads, hd, half);
-}
 
 void attention_inputs(const AttentionInputs<float>& in, int threads) { all_inputs(in, threads); }
 void attention_inputs(const AttentionInputs<uint16_t>& in, int threads) { all_inputs(in, threads); }

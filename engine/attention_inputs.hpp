@@ -13,24 +13,12 @@
 
 namespace fastjudge {
 
-// Rotary embedding of `heads` rows of hd values from x into out (out != x): out = x * cos, then
-// out[i] + x[half + i] * sin[i] on the first half of the rotary dims and out[half + i] + x[i] *
-// sin[half + i] on the second (sin carries rotate-half's sign), each step rounded to T; dims past
-// 2 half pass through as x * 1. cos and sin [hd] in T; hd a multiple of 16.
-void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half);
-void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t heads, int64_t hd,
-            int64_t half);
-
-// o <- o * sigmoid(gate) over n values (a multiple of 16), the sigmoid rounded to T first (as
-// `o * torch.sigmoid(gate)`)
-void gate(float* o, const float* g, int64_t n);
-void gate(uint16_t* o, const uint16_t* g, int64_t n);
-
-// A prompt's attention inputs over B rows of S tokens (N = B S), from the fused projection's
-// rows qkv [N, width]: the queries (H heads of hd) and the keys (Hkv heads) side by side from
-// column 0, the values (Hkv heads) from column values_at. Queries and keys RMS-normalised per
-// head (qk_norm [H + Hkv, hd] float32, eps) and rotated (cos and sin [N, hd] in T: each token's
-// own rows; half: half the rotary dims) into rotated [N, H + Hkv, hd]; each token's rotated key
+// An attention layer's inputs over B rows of S tokens (N = B S; a prompt's pass, a decoding
+// step), from the fused projection's rows qkv [N, width]: the queries (H heads of hd) and the
+// keys (Hkv heads) side by side from column 0, the values (Hkv heads) from column values_at.
+// Queries and keys RMS-normalised per head (qk_norm [H + Hkv, hd] float32, eps) and rotated (cos
+// and sin tables of rows of hd in T, token n taking row rope_rows[n], or row n where rope_rows
+// is null; half: half the rotary dims) into rotated [N, H + Hkv, hd]; each token's rotated key
 // and its value written into the pool's keys and values [B, Hkv, columns, hd] of its row, at
 // column where[n]; a token whose column is the last (the pool's scratch column, where padding
 // goes) writes nothing there.
@@ -46,6 +34,7 @@ struct AttentionInputs {
   T *keys, *values;
   const int64_t* where;
   int64_t B, S, H, Hkv, hd, columns;
+  const int64_t* rope_rows = nullptr;
 };
 void attention_inputs(const AttentionInputs<float>& in, int threads);
 void attention_inputs(const AttentionInputs<uint16_t>& in, int threads);

@@ -118,30 +118,26 @@ class Step {
     const int64_t width = layer.qkv.out, gate_at = heads * hd, values_at = width - Hkv * hd;
     T* qkv = buf_.wide.data();
     project(buf_.normed.data(), N, layer.qkv, qkv, threads_);
-    // the queries' and keys' norms as H + Hkv heads read in place from the projection's rows (the
-    // attention's output buffer holds them until the rotary has read them)
-    T* normed = buf_.attended.data();
-    rms_norm(qkv, width, hd, layer.qk_norm, normed, N, heads, hd, m_.eps, threads_);
-    T* rotated = buf_.heads.data();
-    const T* cos = static_cast<const T*>(in_.cos);
-    const T* sin = static_cast<const T*>(in_.sin);
+    // each token's K/V column (its row's next; padding: the scratch column, which is not
+    // written) and rotary row (its position), then the queries' and keys' norms and rotary and
+    // the K/V writes as a prompt's pass runs them
     const int64_t column = m_.capacity + 1, row_floats = Hkv * column * hd;
-    T* keys = static_cast<T*>(layer.keys) + in_.start * row_floats;
-    T* values = static_cast<T*>(layer.values) + in_.start * row_floats;
+    hold(buf_.columns, N);
+    hold(buf_.rope_rows, N);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t length = m_.lengths[in_.start + b], position = m_.positions[in_.start + b];
       for (int64_t t = 0; t < S; ++t) {
-        const int64_t n = b * S + t;
-        rotate(normed + n * heads * hd, cos + (position + t) * hd, sin + (position + t) * hd, rotated + n * heads * hd,
-               heads, hd, m_.rotary_half);
-        if (t >= in_.counts[b]) continue;  // padding: no state written
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const int64_t at = b * row_floats + (h * column + length + t) * hd;
-          std::memcpy(keys + at, rotated + (n * heads + H + h) * hd, hd * sizeof(T));
-          std::memcpy(values + at, qkv + n * width + values_at + h * hd, hd * sizeof(T));
-        }
+        buf_.columns[b * S + t] = t < in_.counts[b] ? length + t : column - 1;
+        buf_.rope_rows[b * S + t] = position + t;
       }
     }
+    T* rotated = buf_.heads.data();
+    T* keys = static_cast<T*>(layer.keys) + in_.start * row_floats;
+    T* values = static_cast<T*>(layer.values) + in_.start * row_floats;
+    AttentionInputs<T> inputs{qkv, width, values_at, layer.qk_norm, m_.eps, static_cast<const T*>(in_.cos),
+                              static_cast<const T*>(in_.sin), m_.rotary_half, rotated, keys, values,
+                              buf_.columns.data(), B, S, H, Hkv, hd, column, buf_.rope_rows.data()};
+    attention_inputs(inputs, threads_);
     CausalProblem problem{B, S, column, H, Hkv, hd, static_cast<float>(std::pow(double(hd), -0.5)),
                           m_.lengths + in_.start, in_.counts};
     problem.shared_columns = in_.shared_columns, problem.shared_from = in_.shared_from;
@@ -150,9 +146,7 @@ class Step {
     const StridedRows<T> v{values, row_floats, hd, column * hd};
     T* attended = buf_.attended.data();
     causal_attention(problem, q, k, v, attended, threads_);
-    if (m_.output_gate) {
-      for (int64_t n = 0; n < N; ++n) gate(attended + n * H * hd, qkv + n * width + gate_at, H * hd);
-    }
+    if (m_.output_gate) output_gate(attended, qkv + gate_at, width, N, H * hd, threads_);
     project(attended, N, layer.o, buf_.mixed.data(), threads_);
   }
 

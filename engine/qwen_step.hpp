@@ -81,6 +81,7 @@ template <typename T>
 struct QwenStepBuffers {
   std::vector<T> x, normed, mixed, wide, heads, attended;  // heads: rotated queries and keys
   std::vector<T> logits;                                   // the greedy pick's [B, head outputs]
+  std::vector<int64_t> columns, rope_rows;                 // each token's K/V column and rotary row
 };
 
 struct QwenStepScratch {
