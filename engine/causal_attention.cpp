@@ -31,9 +31,15 @@ inline int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step 
 
 // c[r][w] = sum over k < depth of a[r * lda + k] * b[k * ldb + w] for r < kRows, w < kCols, in
 // increasing k: the query-key scores (a = queries, b = keys transposed) and the weighted values
-// (a = softmax weights, b = values) alike
+// (a = softmax weights, b = values) alike. kWide: built for AVX-512; AVX2's 16 registers would
+// spill these 16 accumulators, and take product's narrow blocks (the same sums)
+template <bool kWide>
 __attribute__((always_inline)) inline void block_product(const float* a, int64_t lda, const float* b, int64_t ldb,
                                                          int64_t depth, float* c, int64_t ldc) {
+  if constexpr (!kWide) {
+    product<false, false, float, kProductRows, true>(a, lda, b, ldb, c, ldc, kRows, depth, kCols, false);
+    return;
+  }
   Floats acc[kRows][2] = {};
   for (int64_t k = 0; k < depth; ++k) {
     const Floats b0 = load(b + k * ldb), b1 = load(b + k * ldb + kLanes);
@@ -136,10 +142,10 @@ struct PairOrder {
 
 // (row, key head) pairs [first, last): their keys and values packed once in float32, then every
 // tile of kTile query tokens of each of the grouped query heads
-template <typename T>
-__attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, const StridedRows<T>& query, const StridedRows<T>& key,
-                                   const StridedRows<T>& value, T* out, int64_t first, int64_t last,
-                                   PairOrder in) {
+template <bool kWide, typename T>
+__attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, const StridedRows<T>& query,
+                                                        const StridedRows<T>& key, const StridedRows<T>& value,
+                                                        T* out, int64_t first, int64_t last, PairOrder in) {
   const int64_t S = p.S, dim = p.dim;
   // keys transposed [dim][ldk], ldk an odd number of register blocks: rows a multiple of 256
   // bytes apart would fall into a few cache sets as the product walks down them
@@ -171,7 +177,7 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
       float* scores = weights.data();
       for (int64_t r0 = 0; r0 < rows; r0 += kRows)
         for (int64_t j0 = 0; j0 < width; j0 += kCols)
-          block_product(queries.data() + r0 * dim, dim, keys.data() + j0, ldk, dim, scores + r0 * ldk + j0, ldk);
+          block_product<kWide>(queries.data() + r0 * dim, dim, keys.data() + j0, ldk, dim, scores + r0 * ldk + j0, ldk);
       float inverse[kTile];
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t last = p.last_key(offset, t0 + r);
@@ -185,7 +191,7 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
         // weight times a NaN would still be NaN)
         const int64_t before = std::min(offset + t0 + r0, p.W);
         for (int64_t d0 = 0; d0 < dim; d0 += kCols)
-          block_product(scores + r0 * ldk, ldk, values.data() + d0, ldv, before, sums.data() + r0 * ldv + d0, ldv);
+          block_product<kWide>(scores + r0 * ldk, ldk, values.data() + d0, ldv, before, sums.data() + r0 * ldv + d0, ldv);
         for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
           float* o = sums.data() + r * ldv;
           for (int64_t j = before; j <= p.last_key(offset, t0 + r); ++j) {
@@ -548,19 +554,23 @@ __attribute__((always_inline)) inline void attend_few(const FewPairs<T>& a) {
 FASTJUDGE_VERSIONED(attend_few_f32, attend_few, FewPairs<float>)
 FASTJUDGE_VERSIONED(attend_few_bf16, attend_few, FewPairs<uint16_t>)
 
-// the ISA clones, one per element type (target_clones does not take templates)
-FASTJUDGE_CLONES
-void attend_pairs_f32(const CausalProblem& p, const StridedRows<float>& query, const StridedRows<float>& key,
-                      const StridedRows<float>& value, float* out, int64_t first, int64_t last, PairOrder in) {
-  attend_pairs(p, query, key, value, out, first, last, in);
+// the packing kernel's arguments, for its builds (FASTJUDGE_VERSIONED): pairs [first, last)
+template <typename T>
+struct PromptPairs {
+  const CausalProblem& p;
+  const StridedRows<T>&query, &key, &value;
+  T* out;
+  int64_t first, last;
+  PairOrder in;
+};
+
+template <bool kWide, typename T>
+__attribute__((always_inline)) inline void attend_prompt(const PromptPairs<T>& a) {
+  attend_pairs<kWide>(a.p, a.query, a.key, a.value, a.out, a.first, a.last, a.in);
 }
 
-FASTJUDGE_CLONES
-void attend_pairs_bf16(const CausalProblem& p, const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& key,
-                       const StridedRows<uint16_t>& value, uint16_t* out, int64_t first, int64_t last,
-                       PairOrder in) {
-  attend_pairs(p, query, key, value, out, first, last, in);
-}
+FASTJUDGE_VERSIONED(attend_pairs_f32, attend_prompt, PromptPairs<float>)
+FASTJUDGE_VERSIONED(attend_pairs_bf16, attend_prompt, PromptPairs<uint16_t>)
 
 #ifdef FASTJUDGE_BF16_DOT
 // bfloat16 inputs on CPUs with AVX512-BF16: both products as bfloat16 dot products (vdpbf16ps:
@@ -731,7 +741,7 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
       return;
     }
     if constexpr (std::is_same_v<T, float>) {
-      attend_pairs_f32(p, query, key, value, out, first, last, in);
+      attend_pairs_f32({p, query, key, value, out, first, last, in});
     } else {
 #ifdef FASTJUDGE_BF16_DOT
       if (dot) {
@@ -739,7 +749,7 @@ void attend(const CausalProblem& p, const StridedRows<T>& query, const StridedRo
         return;
       }
 #endif
-      attend_pairs_bf16(p, query, key, value, out, first, last, in);
+      attend_pairs_bf16({p, query, key, value, out, first, last, in});
     }
   });
 }

@@ -52,8 +52,15 @@ __attribute__((always_inline)) inline void scaled_row(const float* x, float* dst
   for (int64_t j = 0; j < d; ++j) dst[j] = x[j] * factor;
 }
 
+// product() with register blocks for AVX-512 (kWide) or for AVX2's 16 registers
+template <bool kWide, typename... Args>
+__attribute__((always_inline)) inline void fitted_product(Args... args) {
+  product<false, false, float, kProductRows, !kWide>(args...);
+}
+
 // One value head's chunk of n tokens from t0: the corrections, the outputs, the state's update
 // (see delta_rule.hpp for the algebra)
+template <bool kWide>
 __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch& w, int64_t b, int64_t h, int64_t t0,
                                                       int64_t n, bool from_zero) {
   const int64_t dk = s.dk, dv = s.dv, Cw = w.Cw;
@@ -90,8 +97,8 @@ __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch&
   float* key_reads = w.reads.data();
   float* query_reads = w.reads.data() + n * dv;
   if (!from_zero) {
-    product(w.k.data(), dk, M, dv, key_reads, dv, n, dk, dv, false);
-    product(w.q.data(), dk, M, dv, query_reads, dv, n, dk, dv, false);
+    fitted_product<kWide>(w.k.data(), dk, M, dv, key_reads, dv, n, dk, dv, false);
+    fitted_product<kWide>(w.q.data(), dk, M, dv, query_reads, dv, n, dk, dv, false);
   }
   for (int64_t i = 0; i < n; ++i) {
     const float* v = s.value.row(b, t0 + i, h);
@@ -110,7 +117,9 @@ __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch&
   // blocks' part as one product, then within the block row by row
   for (int64_t i0 = 0; i0 < n; i0 += kProductRows) {
     const int64_t r = std::min<int64_t>(kProductRows, n - i0);
-    if (i0 > 0) product(w.system.data() + i0 * Cw, Cw, w.u.data(), dv, w.u.data() + i0 * dv, dv, r, i0, dv, true);
+    if (i0 > 0) {
+      fitted_product<kWide>(w.system.data() + i0 * Cw, Cw, w.u.data(), dv, w.u.data() + i0 * dv, dv, r, i0, dv, true);
+    }
     for (int64_t i = i0 + 1; i < i0 + r; ++i) {
       float* ui = w.u.data() + i * dv;
       for (int64_t j = i0; j < i; ++j) {
@@ -121,24 +130,31 @@ __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch&
     }
   }
   // outputs: + sum_{j<=i} decay_ij (q_i.k_j) U_j
-  product(w.scores.data(), Cw, w.u.data(), dv, s.out + ((b * s.S + t0) * s.Hv + h) * dv, s.Hv * dv, n, n, dv, true,
-          true);
+  float* outputs = s.out + ((b * s.S + t0) * s.Hv + h) * dv;
+  fitted_product<kWide>(w.scores.data(), Cw, w.u.data(), dv, outputs, s.Hv * dv, n, n, dv, true, true);
   // the end state: exp(G_{n-1}) M + sum_j exp(G_{n-1} - G_j) k_j U_j^T
   for (int64_t a = 0; a < dk; ++a)
     for (int64_t j = 0; j < n; ++j) w.k_end[a * Cw + j] = w.kt[a * Cw + j] * w.to_end[j];
   if (from_zero) {
-    product(w.k_end.data(), Cw, w.u.data(), dv, M, dv, dk, n, dv, false);
+    fitted_product<kWide>(w.k_end.data(), Cw, w.u.data(), dv, M, dv, dk, n, dv, false);
   } else {
     const float decay = std::exp(total);
     for (int64_t j = 0; j < dk * dv; ++j) M[j] *= decay;
-    product(w.k_end.data(), Cw, w.u.data(), dv, M, dv, dk, n, dv, true);
+    fitted_product<kWide>(w.k_end.data(), Cw, w.u.data(), dv, M, dv, dk, n, dv, true);
   }
 }
 
 // key heads [first, last) of the B x Hk grid, every chunk in order, the key head's value heads
 // one after another within each chunk
-FASTJUDGE_CLONES
-void run_key_heads(const Chunked& s, int64_t first, int64_t last) {
+struct KeyHeads {
+  const Chunked& s;
+  int64_t first, last;
+};
+
+template <bool kWide>
+__attribute__((always_inline)) inline void run_key_heads(const KeyHeads& jobs) {
+  const Chunked& s = jobs.s;
+  const int64_t first = jobs.first, last = jobs.last;
   const int64_t dk = s.dk, G = s.Hv / s.Hk;
   Scratch w(s.C, dk, s.dv);
   const int64_t Cw = w.Cw;
@@ -156,12 +172,14 @@ void run_key_heads(const Chunked& s, int64_t first, int64_t last) {
         std::fill(w.kt.begin() + a * Cw + n, w.kt.begin() + (a + 1) * Cw, 0.0f);
       }
       // products with the keys, shared by the key head's value heads
-      product(w.k.data(), dk, w.kt.data(), Cw, w.kk.data(), Cw, n, dk, Cw, false);
-      product(w.q.data(), dk, w.kt.data(), Cw, w.qk.data(), Cw, n, dk, Cw, false);
-      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) head_chunk(s, w, b, h, t0, n, s.fresh && t0 == 0);
+      fitted_product<kWide>(w.k.data(), dk, w.kt.data(), Cw, w.kk.data(), Cw, n, dk, Cw, false);
+      fitted_product<kWide>(w.q.data(), dk, w.kt.data(), Cw, w.qk.data(), Cw, n, dk, Cw, false);
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) head_chunk<kWide>(s, w, b, h, t0, n, s.fresh && t0 == 0);
     }
   }
 }
+
+FASTJUDGE_VERSIONED(run_key_heads_any, run_key_heads, KeyHeads)
 
 }  // namespace
 
@@ -185,7 +203,7 @@ void chunked_delta_rule(float* memory, const StridedRows<float>& query, const St
   // write, the substitution and the scores' product
   const double flops = 2.0 * B * S * Hv * (chunk * (dk + dv) + 3.0 * dk * dv);
   const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(flops / kFlopsPerThread) + 1);
-  parallel_ranges(jobs, workers, 1, [&](int64_t first, int64_t last) { run_key_heads(s, first, last); });
+  parallel_ranges(jobs, workers, 1, [&](int64_t first, int64_t last) { run_key_heads_any({s, first, last}); });
 }
 
 }  // namespace fastjudge

@@ -57,26 +57,38 @@ __attribute__((always_inline)) inline Floats activate(Floats g, GateActivation a
 }
 
 // out [rows, 64] (row stride ldc) = x [rows, K] panel (a panel's successor lies right after it:
-// the stream fetched ahead runs on into the next panel, which the next unit reads)
+// the stream fetched ahead runs on into the next panel, which the next unit reads); kWide: built
+// for AVX-512's registers (blocks of four vectors), else for AVX2's (product's narrow blocks)
+template <bool kWide>
 __attribute__((always_inline)) inline void panel_product(const float* x, int64_t row_stride, const float* panel,
                                                          int64_t K, float* out, int64_t ldc, int64_t rows) {
   if (rows <= kProductRows || rows > kStreamedRows) {
-    product(x, row_stride, panel, kPanelColumns, out, ldc, rows, K, kPanelColumns, false);
+    product<false, false, float, kProductRows, !kWide>(x, row_stride, panel, kPanelColumns, out, ldc, rows, K,
+                                                        kPanelColumns, false);
     return;
   }
   constexpr int64_t ahead = kFetchSlices * kSliceDepth * kPanelColumns * sizeof(float);
   for (int64_t k0 = 0; k0 < K; k0 += kSliceDepth) {
     const int64_t depth = std::min(kSliceDepth, K - k0);
     const float* slice = panel + k0 * kPanelColumns;
-    product<false, true>(x + k0, row_stride, slice, kPanelColumns, out, ldc, rows, depth, kPanelColumns, k0 > 0,
-                         false, reinterpret_cast<const char*>(slice) + ahead, depth * kPanelColumns * sizeof(float));
+    product<false, true, float, kProductRows, !kWide>(x + k0, row_stride, slice, kPanelColumns, out, ldc, rows,
+                                                       depth, kPanelColumns, k0 > 0, false,
+                                                       reinterpret_cast<const char*>(slice) + ahead,
+                                                       depth * kPanelColumns * sizeof(float));
   }
 }
 
+struct Units {
+  const Problem<float, float>& s;
+  int64_t first, last;
+};
+
 // units [first, last) of the panels x row-groups grid (panel-major: consecutive units share a
 // panel); a panel cut short (N not a multiple of 64) or a gated one goes through scratch
-FASTJUDGE_CLONES
-void run_units(const Problem<float, float>& s, int64_t first, int64_t last) {
+template <bool kWide>
+__attribute__((always_inline)) inline void run_units(const Units& u) {
+  const Problem<float, float>& s = u.s;
+  const int64_t first = u.first, last = u.last;
   const int64_t groups = (s.M + kRowGroup - 1) / kRowGroup, K = s.K;
   std::vector<float> scratch;
   for (int64_t unit = first; unit < last; ++unit) {
@@ -87,20 +99,22 @@ void run_units(const Problem<float, float>& s, int64_t first, int64_t last) {
     const float* panel = s.panels + p * K * kPanelColumns;
     float* out = s.out + r0 * s.N + c0;
     if (!s.up_panels && cols == kPanelColumns) {
-      panel_product(x, s.row_stride, panel, K, out, s.N, rows);
+      panel_product<kWide>(x, s.row_stride, panel, K, out, s.N, rows);
       continue;
     }
     scratch.resize(static_cast<std::size_t>(2 * kRowGroup * kPanelColumns));
     float *gate = scratch.data(), *up = gate + kRowGroup * kPanelColumns;
-    panel_product(x, s.row_stride, panel, K, gate, kPanelColumns, rows);
+    panel_product<kWide>(x, s.row_stride, panel, K, gate, kPanelColumns, rows);
     if (s.up_panels) {
-      panel_product(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows);
+      panel_product<kWide>(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows);
       for (int64_t i = 0; i < rows * kPanelColumns; i += kLanes)
         store(gate + i, activate(load(gate + i), s.activation) * load(up + i));
     }
     for (int64_t r = 0; r < rows; ++r) std::copy(gate + r * kPanelColumns, gate + r * kPanelColumns + cols, out + r * s.N);
   }
 }
+
+FASTJUDGE_VERSIONED(run_units_f32, run_units, Units)
 
 #ifdef FASTJUDGE_BF16_DOT
 // c[r][0 .. 64) (= or +=) sum over pairs i < pairs of the two-element dot products of
@@ -212,7 +226,7 @@ void run(const Problem<X, W>& s, int threads) {
       threads, static_cast<int64_t>(std::max(flops / kFlopsPerThread, bytes / kWeightBytesPerThread)) + 1);
   parallel_ranges(units, workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (std::is_same_v<X, float>) {
-      run_units(s, first, last);
+      run_units_f32({s, first, last});
     } else {
 #ifdef FASTJUDGE_BF16_DOT
       run_units_bf16(s, first, last);

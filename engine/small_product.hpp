@@ -13,6 +13,8 @@ namespace fastjudge {
 // Rows of a register block (with up to four vectors of columns: 16 accumulators).
 constexpr int kProductRows = 4;
 constexpr int kMaxVectors = 4;
+// Rows of a register block of one vector of columns, for AVX2's 16 registers (see product())
+constexpr int kNarrowRows = 6;
 
 // c[r][:NV lanes] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + :], r < R, in
 // increasing k (b float32, or bfloat16 bits widened as they load); with kFetch, the line at
@@ -45,10 +47,35 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-template <int R, bool kZmm = false, bool kFetch = false, typename TB = float>
+// tile<R, 1> built for AVX2: its accumulators as halves of 8 lanes (Floats8), 2 R registers
+template <int R, bool kFetch = false, typename TB = float>
+__attribute__((always_inline)) inline void narrow_tile(const float* a, int64_t lda, const TB* b, int64_t ldb, float* c,
+                                                       int64_t ldc, int64_t depth, bool accumulate,
+                                                       const char* fetch = nullptr, int64_t fetch_step = 0) {
+  Floats8 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) acc[r][v] = accumulate ? load8(c + r * ldc + 8 * v) : Floats8{};
+  for (int64_t k = 0; k < depth; ++k) {
+    if constexpr (kFetch) __builtin_prefetch(fetch + k * fetch_step, 0, 2);
+    const Floats8 b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+    for (int r = 0; r < R; ++r) {
+      const float ar = a[r * lda + k];
+      acc[r][0] += ar * b0;
+      acc[r][1] += ar * b1;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) store8(c + r * ldc + 8 * v, acc[r][v]);
+}
+
+// tile<R, vectors> for vectors <= kMaxV (1: the narrow blocks of product(), narrow_tile)
+template <int R, int kMaxV, bool kZmm = false, bool kFetch = false, typename TB = float>
 __attribute__((always_inline)) inline void tile_columns(int vectors, const float* a, int64_t lda, const TB* b,
                                                         int64_t ldb, float* c, int64_t ldc, int64_t depth,
                                                         bool accumulate, const char* fetch, int64_t fetch_step) {
+  if constexpr (kMaxV == 1) {
+    return narrow_tile<R, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
+  }
   switch (vectors) {
     case 1: return tile<R, 1, kZmm, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
     case 2: return tile<R, 2, kZmm, kFetch, TB>(a, lda, b, ldb, c, ldc, depth, accumulate, fetch, fetch_step);
@@ -63,37 +90,44 @@ __attribute__((always_inline)) inline void tile_columns(int vectors, const float
 // while the blocks compute, evenly over their steps (a stream the next call will read). kZmm:
 // built for AVX-512 (hold()). kTileRows: rows of a register block, 4, or 6 where the build has
 // AVX-512's 32 registers (24 accumulators: B read once for six rows, four loads for 24 FMAs).
+// kNarrow (the default without kZmm): built for AVX2's sixteen 8-lane registers, where blocks of
+// four 16-lane vectors would need 32 registers for their accumulators alone and spill: blocks of
+// kNarrowRows rows by one vector (narrow_tile: 12 registers of accumulators, two of B, one
+// broadcast).
 // The blocking changes no sum's order: the bits are the same.
-template <bool kZmm = false, bool kFetch = false, typename TB = float, int kTileRows = kProductRows>
+template <bool kZmm = false, bool kFetch = false, typename TB = float, int kTileRows = kProductRows,
+          bool kNarrow = !kZmm>
 __attribute__((always_inline)) inline void product(const float* A, int64_t lda, const TB* B, int64_t ldb,
                                                    float* C, int64_t ldc, int64_t rows, int64_t depth, int64_t cols,
                                                    bool accumulate, bool lower = false, const char* fetch = nullptr,
                                                    int64_t fetch_bytes = 0) {
+  static_assert(kTileRows == kProductRows || (kTileRows == 6 && kZmm), "six-row blocks need 32 registers");
+  // a vector of 16 lanes takes two of the 16 registers of AVX2: blocks of one vector
+  constexpr int kRowsHere = kNarrow ? kNarrowRows : kTileRows, kVectors = kNarrow ? 1 : kMaxVectors;
   int64_t fetch_step = 0;
   if constexpr (kFetch) {
-    const int64_t steps = (cols + kMaxVectors * kLanes - 1) / (kMaxVectors * kLanes) *
-                          ((rows + kTileRows - 1) / kTileRows) * depth;
+    const int64_t steps = (cols + kVectors * kLanes - 1) / (kVectors * kLanes) *
+                          ((rows + kRowsHere - 1) / kRowsHere) * depth;
     fetch_step = std::max<int64_t>(1, fetch_bytes / std::max<int64_t>(1, steps));
   }
-  static_assert(kTileRows == kProductRows || (kTileRows == 6 && kZmm), "six-row blocks need 32 registers");
-  for (int64_t c0 = 0; c0 < cols; c0 += kMaxVectors * kLanes) {
-    const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (cols - c0) / kLanes));
-    for (int64_t i0 = 0; i0 < rows; i0 += kTileRows) {
-      const int64_t r = std::min<int64_t>(kTileRows, rows - i0);
+  for (int64_t c0 = 0; c0 < cols; c0 += kVectors * kLanes) {
+    const int vectors = static_cast<int>(std::min<int64_t>(kVectors, (cols - c0) / kLanes));
+    for (int64_t i0 = 0; i0 < rows; i0 += kRowsHere) {
+      const int64_t r = std::min<int64_t>(kRowsHere, rows - i0);
       const int64_t k = lower ? std::min(depth, i0 + r) : depth;
       const float* a = A + i0 * lda;
       float* c = C + i0 * ldc + c0;
       switch (r) {
-        case 1: tile_columns<1, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
-        case 2: tile_columns<2, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
-        case 3: tile_columns<3, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
-        case 4: tile_columns<4, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 1: tile_columns<1, kVectors, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 2: tile_columns<2, kVectors, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 3: tile_columns<3, kVectors, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
+        case 4: tile_columns<4, kVectors, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step); break;
         default:
-          if constexpr (kTileRows == 6) {
+          if constexpr (kRowsHere == 6) {
             if (r == 5) {
-              tile_columns<5, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step);
+              tile_columns<5, kVectors, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step);
             } else {
-              tile_columns<6, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step);
+              tile_columns<6, kVectors, kZmm, kFetch, TB>(vectors, a, lda, B + c0, ldb, c, ldc, k, accumulate, fetch, fetch_step);
             }
           }
           break;

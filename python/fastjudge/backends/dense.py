@@ -78,15 +78,19 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ENGINE_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 32}
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can prepack a ``dtype`` weight here: its bfloat16 reorder refuses CPUs
+    without AVX-512 (or AVX-NE-CONVERT), where ``F.linear`` still runs bfloat16."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def should_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN's prepacked linear is the faster exact GEMM for this plain weight (at
     least for inputs of :data:`MANY_ROWS` rows, :func:`packed_min_rows`)."""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
-            and weight.numel() >= PACK_MANY_ROWS_MIN_ELEMENTS and packing_available())
+            and weight.numel() >= PACK_MANY_ROWS_MIN_ELEMENTS and packing_available(weight.dtype))
 
 
 def packed_min_rows(weight: torch.Tensor) -> int:

@@ -335,11 +335,12 @@ def gemm_paths(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
     if device.type == "cuda":
         return {"cuBLAS torch.mm": _cublas, "F.linear": _plain}
     paths = {"F.linear": _plain}
-    if dense.packing_available() and dtype in dense.PACKED_DTYPES:
+    if dense.packing_available(dtype) and dtype in dense.PACKED_DTYPES:
         paths["oneDNN packed"] = _onednn_packed
     if dense.takes_panels(torch.empty(1, 1, dtype=dtype)):
         paths["engine panels"] = _engine_panels
-    if torch.backends.mkldnn.is_available():
+    # (oneDNN's bfloat16 path needs AVX-512 or AVX-NE-CONVERT)
+    if torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16 or dense.packing_available(dtype)):
         paths["oneDNN mkldnn tensors"] = _onednn_tensors
     return paths
 
