@@ -31,15 +31,9 @@ inline int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step 
 
 // c[r][w] = sum over k < depth of a[r * lda + k] * b[k * ldb + w] for r < kRows, w < kCols, in
 // increasing k: the query-key scores (a = queries, b = keys transposed) and the weighted values
-// (a = softmax weights, b = values) alike. kWide: built for AVX-512; AVX2's 16 registers would
-// spill these 16 accumulators, and take product's narrow blocks (the same sums)
-template <bool kWide>
+// (a = softmax weights, b = values) alike
 __attribute__((always_inline)) inline void block_product(const float* a, int64_t lda, const float* b, int64_t ldb,
                                                          int64_t depth, float* c, int64_t ldc) {
-  if constexpr (!kWide) {
-    product<false, false, float, kProductRows, true>(a, lda, b, ldb, c, ldc, kRows, depth, kCols, false);
-    return;
-  }
   Floats acc[kRows][2] = {};
   for (int64_t k = 0; k < depth; ++k) {
     const Floats b0 = load(b + k * ldb), b1 = load(b + k * ldb + kLanes);
@@ -52,6 +46,24 @@ __attribute__((always_inline)) inline void block_product(const float* a, int64_t
   for (int r = 0; r < kRows; ++r) {
     store(c + r * ldc, acc[r][0]);
     store(c + r * ldc + kLanes, acc[r][1]);
+  }
+}
+
+// Rows of a register block: kRows where the build has AVX-512's 32 registers (kWide), else
+// product()'s narrow blocks of kNarrowRows (AVX2's 16 registers would spill block_product's 16
+// accumulators); a tile of query tokens is two blocks
+template <bool kWide>
+constexpr int64_t kBlockRows = kWide ? kRows : kNarrowRows;
+
+// c[r][0 .. cols) (cols a multiple of kCols) for r < kBlockRows<kWide>, as block_product: the
+// same sums in the same order whichever blocks compute them
+template <bool kWide>
+__attribute__((always_inline)) inline void block_rows(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                      int64_t depth, float* c, int64_t ldc, int64_t cols) {
+  if constexpr (kWide) {
+    for (int64_t j0 = 0; j0 < cols; j0 += kCols) block_product(a, lda, b + j0, ldb, depth, c + j0, ldc);
+  } else {
+    product<false, false, float, kProductRows, true>(a, lda, b, ldb, c, ldc, kNarrowRows, depth, cols, false);
   }
 }
 
@@ -105,14 +117,14 @@ Pair start_pair(const CausalProblem& p, int64_t pair, T* out) {
   return {b, hk, offset, real, real ? p.last_key(offset, real - 1) + 1 : 0};
 }
 
-// tile(h, t0, rows, width) for each tile of kTile query tokens (rows of them) of each of the pair's
-// query heads h; width: the tile's keys, whole register blocks
-template <typename Tile>
+// tile(h, t0, rows, width) for each tile of kTokens query tokens (rows of them) of each of the
+// pair's query heads h; width: the tile's keys, whole register blocks
+template <int64_t kTokens = kTile, typename Tile>
 __attribute__((always_inline)) inline void for_each_tile(const CausalProblem& p, const Pair& pr, Tile tile) {
   const int64_t group = p.H / p.Hkv;
   for (int64_t h = pr.hk * group; h < (pr.hk + 1) * group; ++h) {
-    for (int64_t t0 = 0; t0 < pr.real; t0 += kTile) {
-      const int64_t rows = std::min<int64_t>(kTile, pr.real - t0);
+    for (int64_t t0 = 0; t0 < pr.real; t0 += kTokens) {
+      const int64_t rows = std::min<int64_t>(kTokens, pr.real - t0);
       tile(h, t0, rows, round_up(p.last_key(pr.offset, t0 + rows - 1) + 1, kCols));
     }
   }
@@ -141,12 +153,13 @@ struct PairOrder {
 };
 
 // (row, key head) pairs [first, last): their keys and values packed once in float32, then every
-// tile of kTile query tokens of each of the grouped query heads
+// tile of two register blocks of query tokens of each of the grouped query heads
 template <bool kWide, typename T>
 __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, const StridedRows<T>& query,
                                                         const StridedRows<T>& key, const StridedRows<T>& value,
                                                         T* out, int64_t first, int64_t last, PairOrder in) {
   const int64_t S = p.S, dim = p.dim;
+  constexpr int64_t kRowsHere = kBlockRows<kWide>, kTileHere = 2 * kRowsHere;
   // keys transposed [dim][ldk], ldk an odd number of register blocks: rows a multiple of 256
   // bytes apart would fall into a few cache sets as the product walks down them
   int64_t ldk = round_up(p.W, kCols);
@@ -154,9 +167,9 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
   const int64_t ldv = round_up(dim, kCols);  // values [W][ldv], zero past dim
   std::vector<float> keys(static_cast<std::size_t>(dim * ldk), 0.0f);
   std::vector<float> values(static_cast<std::size_t>(p.W * ldv), 0.0f);
-  std::vector<float> queries(static_cast<std::size_t>(kTile * dim), 0.0f);
-  std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
-  std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
+  std::vector<float> queries(static_cast<std::size_t>(kTileHere * dim), 0.0f);
+  std::vector<float> weights(static_cast<std::size_t>(kTileHere * ldk), 0.0f);
+  std::vector<float> sums(static_cast<std::size_t>(kTileHere * ldv));
   for (int64_t i = first; i < last; ++i) {
     const Pair pr = start_pair(p, in.pair(i), out);
     const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, from = in.first_key(p, pr);
@@ -168,31 +181,29 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
     }
     in.packed(p, pr, from);
     // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
-    for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
+    for_each_tile<kTileHere>(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
                              __attribute__((always_inline)) {
       for (int64_t r = 0; r < rows; ++r) {
         const T* q = query.row(b, t0 + r, h);
         for (int64_t d = 0; d < dim; ++d) queries[r * dim + d] = to_float(q[d]);
       }
       float* scores = weights.data();
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows)
-        for (int64_t j0 = 0; j0 < width; j0 += kCols)
-          block_product<kWide>(queries.data() + r0 * dim, dim, keys.data() + j0, ldk, dim, scores + r0 * ldk + j0, ldk);
-      float inverse[kTile];
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere)
+        block_rows<kWide>(queries.data() + r0 * dim, dim, keys.data(), ldk, dim, scores + r0 * ldk, ldk, width);
+      float inverse[kTileHere];
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t last = p.last_key(offset, t0 + r);
         if (p.bias) add_distance_bias(p, h, offset + t0 + r, scores + r * ldk, last + 1);
         inverse[r] = softmax_row(scores + r * ldk, last, width, p.bias ? 1.0f : p.scale);
       }
-      for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      for (int64_t r = rows; r < round_up(rows, kRowsHere); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere) {
         // the keys every row of the block sees, as one product; then each row's share of the
         // block's own diagonal, so no value past a row's last key is ever read for it (a zero
         // weight times a NaN would still be NaN)
         const int64_t before = std::min(offset + t0 + r0, p.W);
-        for (int64_t d0 = 0; d0 < dim; d0 += kCols)
-          block_product<kWide>(scores + r0 * ldk, ldk, values.data() + d0, ldv, before, sums.data() + r0 * ldv + d0, ldv);
-        for (int64_t r = r0; r < std::min(rows, r0 + kRows); ++r) {
+        block_rows<kWide>(scores + r0 * ldk, ldk, values.data(), ldv, before, sums.data() + r0 * ldv, ldv, ldv);
+        for (int64_t r = r0; r < std::min(rows, r0 + kRowsHere); ++r) {
           float* o = sums.data() + r * ldv;
           for (int64_t j = before; j <= p.last_key(offset, t0 + r); ++j) {
             const float w = scores[r * ldk + j];
