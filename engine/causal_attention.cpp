@@ -68,28 +68,36 @@ __attribute__((always_inline)) inline void block_rows(const float* a, int64_t ld
 }
 
 // softmax weights of one query row over its visible keys j <= last, in place on scale x scores,
-// zero from last + 1 to width (a multiple of kLanes); returns 1 / their sum
-inline float softmax_row(float* row, int64_t last, int64_t width, float scale) {
-  const int64_t visible = last + 1, full = visible / kLanes * kLanes;
-  Floats top = splat(-__builtin_inff());
-  for (int64_t j = 0; j < full; j += kLanes) {
-    const Floats x = load(row + j) * scale;
+// zero from last + 1 to width (a multiple of kLanes); returns 1 / their sum. kWide: built for
+// AVX-512, 16 lanes at a time; else 8 (Floats8: AVX2 turns a 16-lane select into scalar code)
+template <bool kWide>
+__attribute__((always_inline)) inline float softmax_row(float* row, int64_t last, int64_t width, float scale) {
+  using V = std::conditional_t<kWide, Floats, Floats8>;
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  const int64_t visible = last + 1, full = visible / lanes * lanes;
+  V top = V{} - __builtin_inff();
+  for (int64_t j = 0; j < full; j += lanes) {
+    V x;
+    std::memcpy(&x, row + j, sizeof x);
+    x *= scale;
     top = x > top ? x : top;
   }
   float m = top[0];
-  for (int w = 1; w < kLanes; ++w) m = std::max(m, top[w]);
+  for (int w = 1; w < lanes; ++w) m = std::max(m, top[w]);
   for (int64_t j = full; j < visible; ++j) m = std::max(m, row[j] * scale);
   for (int64_t j = visible; j < width; ++j) row[j] = -__builtin_inff();  // masked: exp gives 0 below
-  Floats total{};
-  for (int64_t j = 0; j < width; j += kLanes) {
-    const Floats x = load(row + j) * scale - m;
-    Floats p = exp_nonpositive(x);
-    p = x == splat(-__builtin_inff()) ? Floats{} : p;
-    store(row + j, p);
+  V total{};
+  for (int64_t j = 0; j < width; j += lanes) {
+    V x;
+    std::memcpy(&x, row + j, sizeof x);
+    x = x * scale - m;
+    V p = exp_nonpositive(x);
+    p = x == V{} - __builtin_inff() ? V{} : p;
+    std::memcpy(row + j, &p, sizeof p);
     total += p;
   }
   float sum = 0.0f;
-  for (int w = 0; w < kLanes; ++w) sum += total[w];
+  for (int w = 0; w < lanes; ++w) sum += total[w];
   return 1.0f / sum;
 }
 
@@ -194,7 +202,7 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t last = p.last_key(offset, t0 + r);
         if (p.bias) add_distance_bias(p, h, offset + t0 + r, scores + r * ldk, last + 1);
-        inverse[r] = softmax_row(scores + r * ldk, last, width, p.bias ? 1.0f : p.scale);
+        inverse[r] = softmax_row<kWide>(scores + r * ldk, last, width, p.bias ? 1.0f : p.scale);
       }
       for (int64_t r = rows; r < round_up(rows, kRowsHere); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere) {
@@ -382,7 +390,7 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
         }
         const int64_t t = (r0 + r) % real, visible = p.last_key(offset, t) + 1;
         if (p.bias) add_distance_bias(p, hk * group + (r0 + r) / real, offset + t, w, visible);
-        const float inverse = softmax_row(w, visible - 1, width, p.bias ? 1.0f : p.scale);
+        const float inverse = softmax_row<kZmm>(w, visible - 1, width, p.bias ? 1.0f : p.scale);
         for (int64_t j = 0; j < visible; ++j) w[j] = round_weights ? rounded<uint16_t>(w[j] * inverse) : w[j] * inverse;
       }
       // the values read where they lie (bfloat16 ones widened in registers as they load)
@@ -463,7 +471,7 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
       for (int64_t r = 0; r < rows; ++r) {
         float* row = w + r * ldw;
         const int64_t visible = p.last_key(pr.offset, r % pr.real) + 1;
-        const float inverse = softmax_row(row, visible - 1, width, p.scale);
+        const float inverse = softmax_row<kZmm>(row, visible - 1, width, p.scale);
         for (int64_t j = 0; j < visible; ++j) {
           row[j] = round_weights ? rounded<uint16_t>(row[j] * inverse) : row[j] * inverse;
         }
@@ -670,7 +678,7 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
         float* w = scores + r * ldk;
         const int64_t last = p.last_key(offset, t0 + r);
         if (p.bias) add_distance_bias(p, h, offset + t0 + r, w, last + 1);
-        const float inverse = softmax_row(w, last, width, p.bias ? 1.0f : p.scale);
+        const float inverse = softmax_row<true>(w, last, width, p.bias ? 1.0f : p.scale);
         uint32_t* wp = pairs.data() + r * ldp;
         for (int64_t j = 0; j < width; j += kLanes) store_bf16_pairs(wp + j / 2, load(w + j) * inverse);
       }

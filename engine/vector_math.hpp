@@ -120,12 +120,17 @@ inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLa
 // exp(x) for x <= 0, to about one float32 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // Taylor polynomial to degree 7 (error below 6e-9), 2^n from the exponent bits. Below -87 it
 // returns exp(-87) ~ 1.6e-38 in place of a subnormal: nothing a sum that holds 1 can tell.
-__attribute__((always_inline)) inline Floats exp_nonpositive(Floats x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const Floats round = splat(12582912.0f);  // 1.5 x 2^23: adding it rounds to an integer
-  const Floats n = (x * 1.44269504088896341f + round) - round;
-  const Floats r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  Floats p = splat(1.0f / 5040);
+// V: Floats, or Floats8 in code built for AVX2 (GCC turns the selects of a 16-lane vector into
+// one scalar comparison a lane there).
+template <typename V>
+__attribute__((always_inline)) inline V exp_nonpositive(V x) {
+  using Lanes = decltype(x < x);  // the signed integer vector of V's lanes
+  const V lowest = V{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const V round = V{} + 12582912.0f;  // 1.5 x 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + round) - round;
+  const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  V p = V{} + 1.0f / 5040;
   p = p * r + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
@@ -133,8 +138,8 @@ __attribute__((always_inline)) inline Floats exp_nonpositive(Floats x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-  return p * reinterpret_cast<Floats>(bits);
+  const Lanes bits = (__builtin_convertvector(n, Lanes) + 127) << 23;
+  return p * reinterpret_cast<V>(bits);
 }
 
 // x / (1 + exp(-x)) (SiLU) and 1 / (1 + exp(-x)) (the logistic sigmoid), through exp of -|x|;
