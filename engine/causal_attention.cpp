@@ -69,17 +69,15 @@ __attribute__((always_inline)) inline void block_rows(const float* a, int64_t ld
 
 // softmax weights of one query row over its visible keys j <= last, in place on scale x scores,
 // zero from last + 1 to width (a multiple of kLanes); returns 1 / their sum. kWide: built for
-// AVX-512, 16 lanes at a time; else 8 (Floats8: AVX2 turns a 16-lane select into scalar code)
+// AVX-512, 16 lanes at a time; else 8 (LaneVector)
 template <bool kWide>
 __attribute__((always_inline)) inline float softmax_row(float* row, int64_t last, int64_t width, float scale) {
-  using V = std::conditional_t<kWide, Floats, Floats8>;
+  using V = LaneVector<kWide>;
   constexpr int64_t lanes = sizeof(V) / sizeof(float);
   const int64_t visible = last + 1, full = visible / lanes * lanes;
   V top = V{} - __builtin_inff();
   for (int64_t j = 0; j < full; j += lanes) {
-    V x;
-    std::memcpy(&x, row + j, sizeof x);
-    x *= scale;
+    const V x = load_as<V>(row + j) * scale;
     top = x > top ? x : top;
   }
   float m = top[0];
@@ -88,12 +86,10 @@ __attribute__((always_inline)) inline float softmax_row(float* row, int64_t last
   for (int64_t j = visible; j < width; ++j) row[j] = -__builtin_inff();  // masked: exp gives 0 below
   V total{};
   for (int64_t j = 0; j < width; j += lanes) {
-    V x;
-    std::memcpy(&x, row + j, sizeof x);
-    x = x * scale - m;
+    const V x = load_as<V>(row + j) * scale - m;
     V p = exp_nonpositive(x);
     p = x == V{} - __builtin_inff() ? V{} : p;
-    std::memcpy(row + j, &p, sizeof p);
+    store_as(row + j, p);
     total += p;
   }
   float sum = 0.0f;
@@ -315,10 +311,47 @@ __attribute__((always_inline)) inline void few_row_scores(const float* q, int64_
   for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, n, w + r * ldw + k0);
 }
 
+// few_row_scores built for AVX2: the same products in vectors of 8 lanes (Floats8; 16-lane
+// accumulators would live in memory there), summed across their lanes by the 8-lane tree, 8 / R
+// keys a call (two for three rows): a row's bits again do not depend on R
+template <int R, typename K>
+__attribute__((always_inline)) inline void narrow_row_scores(const float* q, int64_t dim, const K* keys, int64_t ldk,
+                                                             int64_t m, float* w, int64_t ldw) {
+  constexpr int kKeys = 8 / R;
+  for (int64_t k0 = 0; k0 < m; k0 += kKeys) {
+    const K* block = keys + k0 * ldk;
+    const int n = static_cast<int>(std::min<int64_t>(kKeys, m - k0));
+    Floats8 acc[8] = {};  // indexed by constants only where the block is whole: held in registers
+    if (n == kKeys) {
+#pragma GCC unroll 8
+      for (int k = 0; k < kKeys; ++k)
+        for (int64_t d = 0; d < dim; d += 8) {
+          const Floats8 kd = load8(block + k * ldk + d);
+          for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load8(q + r * dim + d) * kd;
+        }
+    } else {
+      for (int k = 0; k < n; ++k)
+        for (int64_t d = 0; d < dim; d += 8)
+          for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load8(q + r * dim + d) * load8(block + k * ldk + d);
+    }
+    float sums[8];
+    store8(sums, lane_sums(acc));
+    for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, n, w + r * ldw + k0);
+  }
+}
+
 template <bool kZmm, typename K>
 __attribute__((always_inline)) inline void few_row_scores(int64_t rows, const float* q, int64_t dim,
                                                           const K* keys, int64_t ldk, int64_t m, float* w,
                                                           int64_t ldw) {
+  if constexpr (!kZmm) {
+    switch (rows) {
+      case 1: return narrow_row_scores<1>(q, dim, keys, ldk, m, w, ldw);
+      case 2: return narrow_row_scores<2>(q, dim, keys, ldk, m, w, ldw);
+      case 3: return narrow_row_scores<3>(q, dim, keys, ldk, m, w, ldw);
+      default: return narrow_row_scores<4>(q, dim, keys, ldk, m, w, ldw);
+    }
+  }
   switch (rows) {
     case 1: return few_row_scores<1, kZmm>(q, dim, keys, ldk, m, w, ldw);
     case 2: return few_row_scores<2, kZmm>(q, dim, keys, ldk, m, w, ldw);

@@ -77,20 +77,23 @@ __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch&
   }
   // the unit lower-triangular system's strict lower part, negated (-beta_i decay_ij k_i.k_j,
   // j < i), and the decayed query-key scores (j <= i); zero elsewhere
-  const Floats floor = splat(s.exp_floor), zero = splat(0.0f);
-  Ints lane;
-  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  using V = LaneVector<kWide>;
+  using Lanes = decltype(V{} < V{});
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  const V floor = V{} + s.exp_floor, zero{};
+  Lanes lane;
+  for (int j = 0; j < lanes; ++j) lane[j] = j;
   for (int64_t i = 0; i < n; ++i) {
-    const Floats gi = splat(w.cum[i]), bi = splat(-beta[i * s.Hv]);
-    for (int64_t j = 0; j < Cw; j += kLanes) {
-      Floats x = gi - load(w.cum.data() + j);
+    const V gi = V{} + w.cum[i], bi = V{} + -beta[i * s.Hv];
+    for (int64_t j = 0; j < Cw; j += lanes) {
+      V x = gi - load_as<V>(w.cum.data() + j);
       x = x < floor ? floor : x;
       x = x > zero ? zero : x;
-      const Floats decay = exp_nonpositive(x);
-      const Ints col = lane + static_cast<int32_t>(j);
-      const Ints row = Ints{} + static_cast<int32_t>(i);
-      store(w.system.data() + i * Cw + j, col < row ? bi * load(w.kk.data() + i * Cw + j) * decay : zero);
-      store(w.scores.data() + i * Cw + j, col <= row ? load(w.qk.data() + i * Cw + j) * decay : zero);
+      const V decay = exp_nonpositive(x);
+      const Lanes col = lane + static_cast<int32_t>(j);
+      const Lanes row = Lanes{} + static_cast<int32_t>(i);
+      store_as(w.system.data() + i * Cw + j, col < row ? bi * load_as<V>(w.kk.data() + i * Cw + j) * decay : zero);
+      store_as(w.scores.data() + i * Cw + j, col <= row ? load_as<V>(w.qk.data() + i * Cw + j) * decay : zero);
     }
   }
   // right-hand sides: beta_i (v_i - exp(G_i) M^T k_i); and exp(G_i) M^T q_i into the outputs

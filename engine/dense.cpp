@@ -42,17 +42,18 @@ struct Problem {
   GateActivation activation;
 };
 
-__attribute__((always_inline)) inline Floats activate(Floats g, GateActivation activation) {
+template <typename V>
+__attribute__((always_inline)) inline V activate(V g, GateActivation activation) {
   switch (activation) {
     case GateActivation::kSilu:
       return silu(g);
     case GateActivation::kGeluTanh: {
       // 0.5 g (1 + tanh(y)) = g sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3)
-      const Floats y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      const V y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
       return g * sigmoid(y + y);
     }
     default:
-      return g > splat(0.0f) ? g : splat(0.0f);
+      return g > V{} ? g : V{};
   }
 }
 
@@ -107,8 +108,9 @@ __attribute__((always_inline)) inline void run_units(const Units& u) {
     panel_product<kWide>(x, s.row_stride, panel, K, gate, kPanelColumns, rows);
     if (s.up_panels) {
       panel_product<kWide>(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows);
-      for (int64_t i = 0; i < rows * kPanelColumns; i += kLanes)
-        store(gate + i, activate(load(gate + i), s.activation) * load(up + i));
+      using V = LaneVector<kWide>;
+      for (int64_t i = 0; i < rows * kPanelColumns; i += sizeof(V) / sizeof(float))
+        store_as(gate + i, activate(load_as<V>(gate + i), s.activation) * load_as<V>(up + i));
     }
     for (int64_t r = 0; r < rows; ++r) std::copy(gate + r * kPanelColumns, gate + r * kPanelColumns + cols, out + r * s.N);
   }

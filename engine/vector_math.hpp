@@ -103,6 +103,20 @@ inline Floats lane_sums(const Floats (&v)[16]) {
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// lane_sums for 8 vectors of 8 lanes (code built for AVX2): lane i holds the sum of v[i]'s, by
+// the same tree for every vector (halves, then quarters, then pairs)
+inline Floats8 lane_sums(const Floats8 (&v)[8]) {
+  Floats8 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 inline Floats splat(float x) { return Floats{} + x; }
 
 // *p in every lane of a register, for FMAs that each read it: one broadcast, which the compiler
@@ -142,15 +156,37 @@ __attribute__((always_inline)) inline V exp_nonpositive(V x) {
   return p * reinterpret_cast<V>(bits);
 }
 
-// x / (1 + exp(-x)) (SiLU) and 1 / (1 + exp(-x)) (the logistic sigmoid), through exp of -|x|;
-// forced inline: left out of line, an AVX-512 clone's call went to a copy built for the baseline
-// ISA, its vector passed through memory
-__attribute__((always_inline)) inline Floats sigmoid(Floats x) {
-  const Floats e = exp_nonpositive(x < splat(0.0f) ? x : -x);
-  return (x < splat(0.0f) ? e : splat(1.0f)) / (1.0f + e);
+// x / (1 + exp(-x)) (SiLU) and 1 / (1 + exp(-x)) (the logistic sigmoid), through exp of -|x|,
+// on Floats or Floats8 (exp_nonpositive); forced inline: left out of line, an AVX-512 clone's call
+// went to a copy built for the baseline ISA, its vector passed through memory
+template <typename V>
+__attribute__((always_inline)) inline V sigmoid(V x) {
+  const V e = exp_nonpositive(x < V{} ? x : -x);
+  return (x < V{} ? e : V{} + 1.0f) / (1.0f + e);
 }
 
-__attribute__((always_inline)) inline Floats silu(Floats x) { return x * sigmoid(x); }
+template <typename V>
+__attribute__((always_inline)) inline V silu(V x) {
+  return x * sigmoid(x);
+}
+
+// A vector of V's lanes at p, and stored at p (V: Floats or Floats8)
+template <typename V>
+__attribute__((always_inline)) inline V load_as(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void store_as(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// The vector lane-wise code of a kernel built for AVX-512 (kWide) or for AVX2 takes: 16 lanes,
+// or 8 (on AVX2 GCC turns each comparison or select of a 16-lane vector into scalar code)
+template <bool kWide>
+using LaneVector = std::conditional_t<kWide, Floats, Floats8>;
 
 inline float to_float(float x) { return x; }
 
