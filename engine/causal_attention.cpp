@@ -335,7 +335,7 @@ __attribute__((always_inline)) inline void narrow_row_scores(const float* q, int
           for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load8(q + r * dim + d) * load8(block + k * ldk + d);
     }
     float sums[8];
-    store8(sums, lane_sums(acc));
+    store_as(sums, lane_sums(acc));
     for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, n, w + r * ldw + k0);
   }
 }

@@ -65,7 +65,7 @@ __attribute__((always_inline)) inline void narrow_tile(const float* a, int64_t l
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) store8(c + r * ldc + 8 * v, acc[r][v]);
+    for (int v = 0; v < 2; ++v) store_as(c + r * ldc + 8 * v, acc[r][v]);
 }
 
 // tile<R, vectors> for vectors <= kMaxV (1: the narrow blocks of product(), narrow_tile)

@@ -60,11 +60,20 @@ typedef float Floats8 __attribute__((vector_size(32)));
 typedef uint16_t Halves8 __attribute__((vector_size(16)));
 typedef uint32_t Words8 __attribute__((vector_size(32)));
 
-inline Floats8 load8(const float* p) {
-  Floats8 v;
+// A vector of V's lanes at p, and stored at p (V: Floats or Floats8)
+template <typename V>
+__attribute__((always_inline)) inline V load_as(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+template <typename V>
+__attribute__((always_inline)) inline void store_as(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+inline Floats8 load8(const float* p) { return load_as<Floats8>(p); }
 
 // 8 bfloat16 values (their bits) as float32 lanes
 inline Floats8 load8(const uint16_t* p) {
@@ -72,8 +81,6 @@ inline Floats8 load8(const uint16_t* p) {
   std::memcpy(&h, p, sizeof h);
   return reinterpret_cast<Floats8>(__builtin_convertvector(h, Words8) << 16);
 }
-
-inline void store8(float* p, Floats8 v) { std::memcpy(p, &v, sizeof v); }
 
 typedef uint16_t Halves __attribute__((vector_size(32)));
 typedef uint32_t Words __attribute__((vector_size(64)));
@@ -168,19 +175,6 @@ __attribute__((always_inline)) inline V sigmoid(V x) {
 template <typename V>
 __attribute__((always_inline)) inline V silu(V x) {
   return x * sigmoid(x);
-}
-
-// A vector of V's lanes at p, and stored at p (V: Floats or Floats8)
-template <typename V>
-__attribute__((always_inline)) inline V load_as(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename V>
-__attribute__((always_inline)) inline void store_as(float* p, V v) {
-  std::memcpy(p, &v, sizeof v);
 }
 
 // The vector lane-wise code of a kernel built for AVX-512 (kWide) or for AVX2 takes: 16 lanes,
