@@ -28,17 +28,17 @@ constexpr double kWeightBytesPerThread = 256 * 1024;
 
 // scores[q * kBlockKeys + j] = queries[q] . keys[j] for q < rows (a multiple of kQueries; the
 // queries zero past the real ones), j < n: a register block of kKeys keys by kQueries queries at a
-// time (16 accumulators, or 24 where an AVX-512 build's 32 registers hold them), each pair's
-// products summed over the lanes at the end (lane_sums, whose tree is the same for every vector:
-// a score's bits do not depend on the block). A last short block of keys repeats its last key
-// (its scores are never read). ahead: how far on the next block's keys lie (0: none), fetched
-// into L2 a line at a time as this block's are read. kZmm: built for AVX-512 (hold()).
-template <int kQueries, int kKeys, bool kZmm>
+// time (16 or 24 accumulators: built for AVX-512's 32 registers), each pair's products summed
+// over the lanes at the end (lane_sums, whose tree is the same for every vector: a score's bits
+// do not depend on the block). A last short block of keys repeats its last key (its scores are
+// never read). ahead: how far on the next block's keys lie (0: none), fetched into L2 a line at a
+// time as this block's are read.
+template <int kQueries, int kKeys>
 __attribute__((always_inline)) inline void block_scores(const float* queries, int64_t rows, const float* keys,
                                                         int64_t ldk, int64_t n, int64_t dim, float* scores,
                                                         int64_t ahead) {
   constexpr int kAcc = kKeys * kQueries;
-  static_assert(kAcc == kLanes || (kAcc == kLanes + kLanes / 2 && kZmm), "16 accumulators, or 24 on AVX-512");
+  static_assert(kAcc == kLanes || kAcc == kLanes + kLanes / 2, "16 or 24 accumulators");
   for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
     const float* key[kKeys];
     for (int k = 0; k < kKeys; ++k) key[k] = keys + std::min<int64_t>(k0 + k, n - 1) * ldk;
@@ -48,12 +48,12 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
         Floats q[kQueries];
         for (int i = 0; i < kQueries; ++i) {
           q[i] = load(queries + (q0 + i) * dim + d);
-          hold<kZmm>(q[i]);
+          hold<true>(q[i]);
         }
         for (int k = 0; k < kKeys; ++k) {
           if (ahead && q0 == 0) __builtin_prefetch(key[k] + d + ahead, 0, 2);
           Floats kv = load(key[k] + d);
-          hold<kZmm>(kv);
+          hold<true>(kv);
           for (int i = 0; i < kQueries; ++i) acc[k * kQueries + i] += kv * q[i];
         }
       }
@@ -66,36 +66,75 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
   }
 }
 
+// block_scores built for AVX2 (16 registers of 8 lanes): two queries by four keys a register
+// block, accumulators of 8 lanes (Floats8: 16-lane ones would live in memory there) summed across
+// their lanes by the 8-lane tree, the two queries held in registers for the four keys' products;
+// rows a multiple of two. A score's bits again do not depend on the block. (GCC reads each key
+// from L1 in both FMAs that take it: ten loads for eight FMAs; a hold in a register would need an
+// asm constraint the baseline build cannot meet, and gave no gain that the machine's noise let
+// us see.)
+__attribute__((always_inline)) inline void narrow_block_scores(const float* queries, int64_t rows, const float* keys,
+                                                               int64_t ldk, int64_t n, int64_t dim, float* scores,
+                                                               int64_t ahead) {
+  constexpr int kQueries = 2, kKeys = 4;
+  for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
+    const float* key[kKeys];
+    for (int k = 0; k < kKeys; ++k) key[k] = keys + std::min<int64_t>(k0 + k, n - 1) * ldk;
+    for (int64_t q0 = 0; q0 < rows; q0 += kQueries) {
+      Floats8 acc[kQueries * kKeys] = {};
+      for (int64_t d = 0; d < dim; d += 8) {
+        Floats8 q[kQueries];
+        for (int i = 0; i < kQueries; ++i) {
+          q[i] = load8(queries + (q0 + i) * dim + d);
+        }
+        for (int k = 0; k < kKeys; ++k) {
+          if (ahead && q0 == 0 && d % kLanes == 0) __builtin_prefetch(key[k] + d + ahead, 0, 2);
+          const Floats8 kv = load8(key[k] + d);
+          for (int i = 0; i < kQueries; ++i) acc[k * kQueries + i] += kv * q[i];
+        }
+      }
+      float sums[kQueries * kKeys];
+      store_as(sums, lane_sums(acc));
+      for (int k = 0; k < kKeys && k0 + k < n; ++k)
+        for (int i = 0; i < kQueries; ++i) scores[(q0 + i) * kBlockKeys + k0 + k] = sums[k * kQueries + i];
+    }
+  }
+}
+
 // The online softmax of a block's scores [rows][kBlockKeys] (n of them real) for each query row:
 // each turned into its weight against the row's running maximum top[r] (the block's past n set
 // to zero), the running total and the row's weighted sums [rows][dim] rescaled where the maximum
-// grows
+// grows. kWide: built for AVX-512, 16 lanes at a time; else 8 (LaneVector).
+template <bool kWide>
 __attribute__((always_inline)) inline void online_softmax(float* scores, int64_t rows, int64_t n, float scale,
                                                           float* top, float* total, float* sums, int64_t dim) {
+  using V = LaneVector<kWide>;
+  constexpr int kWidth = sizeof(V) / sizeof(float);
+  const V lowest = V{} - __builtin_inff();
   for (int64_t r = 0; r < rows; ++r) {
     float* w = scores + r * kBlockKeys;
     for (int64_t j = n; j < kBlockKeys; ++j) w[j] = -__builtin_inff();
-    Floats most = splat(-__builtin_inff());
-    for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
-      const Floats x = load(w + j) * scale;
+    V most = lowest;
+    for (int64_t j = 0; j < kBlockKeys; j += kWidth) {
+      const V x = load_as<V>(w + j) * scale;
       most = x > most ? x : most;
     }
     float m = top[r];
-    for (int i = 0; i < kLanes; ++i) m = std::max(m, most[i]);
+    for (int i = 0; i < kWidth; ++i) m = std::max(m, most[i]);
     if (m > top[r] && top[r] > -__builtin_inff()) {  // earlier weights were against a lower maximum
-      const float shrink = exp_nonpositive(splat(top[r] - m))[0];
+      const float shrink = exp_nonpositive(V{} + (top[r] - m))[0];
       total[r] *= shrink;
-      for (int64_t d = 0; d < dim; d += kLanes) store(sums + r * dim + d, load(sums + r * dim + d) * shrink);
+      for (int64_t d = 0; d < dim; d += kWidth) store_as(sums + r * dim + d, load_as<V>(sums + r * dim + d) * shrink);
     }
     top[r] = m;
-    Floats added{};
-    for (int64_t j = 0; j < kBlockKeys; j += kLanes) {
-      const Floats x = load(w + j) * scale - m;
-      const Floats p = x == splat(-__builtin_inff()) ? Floats{} : exp_nonpositive(x);
-      store(w + j, p);
+    V added{};
+    for (int64_t j = 0; j < kBlockKeys; j += kWidth) {
+      const V x = load_as<V>(w + j) * scale - m;
+      const V p = x == lowest ? V{} : exp_nonpositive(x);
+      store_as(w + j, p);
       added += p;
     }
-    for (int i = 0; i < kLanes; ++i) total[r] += added[i];
+    for (int i = 0; i < kWidth; ++i) total[r] += added[i];
   }
 }
 
@@ -117,8 +156,9 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
                                                         int64_t R, int64_t dim, float scale, float* queries,
                                                         float* sums, float* scores, float* block) {
   constexpr bool wide = std::is_same_v<T, float>;
-  // four queries a register block where they fill it, else two (six rows: no padded row)
-  const bool fours = rows % 4 == 0 || rows > 8;
+  // four queries a register block where they fill it, else two (six rows: no padded row); two
+  // in the AVX2 build (narrow_block_scores)
+  const bool fours = kZmm && (rows % 4 == 0 || rows > 8);
   const int64_t padded = fours ? (rows + 3) / 4 * 4 : (rows + 1) / 2 * 2;
   for (int64_t r = 0; r < padded; ++r) {
     for (int64_t d = 0; d < dim; d += kLanes)
@@ -146,14 +186,16 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     // a decoding step's six heads (Flan-T5-small's) against four float32 keys at a time, each key
     // read once for all six: every layer's cross-attention of 16 rows over 1,200 states 18.4-28.6
     // -> 14.6-25.8 ms; over bfloat16 states (converted into a buffer first) it was 2 % slower
-    if (kZmm && wide && padded == 6) {
-      if constexpr (kZmm && wide) block_scores<6, 4, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
+    if constexpr (!kZmm) {
+      narrow_block_scores(queries, padded, keys, ldk, n, dim, scores, ahead);
+    } else if (wide && padded == 6) {
+      if constexpr (wide) block_scores<6, 4>(queries, padded, keys, ldk, n, dim, scores, ahead);
     } else if (fours) {
-      block_scores<4, 4, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
+      block_scores<4, 4>(queries, padded, keys, ldk, n, dim, scores, ahead);
     } else {
-      block_scores<2, 8, kZmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
+      block_scores<2, 8>(queries, padded, keys, ldk, n, dim, scores, ahead);
     }
-    online_softmax(scores, rows, n, scale, top, total, sums, dim);
+    online_softmax<kZmm>(scores, rows, n, scale, top, total, sums, dim);
     // six rows a register block where the build has 32 registers: a decoding step's six heads
     // read the block's states once
     product<kZmm, false, float, kZmm ? 6 : kProductRows>(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
@@ -342,7 +384,7 @@ FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, 
     } else {
       block_scores_dot<4>(s.queries.data(), padded, keys, states.token, n, dim, s.scores.data(), ahead);
     }
-    online_softmax(s.scores.data(), rows, n, scale, top, total, s.sums.data(), dim);
+    online_softmax<true>(s.scores.data(), rows, n, scale, top, total, s.sums.data(), dim);
     weight_pairs(s.scores.data(), rows, padded, s.weights.data());
     pack_key_pairs(keys, states.token, n, dim, s.states.data());
     if (sixes) {
@@ -420,6 +462,30 @@ __attribute__((always_inline)) inline void map_query_block(const T* x, const T* 
     for (int v = 0; v < NV; ++v) store(q + ((b0 + r) * H * P + h * P + p) * dim + c0 + v * kLanes, acc[r][v]);
 }
 
+// map_query_block<1> built for AVX2: its accumulators as halves of 8 lanes (Floats8: eight
+// registers; 16-lane ones would live in memory there), the same sums
+template <typename T>
+__attribute__((always_inline)) inline void narrow_query_block(const T* x, const T* w, float* q, int64_t b0,
+                                                              int64_t rows, int64_t P, int64_t H, int64_t dk,
+                                                              int64_t dim, int64_t h, int64_t p, int64_t c0,
+                                                              const char* fetch) {
+  const T* xr[kMapRows];
+  for (int r = 0; r < kMapRows; ++r) xr[r] = x + ((std::min<int64_t>(b0 + r, b0 + rows - 1) * P + p) * H + h) * dk;
+  Floats8 acc[kMapRows][2] = {};
+  for (int64_t k = 0; k < dk; ++k) {
+    if (fetch) __builtin_prefetch(fetch + k * dim * sizeof(T), 0, 2);
+    const T* wk = w + (h * dk + k) * dim + c0;
+    const Floats8 w0 = load8(wk), w1 = load8(wk + 8);
+    for (int r = 0; r < kMapRows; ++r) {
+      const float a = to_float(xr[r][k]);
+      acc[r][0] += a * w0;
+      acc[r][1] += a * w1;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < 2; ++v) store_as(q + ((b0 + r) * H * P + h * P + p) * dim + c0 + 8 * v, acc[r][v]);
+}
+
 // The units [first, last) of a queries' map, each of its row blocks in turn: unit u is the head-
 // position pair u / slices (head h = pair / P, position p = pair % P) and its (u % slices)-th
 // kMapColumns columns from c0 (`wide` of them), and block(b0, rows, h, p, c0, wide, fetch) takes
@@ -446,19 +512,36 @@ __attribute__((always_inline)) inline void query_map_units(const W* w, int64_t d
   }
 }
 
+// A queries' map of T: the arguments of map_queries
 template <typename T>
-__attribute__((always_inline)) inline void map_queries(const T* x, const T* w, float* q, int64_t B, int64_t P,
-                                                       int64_t H, int64_t dk, int64_t dim, int64_t first,
-                                                       int64_t last) {
+struct QueryMap {
+  const T* x;
+  const T* w;
+  float* q;
+  int64_t B, P, H, dk, dim, first, last;
+};
+
+template <bool kZmm, typename T>
+__attribute__((always_inline)) inline void map_queries(const QueryMap<T>& m) {
+  const T* x = m.x;
+  const T* w = m.w;
+  float* q = m.q;
+  const int64_t P = m.P, H = m.H, dk = m.dk, dim = m.dim;
   // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
-  query_map_units(w, dk, B, P, H, dim, first, last,
+  query_map_units(w, dk, m.B, P, H, dim, m.first, m.last,
                   [&](int64_t b0, int64_t rows, int64_t h, int64_t p, int64_t c0, int64_t wide, const char* fetch)
                       __attribute__((always_inline)) {
-                        if (wide == kMapColumns) {
+                        if (kZmm && wide == kMapColumns) {
                           map_query_block<4>(x, w, q, b0, rows, P, H, dk, dim, h, p, c0, fetch);
-                        } else {
-                          for (int64_t c = c0; c < c0 + wide; c += kLanes)
-                            map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c, c == c0 ? fetch : nullptr);
+                          return;
+                        }
+                        for (int64_t c = c0; c < c0 + wide; c += kLanes) {
+                          const char* ahead = c == c0 ? fetch : nullptr;
+                          if constexpr (kZmm) {
+                            map_query_block<1>(x, w, q, b0, rows, P, H, dk, dim, h, p, c, ahead);
+                          } else {
+                            narrow_query_block(x, w, q, b0, rows, P, H, dk, dim, h, p, c, ahead);
+                          }
                         }
                       });
 }
@@ -500,52 +583,68 @@ __attribute__((always_inline)) inline void context_map_units(const C* ctx, const
   }
 }
 
-// contexts back to head space: out[b, p, h, k] = ctx[b, h * P + p, :] . w[h, k, :] for the unit's
-// four k, four rows by four k at a time, each pair's products summed over the lanes at the end
+// A contexts' map back to head space into T: the arguments of map_contexts
 template <typename T>
-__attribute__((always_inline)) inline void map_contexts(const float* ctx, const T* w, T* out, int64_t B, int64_t P,
-                                                        int64_t H, int64_t dk, int64_t dim, int64_t first,
-                                                        int64_t last) {
-  context_map_units(ctx, w, out, B, P, H, dk, dim, dim / kLanes, first, last,
+struct ContextMap {
+  const float* ctx;
+  const T* w;
+  T* out;
+  int64_t B, P, H, dk, dim, first, last;
+};
+
+// contexts back to head space: out[b, p, h, k] = ctx[b, h * P + p, :] . w[h, k, :] for the unit's
+// four k, four rows by four k at a time, each pair's products summed over the lanes at the end.
+// Built for AVX2 (not kZmm): in vectors of 8 lanes, two k at a time (eight accumulators, the four
+// rows' contexts held for both), summed by the 8-lane tree.
+template <bool kZmm, typename T>
+__attribute__((always_inline)) inline void map_contexts(const ContextMap<T>& m) {
+  const int64_t dim = m.dim;
+  context_map_units(m.ctx, m.w, m.out, m.B, m.P, m.H, m.dk, dim, dim / kLanes, m.first, m.last,
                     [&](const float* const* cr, const T* const* wr, const char* fetch, int64_t fetch_step,
                         float* sums) __attribute__((always_inline)) {
-                      Floats acc[kMapRows * kMapOutputs] = {};
-                      for (int64_t d = 0; d < dim; d += kLanes) {
-                        if (fetch) __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
-                        Floats c[kMapRows];
-                        for (int r = 0; r < kMapRows; ++r) c[r] = load(cr[r] + d);
-                        for (int k = 0; k < kMapOutputs; ++k) {
-                          const Floats wk = load_floats(wr[k] + d);
-                          for (int r = 0; r < kMapRows; ++r) acc[r * kMapOutputs + k] += c[r] * wk;
+                      if constexpr (kZmm) {
+                        Floats acc[kMapRows * kMapOutputs] = {};
+                        for (int64_t d = 0; d < dim; d += kLanes) {
+                          if (fetch) __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
+                          Floats c[kMapRows];
+                          for (int r = 0; r < kMapRows; ++r) c[r] = load(cr[r] + d);
+                          for (int k = 0; k < kMapOutputs; ++k) {
+                            const Floats wk = load_floats(wr[k] + d);
+                            for (int r = 0; r < kMapRows; ++r) acc[r * kMapOutputs + k] += c[r] * wk;
+                          }
+                        }
+                        store(sums, lane_sums(acc));
+                      } else {
+                        constexpr int kPair = 2;
+                        for (int k0 = 0; k0 < kMapOutputs; k0 += kPair) {
+                          Floats8 acc[kMapRows * kPair] = {};
+                          for (int64_t d = 0; d < dim; d += 8) {
+                            if (fetch && k0 == 0 && d % kLanes == 0)
+                              __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
+                            Floats8 c[kMapRows];
+                            for (int r = 0; r < kMapRows; ++r) c[r] = load8(cr[r] + d);
+                            for (int k = 0; k < kPair; ++k) {
+                              const Floats8 wk = load8(wr[k0 + k] + d);
+                              for (int r = 0; r < kMapRows; ++r) acc[r * kPair + k] += c[r] * wk;
+                            }
+                          }
+                          float pair[kMapRows * kPair];
+                          store_as(pair, lane_sums(acc));
+                          for (int r = 0; r < kMapRows; ++r)
+                            for (int k = 0; k < kPair; ++k) sums[r * kMapOutputs + k0 + k] = pair[r * kPair + k];
                         }
                       }
-                      store(sums, lane_sums(acc));
                     });
 }
 
-FASTJUDGE_CLONES
-void map_queries_f32(const float* x, const float* w, float* q, int64_t B, int64_t P, int64_t H, int64_t dk,
-                     int64_t dim, int64_t first, int64_t last) {
-  map_queries(x, w, q, B, P, H, dk, dim, first, last);
-}
-
-FASTJUDGE_CLONES
-void map_queries_bf16(const uint16_t* x, const uint16_t* w, float* q, int64_t B, int64_t P, int64_t H, int64_t dk,
-                      int64_t dim, int64_t first, int64_t last) {
-  map_queries(x, w, q, B, P, H, dk, dim, first, last);
-}
-
-FASTJUDGE_CLONES
-void map_contexts_f32(const float* ctx, const float* w, float* out, int64_t B, int64_t P, int64_t H, int64_t dk,
-                      int64_t dim, int64_t first, int64_t last) {
-  map_contexts(ctx, w, out, B, P, H, dk, dim, first, last);
-}
-
-FASTJUDGE_CLONES
-void map_contexts_bf16(const float* ctx, const uint16_t* w, uint16_t* out, int64_t B, int64_t P, int64_t H,
-                       int64_t dk, int64_t dim, int64_t first, int64_t last) {
-  map_contexts(ctx, w, out, B, P, H, dk, dim, first, last);
-}
+using QueryMapF32 = QueryMap<float>;
+using QueryMapBF16 = QueryMap<uint16_t>;
+using ContextMapF32 = ContextMap<float>;
+using ContextMapBF16 = ContextMap<uint16_t>;
+FASTJUDGE_VERSIONED(map_queries_f32, map_queries, QueryMapF32)
+FASTJUDGE_VERSIONED(map_queries_bf16, map_queries, QueryMapBF16)
+FASTJUDGE_VERSIONED(map_contexts_f32, map_contexts, ContextMapF32)
+FASTJUDGE_VERSIONED(map_contexts_bf16, map_contexts, ContextMapBF16)
 
 #ifdef FASTJUDGE_BF16_DOT
 // The maps on bfloat16 dot products (a bfloat16 model where bf16_dot_products(), d_kv even, dim
@@ -740,9 +839,9 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
   const int64_t map_workers = split.map_workers, group = split.group, units = split.units;
   parallel_ranges(R * ((dim + kMapColumns - 1) / kMapColumns), map_workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
-      map_queries_f32(xq, w_k, q, B, P, H, dk, dim, first, last);
+      map_queries_f32(QueryMapF32{xq, w_k, q, B, P, H, dk, dim, first, last});
     } else {
-      map_queries_bf16(xq, w_k, q, B, P, H, dk, dim, first, last);
+      map_queries_bf16(QueryMapBF16{xq, w_k, q, B, P, H, dk, dim, first, last});
     }
   });
   const StridedRows<float> queries{q, R * dim, dim, 0};
@@ -755,9 +854,9 @@ void reassociated_attention(const T* xq, const T* w_k, const T* w_v, const Strid
   });
   parallel_ranges(R * ((dk + kMapOutputs - 1) / kMapOutputs), map_workers, 1, [&](int64_t first, int64_t last) {
     if constexpr (wide) {
-      map_contexts_f32(ctx, w_v, out, B, P, H, dk, dim, first, last);
+      map_contexts_f32(ContextMapF32{ctx, w_v, out, B, P, H, dk, dim, first, last});
     } else {
-      map_contexts_bf16(ctx, w_v, out, B, P, H, dk, dim, first, last);
+      map_contexts_bf16(ContextMapBF16{ctx, w_v, out, B, P, H, dk, dim, first, last});
     }
   });
 }
