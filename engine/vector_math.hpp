@@ -215,17 +215,28 @@ inline float rounded(float x) {
 
 typedef uint32_t Bits __attribute__((vector_size(64)));
 
-// rounded() of 16 lanes at once: bfloat16's rounding on the bit patterns (a NaN stays a quiet NaN)
-template <typename T>
-inline Floats rounded(Floats x) {
+// rounded() of a vector's lanes at once (U: its unsigned lanes): bfloat16's rounding on the bit
+// patterns (a NaN stays a quiet NaN)
+template <typename T, typename U, typename V>
+__attribute__((always_inline)) inline V rounded_lanes(V x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    const Bits bits = reinterpret_cast<Bits>(x);
-    const Bits nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    const Bits quiet = (bits | 0x400000u) & 0xffff0000u;
-    return reinterpret_cast<Floats>((bits & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
+    const U bits = reinterpret_cast<U>(x);
+    const U nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const U quiet = (bits | 0x400000u) & 0xffff0000u;
+    return reinterpret_cast<V>((bits & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
   }
+}
+
+template <typename T>
+inline Floats rounded(Floats x) {
+  return rounded_lanes<T, Bits>(x);
+}
+
+template <typename T>
+inline Floats8 rounded(Floats8 x) {
+  return rounded_lanes<T, Words8>(x);
 }
 
 
@@ -243,6 +254,21 @@ __attribute__((always_inline)) inline void store_bf16_pairs(uint32_t* pairs, Flo
 // 16 values of T (float32, or bfloat16 bits) as float32 lanes
 inline Floats load_floats(const float* p) { return load(p); }
 inline Floats load_floats(const uint16_t* p) { return load_bf16(p); }
+
+// V's lanes (Floats or Floats8) of T values as float32
+template <typename V>
+__attribute__((always_inline)) inline V load_lanes(const float* p) {
+  return load_as<V>(p);
+}
+
+template <typename V>
+__attribute__((always_inline)) inline V load_lanes(const uint16_t* p) {
+  if constexpr (std::is_same_v<V, Floats>) {
+    return load_bf16(p);
+  } else {
+    return load8(p);
+  }
+}
 
 // 16 float32 lanes stored as T, each rounded once (bfloat16: to nearest even)
 inline void store_floats(float* p, Floats v) { store(p, v); }
