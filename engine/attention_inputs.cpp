@@ -15,19 +15,36 @@ namespace {
 constexpr int64_t kValuesPerThread = 1 << 16;
 
 // o <- o * sigmoid(g) over n values (a multiple of 16), the sigmoid rounded to T first (as
-// `o * torch.sigmoid(gate)`); four vectors at a time where n allows: their sigmoids' long chains (an exponential, a
-// division) overlap, where one vector at a time waits on each
-template <typename T>
+// `o * torch.sigmoid(gate)`); four vectors at a time where n allows: their sigmoids' long chains
+// (an exponential, a division) overlap, where one vector at a time waits on each. kWide: built
+// for AVX-512, 16 lanes a vector; else 8 (on AVX2 the sigmoid's selects of 16 lanes are scalar
+// code). Each value's arithmetic is the same either way.
+template <bool kWide, typename T>
 __attribute__((always_inline)) inline void gate_into(T* o, const T* g, int64_t n) {
+  using V = LaneVector<kWide>;
+  constexpr int64_t W = sizeof(V) / sizeof(float);
   int64_t i = 0;
-  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-    Floats y[4];
-    for (int u = 0; u < 4; ++u) {
-      y[u] = load_floats(o + i + u * kLanes) * rounded<T>(sigmoid(load_floats(g + i + u * kLanes)));
-    }
-    for (int u = 0; u < 4; ++u) store_floats(o + i + u * kLanes, y[u]);
+  for (; i + 4 * W <= n; i += 4 * W) {
+    V y[4];
+    for (int u = 0; u < 4; ++u)
+      y[u] = load_lanes<V>(o + i + u * W) * rounded<T>(sigmoid(load_lanes<V>(g + i + u * W)));
+    for (int u = 0; u < 4; ++u) store_lanes(o + i + u * W, y[u]);
   }
-  for (; i < n; i += kLanes) store_floats(o + i, load_floats(o + i) * rounded<T>(sigmoid(load_floats(g + i))));
+  for (; i < n; i += W) store_lanes(o + i, load_lanes<V>(o + i) * rounded<T>(sigmoid(load_lanes<V>(g + i))));
+}
+
+// The output gates of rows [first, last): row t's n values of o against its gates at g + t *
+// gate_stride (for the builds: FASTJUDGE_VERSIONED)
+template <typename T>
+struct GateRows {
+  T* o;
+  const T* g;
+  int64_t gate_stride, n, first, last;
+};
+
+template <bool kWide, typename T>
+__attribute__((always_inline)) inline void gate_rows(const GateRows<T>& a) {
+  for (int64_t t = a.first; t < a.last; ++t) gate_into<kWide>(a.o + t * a.n, a.g + t * a.gate_stride, a.n);
 }
 
 // Rotary embedding of `heads` rows of hd values from x into out (out != x): out = x * cos, then
@@ -55,9 +72,11 @@ __attribute__((always_inline)) inline void rotate_rows(const T* x, const T* cos,
   }
 }
 
-// The ISA clones, one per element type (target_clones does not take templates)
-FASTJUDGE_CLONES void gate_f32(float* o, const float* g, int64_t n) { gate_into(o, g, n); }
-FASTJUDGE_CLONES void gate_bf16(uint16_t* o, const uint16_t* g, int64_t n) { gate_into(o, g, n); }
+// The ISA builds, one per element type (target_clones does not take templates)
+using GateRowsF32 = GateRows<float>;
+using GateRowsBF16 = GateRows<uint16_t>;
+FASTJUDGE_VERSIONED(gate_f32, gate_rows, GateRowsF32)
+FASTJUDGE_VERSIONED(gate_bf16, gate_rows, GateRowsBF16)
 FASTJUDGE_CLONES void rotate_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads,
                                  int64_t hd, int64_t half) {
   rotate_rows(x, cos, sin, out, heads, hd, half);
@@ -67,8 +86,8 @@ FASTJUDGE_CLONES void rotate_bf16(const uint16_t* x, const uint16_t* cos, const 
   rotate_rows(x, cos, sin, out, heads, hd, half);
 }
 
-void gate(float* o, const float* g, int64_t n) { gate_f32(o, g, n); }
-void gate(uint16_t* o, const uint16_t* g, int64_t n) { gate_bf16(o, g, n); }
+void gate(const GateRows<float>& rows) { gate_f32(rows); }
+void gate(const GateRows<uint16_t>& rows) { gate_bf16(rows); }
 void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t hd, int64_t half) {
   rotate_f32(x, cos, sin, out, heads, hd, half);
 }
@@ -112,9 +131,8 @@ void all_inputs(const AttentionInputs<T>& in, int threads) {
 template <typename T>
 void all_gates(T* o, const T* g, int64_t gate_stride, int64_t N, int64_t n, int threads) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, N * n / kValuesPerThread));
-  parallel_ranges(N, workers, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) gate(o + t * n, g + t * gate_stride, n);
-  });
+  parallel_ranges(N, workers, 1,
+                  [&](int64_t first, int64_t last) { gate(GateRows<T>{o, g, gate_stride, n, first, last}); });
 }
 
 }  // namespace

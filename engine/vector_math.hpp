@@ -277,4 +277,20 @@ inline void store_floats(uint16_t* p, Floats v) {
   std::memcpy(p, &h, sizeof h);
 }
 
+// V's lanes (Floats or Floats8) stored as T, each rounded once (bfloat16: to nearest even)
+template <typename V>
+__attribute__((always_inline)) inline void store_lanes(float* p, V v) {
+  store_as(p, v);
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void store_lanes(uint16_t* p, V v) {
+  if constexpr (std::is_same_v<V, Floats>) {
+    store_floats(p, v);
+  } else {
+    const Halves8 h = __builtin_convertvector(reinterpret_cast<Words8>(rounded<uint16_t>(v)) >> 16, Halves8);
+    std::memcpy(p, &h, sizeof h);
+  }
+}
+
 }  // namespace fastjudge
