@@ -30,9 +30,19 @@
   __attribute__((target("avx512f"))) void name(const Args& a) { body<true>(a); }  \
   __attribute__((target("arch=x86-64-v3"))) void name(const Args& a) { body<false>(a); } \
   __attribute__((target("default"))) void name(const Args& a) { body<false>(a); }
+// FASTJUDGE_VERSIONED_YMM(name, body, Args): the same, with a second flag, kYmm, true in the
+// AVX-512 and AVX2 builds (body<true, true>, body<false, true>) and false in the baseline one
+// (body<false, false>): a body that keeps 8-lane vectors in registers (hold8()) needs to know
+// that its build has 256-bit registers.
+#define FASTJUDGE_VERSIONED_YMM(name, body, Args)                                          \
+  __attribute__((target("avx512f"))) void name(const Args& a) { body<true, true>(a); }       \
+  __attribute__((target("arch=x86-64-v3"))) void name(const Args& a) { body<false, true>(a); } \
+  __attribute__((target("default"))) void name(const Args& a) { body<false, false>(a); }
 #else
 #define FASTJUDGE_VERSIONED(name, body, Args) \
   void name(const Args& a) { body<false>(a); }
+#define FASTJUDGE_VERSIONED_YMM(name, body, Args) \
+  void name(const Args& a) { body<false, false>(a); }
 #endif
 
 namespace fastjudge {

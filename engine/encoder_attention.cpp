@@ -68,11 +68,10 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
 
 // block_scores built for AVX2 (16 registers of 8 lanes): two queries by four keys a register
 // block, accumulators of 8 lanes (Floats8: 16-lane ones would live in memory there) summed across
-// their lanes by the 8-lane tree, the two queries held in registers for the four keys' products;
-// rows a multiple of two. A score's bits again do not depend on the block. (GCC reads each key
-// from L1 in both FMAs that take it: ten loads for eight FMAs; a hold in a register would need an
-// asm constraint the baseline build cannot meet, and gave no gain that the machine's noise let
-// us see.)
+// their lanes by the 8-lane tree, the two queries and each key held in registers for the FMAs
+// that take them (kYmm: hold8); rows a multiple of two. A score's bits again do not depend on the
+// block.
+template <bool kYmm>
 __attribute__((always_inline)) inline void narrow_block_scores(const float* queries, int64_t rows, const float* keys,
                                                                int64_t ldk, int64_t n, int64_t dim, float* scores,
                                                                int64_t ahead) {
@@ -89,7 +88,8 @@ __attribute__((always_inline)) inline void narrow_block_scores(const float* quer
         }
         for (int k = 0; k < kKeys; ++k) {
           if (ahead && q0 == 0 && d % kLanes == 0) __builtin_prefetch(key[k] + d + ahead, 0, 2);
-          const Floats8 kv = load8(key[k] + d);
+          Floats8 kv = load8(key[k] + d);
+          hold8<kYmm>(kv);
           for (int i = 0; i < kQueries; ++i) acc[k * kQueries + i] += kv * q[i];
         }
       }
@@ -149,8 +149,9 @@ __attribute__((always_inline)) inline void write_group(const float* sums, const 
 }
 
 // One row's group of query rows [r0, r0 + rows) over its first `length` states (queries of type
-// Q, states T, outputs O: float32 or bfloat16 bits each).
-template <bool kZmm, typename Q, typename T, typename O>
+// Q, states T, outputs O: float32 or bfloat16 bits each). kZmm: built for AVX-512; kYmm: a build
+// with 256-bit registers (FASTJUDGE_VERSIONED_YMM).
+template <bool kZmm, bool kYmm, typename Q, typename T, typename O>
 __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& query, const StridedRows<T>& states,
                                                         int64_t length, O* out, int64_t b, int64_t r0, int64_t rows,
                                                         int64_t R, int64_t dim, float scale, float* queries,
@@ -187,7 +188,7 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     // read once for all six: every layer's cross-attention of 16 rows over 1,200 states 18.4-28.6
     // -> 14.6-25.8 ms; over bfloat16 states (converted into a buffer first) it was 2 % slower
     if constexpr (!kZmm) {
-      narrow_block_scores(queries, padded, keys, ldk, n, dim, scores, ahead);
+      narrow_block_scores<kYmm>(queries, padded, keys, ldk, n, dim, scores, ahead);
     } else if (wide && padded == 6) {
       if constexpr (wide) block_scores<6, 4>(queries, padded, keys, ldk, n, dim, scores, ahead);
     } else if (fours) {
@@ -220,7 +221,7 @@ struct Attend {
 
 // units [first, last) of `units`, in reverse order where asked (the last unit first): unit u is
 // row u / groups, its (u % groups)-th group of query rows
-template <bool kZmm, typename Q, typename T, typename O>
+template <bool kZmm, bool kYmm, typename Q, typename T, typename O>
 __attribute__((always_inline)) inline void attend_units(const Attend<Q, T, O>& a) {
   const int64_t groups = (a.R + a.group - 1) / a.group, dim = a.dim;
   const std::unique_ptr<float[]> queries(new float[kGroupRows * dim]), sums(new float[kGroupRows * dim]);
@@ -229,7 +230,7 @@ __attribute__((always_inline)) inline void attend_units(const Attend<Q, T, O>& a
   for (int64_t i = a.first; i < a.last; ++i) {
     const int64_t u = a.reverse ? a.units - 1 - i : i;
     const int64_t b = u / groups, r0 = (u % groups) * a.group;
-    attend_group<kZmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, dim,
+    attend_group<kZmm, kYmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, dim,
                        a.scale, queries.get(), sums.get(), scores.get(), block.get());
   }
 }
@@ -238,9 +239,9 @@ using AttendF32 = Attend<float, float, float>;
 // float32 queries and outputs over bfloat16 states (the fused cross-attention of a bfloat16 model)
 using AttendMixed = Attend<float, uint16_t, float>;
 using AttendBF16 = Attend<uint16_t, uint16_t, uint16_t>;
-FASTJUDGE_VERSIONED(attend_units_f32, attend_units, AttendF32)
-FASTJUDGE_VERSIONED(attend_units_mixed, attend_units, AttendMixed)
-FASTJUDGE_VERSIONED(attend_units_bf16, attend_units, AttendBF16)
+FASTJUDGE_VERSIONED_YMM(attend_units_f32, attend_units, AttendF32)
+FASTJUDGE_VERSIONED_YMM(attend_units_mixed, attend_units, AttendMixed)
+FASTJUDGE_VERSIONED_YMM(attend_units_bf16, attend_units, AttendBF16)
 
 #ifdef FASTJUDGE_BF16_DOT
 // Bfloat16 attention on CPUs with AVX512-BF16 (bf16_dot_products()): both products as bfloat16
