@@ -313,8 +313,11 @@ __attribute__((always_inline)) inline void few_row_scores(const float* q, int64_
 
 // few_row_scores built for AVX2: the same products in vectors of 8 lanes (Floats8; 16-lane
 // accumulators would live in memory there), summed across their lanes by the 8-lane tree, 8 / R
-// keys a call (two for three rows): a row's bits again do not depend on R
-template <int R, typename K>
+// keys a call (two for three rows): a row's bits again do not depend on R. A whole block takes
+// a vector of every key for each vector of the R queries, the queries held in registers for all
+// its keys' FMAs where the build has 256-bit registers (kYmm: hold8): R + 8 / R loads for 8
+// FMAs, where a key's dims in turn reloaded the queries for each (1 + R loads for R FMAs).
+template <int R, bool kYmm, typename K>
 __attribute__((always_inline)) inline void narrow_row_scores(const float* q, int64_t dim, const K* keys, int64_t ldk,
                                                              int64_t m, float* w, int64_t ldw) {
   constexpr int kKeys = 8 / R;
@@ -323,12 +326,18 @@ __attribute__((always_inline)) inline void narrow_row_scores(const float* q, int
     const int n = static_cast<int>(std::min<int64_t>(kKeys, m - k0));
     Floats8 acc[8] = {};  // indexed by constants only where the block is whole: held in registers
     if (n == kKeys) {
-#pragma GCC unroll 8
-      for (int k = 0; k < kKeys; ++k)
-        for (int64_t d = 0; d < dim; d += 8) {
-          const Floats8 kd = load8(block + k * ldk + d);
-          for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load8(q + r * dim + d) * kd;
+      for (int64_t d = 0; d < dim; d += 8) {
+        Floats8 qd[R];
+        for (int r = 0; r < R; ++r) {
+          Floats8 x = load8(q + r * dim + d);
+          hold8<kYmm>(x);
+          qd[r] = x;
         }
+        for (int k = 0; k < kKeys; ++k) {
+          const Floats8 kd = load8(block + k * ldk + d);
+          for (int r = 0; r < R; ++r) acc[r * kKeys + k] += qd[r] * kd;
+        }
+      }
     } else {
       for (int k = 0; k < n; ++k)
         for (int64_t d = 0; d < dim; d += 8)
@@ -340,16 +349,16 @@ __attribute__((always_inline)) inline void narrow_row_scores(const float* q, int
   }
 }
 
-template <bool kZmm, typename K>
+template <bool kZmm, bool kYmm, typename K>
 __attribute__((always_inline)) inline void few_row_scores(int64_t rows, const float* q, int64_t dim,
                                                           const K* keys, int64_t ldk, int64_t m, float* w,
                                                           int64_t ldw) {
   if constexpr (!kZmm) {
     switch (rows) {
-      case 1: return narrow_row_scores<1>(q, dim, keys, ldk, m, w, ldw);
-      case 2: return narrow_row_scores<2>(q, dim, keys, ldk, m, w, ldw);
-      case 3: return narrow_row_scores<3>(q, dim, keys, ldk, m, w, ldw);
-      default: return narrow_row_scores<4>(q, dim, keys, ldk, m, w, ldw);
+      case 1: return narrow_row_scores<1, kYmm>(q, dim, keys, ldk, m, w, ldw);
+      case 2: return narrow_row_scores<2, kYmm>(q, dim, keys, ldk, m, w, ldw);
+      case 3: return narrow_row_scores<3, kYmm>(q, dim, keys, ldk, m, w, ldw);
+      default: return narrow_row_scores<4, kYmm>(q, dim, keys, ldk, m, w, ldw);
     }
   }
   switch (rows) {
@@ -360,7 +369,7 @@ __attribute__((always_inline)) inline void few_row_scores(int64_t rows, const fl
   }
 }
 
-template <bool kZmm, typename T>
+template <bool kZmm, bool kYmm, typename T>
 __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem& p, const StridedRows<T>& query,
                                                             const StridedRows<T>& key, const StridedRows<T>& value,
                                                             T* out, bool round_weights, int64_t first, int64_t last) {
@@ -413,7 +422,8 @@ __attribute__((always_inline)) inline void attend_few_pairs(const CausalProblem&
           product<kZmm>(keys, ldk, sums.get(), kLanes, scores.get() + j0 * kLanes, kLanes, n, dim, kLanes, false);
           continue;
         }
-        few_row_scores<kZmm>(rows, queries.get(), dim, key.row(b, j0, hk), key.token, n, weights.get() + j0, ldw);
+        few_row_scores<kZmm, kYmm>(rows, queries.get(), dim, key.row(b, j0, hk), key.token, n, weights.get() + j0,
+                                   ldw);
       }
       const int64_t width = round_up(seen, kLanes);
       for (int64_t r = 0; r < rows; ++r) {
@@ -457,7 +467,7 @@ struct SharedUnit {
 // softmax runs over the row's whole score row as there, and each weighted sum adds its keys'
 // terms in increasing order (the shared blocks, then the row's own keys) as one product over
 // the row's own values would: every output has the bits attend_few_pairs gives it.
-template <bool kZmm, typename T>
+template <bool kZmm, bool kYmm, typename T>
 __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem& p, const StridedRows<T>& query,
                                                              const StridedRows<T>& key, const StridedRows<T>& value,
                                                              T* out, bool round_weights, const int64_t* order,
@@ -486,7 +496,7 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
       // kLaneSumRows: each key vector loaded once for all of them
       for (int64_t r0 = 0; r0 < base[rows_in];) {
         const int64_t rows = std::min(kLaneSumRows, base[rows_in] - r0);
-        few_row_scores<kZmm>(rows, queries.get() + r0 * dim, dim, key.row(from, j0, hk), key.token, n,
+        few_row_scores<kZmm, kYmm>(rows, queries.get() + r0 * dim, dim, key.row(from, j0, hk), key.token, n,
                              weights.get() + r0 * ldw + j0, ldw);
         r0 += rows;
       }
@@ -497,7 +507,7 @@ __attribute__((always_inline)) inline void attend_few_shared(const CausalProblem
       if (rows == 0) continue;
       float* w = weights.get() + base[i] * ldw;
       for (int64_t j0 = C; j0 < pr.seen; j0 += kBlockKeys) {
-        few_row_scores<kZmm>(rows, queries.get() + base[i] * dim, dim, key.row(pr.b, j0, hk), key.token,
+        few_row_scores<kZmm, kYmm>(rows, queries.get() + base[i] * dim, dim, key.row(pr.b, j0, hk), key.token,
                              std::min(kBlockKeys, pr.seen - j0), w + j0, ldw);
       }
       const int64_t width = round_up(pr.seen, kLanes);
@@ -581,7 +591,7 @@ inline std::vector<SharedUnit> shared_units(const CausalProblem& p, const std::v
   return units;
 }
 
-// the few-token kernels' arguments, for their builds (FASTJUDGE_VERSIONED): pairs [first, last)
+// the few-token kernels' arguments, for their builds (FASTJUDGE_VERSIONED_YMM): pairs [first, last)
 // (attend_few_pairs), or with order and units, SharedUnits [first, last) (attend_few_shared)
 template <typename T>
 struct FewPairs {
@@ -594,17 +604,18 @@ struct FewPairs {
   const SharedUnit* units = nullptr;
 };
 
-template <bool kZmm, typename T>
+template <bool kZmm, bool kYmm, typename T>
 __attribute__((always_inline)) inline void attend_few(const FewPairs<T>& a) {
   if (a.units) {
-    attend_few_shared<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.order, a.units, a.first, a.last);
+    attend_few_shared<kZmm, kYmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.order, a.units, a.first,
+                                  a.last);
   } else {
-    attend_few_pairs<kZmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.first, a.last);
+    attend_few_pairs<kZmm, kYmm>(a.p, a.query, a.key, a.value, a.out, a.round_weights, a.first, a.last);
   }
 }
 
-FASTJUDGE_VERSIONED(attend_few_f32, attend_few, FewPairs<float>)
-FASTJUDGE_VERSIONED(attend_few_bf16, attend_few, FewPairs<uint16_t>)
+FASTJUDGE_VERSIONED_YMM(attend_few_f32, attend_few, FewPairs<float>)
+FASTJUDGE_VERSIONED_YMM(attend_few_bf16, attend_few, FewPairs<uint16_t>)
 
 // the packing kernel's arguments, for its builds (FASTJUDGE_VERSIONED): pairs [first, last)
 template <typename T>

@@ -596,8 +596,8 @@ struct ContextMap {
 // contexts back to head space: out[b, p, h, k] = ctx[b, h * P + p, :] . w[h, k, :] for the unit's
 // four k, four rows by four k at a time, each pair's products summed over the lanes at the end.
 // Built for AVX2 (not kZmm): in vectors of 8 lanes, two k at a time (eight accumulators, the four
-// rows' contexts held for both), summed by the 8-lane tree.
-template <bool kZmm, typename T>
+// rows' contexts held in registers for both: kYmm), summed by the 8-lane tree.
+template <bool kZmm, bool kYmm, typename T>
 __attribute__((always_inline)) inline void map_contexts(const ContextMap<T>& m) {
   const int64_t dim = m.dim;
   context_map_units(m.ctx, m.w, m.out, m.B, m.P, m.H, m.dk, dim, dim / kLanes, m.first, m.last,
@@ -623,7 +623,11 @@ __attribute__((always_inline)) inline void map_contexts(const ContextMap<T>& m) 
                             if (fetch && k0 == 0 && d % kLanes == 0)
                               __builtin_prefetch(fetch + d / kLanes * fetch_step, 0, 2);
                             Floats8 c[kMapRows];
-                            for (int r = 0; r < kMapRows; ++r) c[r] = load8(cr[r] + d);
+                            for (int r = 0; r < kMapRows; ++r) {
+                              Floats8 x = load8(cr[r] + d);
+                              hold8<kYmm>(x);
+                              c[r] = x;
+                            }
                             for (int k = 0; k < kPair; ++k) {
                               const Floats8 wk = load8(wr[k0 + k] + d);
                               for (int r = 0; r < kMapRows; ++r) acc[r * kPair + k] += c[r] * wk;
@@ -644,8 +648,8 @@ using ContextMapF32 = ContextMap<float>;
 using ContextMapBF16 = ContextMap<uint16_t>;
 FASTJUDGE_VERSIONED(map_queries_f32, map_queries, QueryMapF32)
 FASTJUDGE_VERSIONED(map_queries_bf16, map_queries, QueryMapBF16)
-FASTJUDGE_VERSIONED(map_contexts_f32, map_contexts, ContextMapF32)
-FASTJUDGE_VERSIONED(map_contexts_bf16, map_contexts, ContextMapBF16)
+FASTJUDGE_VERSIONED_YMM(map_contexts_f32, map_contexts, ContextMapF32)
+FASTJUDGE_VERSIONED_YMM(map_contexts_bf16, map_contexts, ContextMapBF16)
 
 #ifdef FASTJUDGE_BF16_DOT
 // The maps on bfloat16 dot products (a bfloat16 model where bf16_dot_products(), d_kv even, dim

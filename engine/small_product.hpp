@@ -47,25 +47,56 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     for (int v = 0; v < NV; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-// tile<R, 1> built for AVX2: its accumulators as halves of 8 lanes (Floats8), 2 R registers
-template <int R, bool kFetch = false, typename TB = float>
+// tile<R, NH / 2> built for AVX2: its accumulators in NH vectors of 8 lanes a row (Floats8), R NH
+// registers (NH 2 for product's blocks of kNarrowRows rows, up to 8 for one or two rows)
+template <int R, bool kFetch = false, typename TB = float, int NH = 2>
 __attribute__((always_inline)) inline void narrow_tile(const float* a, int64_t lda, const TB* b, int64_t ldb, float* c,
                                                        int64_t ldc, int64_t depth, bool accumulate,
                                                        const char* fetch = nullptr, int64_t fetch_step = 0) {
-  Floats8 acc[R][2];
+  Floats8 acc[R][NH];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) acc[r][v] = accumulate ? load8(c + r * ldc + 8 * v) : Floats8{};
+    for (int v = 0; v < NH; ++v) acc[r][v] = accumulate ? load8(c + r * ldc + 8 * v) : Floats8{};
   for (int64_t k = 0; k < depth; ++k) {
     if constexpr (kFetch) __builtin_prefetch(fetch + k * fetch_step, 0, 2);
-    const Floats8 b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+    Floats8 bk[NH];
+    for (int v = 0; v < NH; ++v) bk[v] = load8(b + k * ldb + 8 * v);
     for (int r = 0; r < R; ++r) {
       const float ar = a[r * lda + k];
-      acc[r][0] += ar * b0;
-      acc[r][1] += ar * b1;
+      for (int v = 0; v < NH; ++v) acc[r][v] += ar * bk[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) store_as(c + r * ldc + 8 * v, acc[r][v]);
+    for (int v = 0; v < NH; ++v) store_as(c + r * ldc + 8 * v, acc[r][v]);
+}
+
+// product() of one or two rows built for AVX2, without fetching: blocks of 64 columns for one
+// row (8 accumulators), 32 for two, the last narrower: B's loads shared by fewer FMAs otherwise
+// (a 16-column block of one row loads two vectors of B for its two FMAs)
+template <typename TB>
+__attribute__((always_inline)) inline void narrow_few_rows(const float* A, int64_t lda, const TB* B, int64_t ldb,
+                                                           float* C, int64_t ldc, int64_t rows, int64_t depth,
+                                                           int64_t cols, bool accumulate) {
+  for (int64_t c0 = 0; c0 < cols;) {
+    const int64_t left = cols - c0;
+    if (rows == 1 && left >= 64) {
+      narrow_tile<1, false, TB, 8>(A, lda, B + c0, ldb, C + c0, ldc, depth, accumulate);
+      c0 += 64;
+    } else if (left >= 32) {
+      if (rows == 1) {
+        narrow_tile<1, false, TB, 4>(A, lda, B + c0, ldb, C + c0, ldc, depth, accumulate);
+      } else {
+        narrow_tile<2, false, TB, 4>(A, lda, B + c0, ldb, C + c0, ldc, depth, accumulate);
+      }
+      c0 += 32;
+    } else {
+      if (rows == 1) {
+        narrow_tile<1, false, TB>(A, lda, B + c0, ldb, C + c0, ldc, depth, accumulate);
+      } else {
+        narrow_tile<2, false, TB>(A, lda, B + c0, ldb, C + c0, ldc, depth, accumulate);
+      }
+      c0 += kLanes;
+    }
+  }
 }
 
 // tile<R, vectors> for vectors <= kMaxV (1: the narrow blocks of product(), narrow_tile)
@@ -93,7 +124,7 @@ __attribute__((always_inline)) inline void tile_columns(int vectors, const float
 // kNarrow (the default without kZmm): built for AVX2's sixteen 8-lane registers, where blocks of
 // four 16-lane vectors would need 32 registers for their accumulators alone and spill: blocks of
 // kNarrowRows rows by one vector (narrow_tile: 12 registers of accumulators, two of B, one
-// broadcast).
+// broadcast); one or two rows (without kFetch) in wider blocks (narrow_few_rows).
 // The blocking changes no sum's order: the bits are the same.
 template <bool kZmm = false, bool kFetch = false, typename TB = float, int kTileRows = kProductRows,
           bool kNarrow = !kZmm>
@@ -102,6 +133,9 @@ __attribute__((always_inline)) inline void product(const float* A, int64_t lda, 
                                                    bool accumulate, bool lower = false, const char* fetch = nullptr,
                                                    int64_t fetch_bytes = 0) {
   static_assert(kTileRows == kProductRows || (kTileRows == 6 && kZmm), "six-row blocks need 32 registers");
+  if constexpr (kNarrow && !kFetch) {
+    if (rows > 0 && rows <= 2 && !lower) return narrow_few_rows(A, lda, B, ldb, C, ldc, rows, depth, cols, accumulate);
+  }
   // a vector of 16 lanes takes two of the 16 registers of AVX2: blocks of one vector
   constexpr int kRowsHere = kNarrow ? kNarrowRows : kTileRows, kVectors = kNarrow ? 1 : kMaxVectors;
   int64_t fetch_step = 0;
