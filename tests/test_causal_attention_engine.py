@@ -208,7 +208,9 @@ def test_few_new_tokens_never_read_later_keys(dtype, S, bf16_form):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [2, 3, 4])
-@pytest.mark.parametrize("hd", [16, 64, 128])
+# 48 and 80: a block of 32 or 64 columns of the weighted values and a last one of 16 (one or two
+# query rows, AVX2 build)
+@pytest.mark.parametrize("hd", [16, 48, 64, 80, 128])
 def test_few_token_groups_give_each_query_its_own_bits(dtype, group, hd, bf16_form):
     """The few-token kernel scores a key head's group of queries together (each key read once for
     all of them, 16 / group keys a lane-sum): every query's output has the same bits as that
