@@ -68,9 +68,9 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
 
 // block_scores built for AVX2 (16 registers of 8 lanes): two queries by four keys a register
 // block, accumulators of 8 lanes (Floats8: 16-lane ones would live in memory there) summed across
-// their lanes by the 8-lane tree, the two queries and each key held in registers for the FMAs
-// that take them (kYmm: hold8); rows a multiple of two. A score's bits again do not depend on the
-// block.
+// their lanes by the 8-lane tree, the two queries (which GCC keeps in registers) and each key
+// (held there: kYmm, hold8) read once for the FMAs that take them; rows a multiple of two. A
+// score's bits again do not depend on the block.
 template <bool kYmm>
 __attribute__((always_inline)) inline void narrow_block_scores(const float* queries, int64_t rows, const float* keys,
                                                                int64_t ldk, int64_t n, int64_t dim, float* scores,
@@ -231,7 +231,7 @@ __attribute__((always_inline)) inline void attend_units(const Attend<Q, T, O>& a
     const int64_t u = a.reverse ? a.units - 1 - i : i;
     const int64_t b = u / groups, r0 = (u % groups) * a.group;
     attend_group<kZmm, kYmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, dim,
-                       a.scale, queries.get(), sums.get(), scores.get(), block.get());
+                             a.scale, queries.get(), sums.get(), scores.get(), block.get());
   }
 }
 
