@@ -22,7 +22,7 @@ constexpr int64_t kValuesPerThread = 1 << 16;
 template <bool kWide, typename T>
 __attribute__((always_inline)) inline void gate_into(T* o, const T* g, int64_t n) {
   using V = LaneVector<kWide>;
-  constexpr int64_t W = sizeof(V) / sizeof(float);
+  constexpr int64_t W = kLanesOf<V>;
   int64_t i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {
     V y[4];

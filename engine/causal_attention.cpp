@@ -73,7 +73,7 @@ __attribute__((always_inline)) inline void block_rows(const float* a, int64_t ld
 template <bool kWide>
 __attribute__((always_inline)) inline float softmax_row(float* row, int64_t last, int64_t width, float scale) {
   using V = LaneVector<kWide>;
-  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  constexpr int64_t lanes = kLanesOf<V>;
   const int64_t visible = last + 1, full = visible / lanes * lanes;
   V top = V{} - __builtin_inff();
   for (int64_t j = 0; j < full; j += lanes) {

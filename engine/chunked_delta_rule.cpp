@@ -79,7 +79,7 @@ __attribute__((always_inline)) inline void head_chunk(const Chunked& s, Scratch&
   // j < i), and the decayed query-key scores (j <= i); zero elsewhere
   using V = LaneVector<kWide>;
   using Lanes = decltype(V{} < V{});
-  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  constexpr int64_t lanes = kLanesOf<V>;
   const V floor = V{} + s.exp_floor, zero{};
   Lanes lane;
   for (int j = 0; j < lanes; ++j) lane[j] = j;

@@ -38,7 +38,7 @@ template <typename V, int NV>
 __attribute__((always_inline)) inline void update_columns(float* M, const float* q, const float* k, const float* v,
                                                           float decay, float beta, float* out, int64_t dk,
                                                           int64_t dv, int64_t j0) {
-  constexpr int W = sizeof(V) / sizeof(float);
+  constexpr int W = kLanesOf<V>;
   V read[NV] = {}, u[NV], sums[NV] = {};
   for (int64_t i = 0; i < dk; ++i) {  // forget, and read what the memory holds under k
     float* m = M + i * dv + j0;
@@ -72,7 +72,7 @@ __attribute__((always_inline)) inline void update_head(float* M, const float* q,
                                                        float decay, float beta, float* out, float* read, float* u,
                                                        int64_t dk, int64_t dv) {
   using V = LaneVector<kWide>;
-  constexpr int64_t W = sizeof(V) / sizeof(float);
+  constexpr int64_t W = kLanesOf<V>;
   if (dv % kLanes == 0) {
     int64_t j0 = 0;
     for (; j0 + 4 * W <= dv; j0 += 4 * W) update_columns<V, 4>(M, q, k, v, decay, beta, out, dk, dv, j0);
@@ -155,7 +155,7 @@ template <bool kWide, typename T>
 __attribute__((always_inline)) inline void gated_rms_norm(float* core, const T* z, const float* weight, float eps,
                                                           int64_t dv, int64_t dvp, float* gate, T* o) {
   using V = LaneVector<kWide>;
-  constexpr int W = sizeof(V) / sizeof(float), kParts = kLanes / W;
+  constexpr int W = kLanesOf<V>, kParts = kLanes / W;
   V squares[kParts] = {};
   for (int64_t j = 0; j < dvp; j += kLanes) {
     for (int h = 0; h < kParts; ++h) {
@@ -200,7 +200,7 @@ struct StepRows {
 template <bool kWide, typename T>
 __attribute__((always_inline)) inline void deltanet_rows(const StepRows<T>& a) {
   using V = LaneVector<kWide>;
-  constexpr int64_t W = sizeof(V) / sizeof(float);
+  constexpr int64_t W = kLanesOf<V>;
   const DeltaNetStep& s = a.s;
   const T* projected = a.projected;
   const int64_t S = s.S, K = s.K, Hk = s.Hk, Hv = s.Hv, dk = s.dk, dv = s.dv, G = Hv / Hk;
@@ -303,7 +303,7 @@ struct ConvTokens {
 template <bool kWide, typename T>
 __attribute__((always_inline)) inline void conv_tokens(const ConvTokens<T>& a) {
   using V = LaneVector<kWide>;
-  constexpr int64_t W = sizeof(V) / sizeof(float);
+  constexpr int64_t W = kLanesOf<V>;
   const DeltaNetStep& s = a.s;
   const int64_t S = s.S, K = s.K, Hv = s.Hv, C = 2 * s.Hk * s.dk + Hv * s.dv, width = C + Hv * s.dv + 2 * Hv;
   const int64_t Cp = whole_vectors(C);

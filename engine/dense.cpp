@@ -109,7 +109,7 @@ __attribute__((always_inline)) inline void run_units(const Units& u) {
     if (s.up_panels) {
       panel_product<kWide>(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows);
       using V = LaneVector<kWide>;
-      for (int64_t i = 0; i < rows * kPanelColumns; i += sizeof(V) / sizeof(float))
+      for (int64_t i = 0; i < rows * kPanelColumns; i += kLanesOf<V>)
         store_as(gate + i, activate(load_as<V>(gate + i), s.activation) * load_as<V>(up + i));
     }
     for (int64_t r = 0; r < rows; ++r) std::copy(gate + r * kPanelColumns, gate + r * kPanelColumns + cols, out + r * s.N);

@@ -109,7 +109,7 @@ template <bool kWide>
 __attribute__((always_inline)) inline void online_softmax(float* scores, int64_t rows, int64_t n, float scale,
                                                           float* top, float* total, float* sums, int64_t dim) {
   using V = LaneVector<kWide>;
-  constexpr int kWidth = sizeof(V) / sizeof(float);
+  constexpr int kWidth = kLanesOf<V>;
   const V lowest = V{} - __builtin_inff();
   for (int64_t r = 0; r < rows; ++r) {
     float* w = scores + r * kBlockKeys;

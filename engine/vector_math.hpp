@@ -133,8 +133,6 @@ inline Floats8 lane_sums(const Floats8 (&v)[8]) {
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-inline Floats splat(float x) { return Floats{} + x; }
-
 // *p in every lane of a register, for FMAs that each read it: one broadcast, which the compiler
 // can neither fold into each FMA (a load apiece) nor build lane by lane. Only in bodies built for
 // AVX-512.
@@ -190,6 +188,10 @@ __attribute__((always_inline)) inline V silu(V x) {
 // or 8 (on AVX2 GCC turns each comparison or select of a 16-lane vector into scalar code)
 template <bool kWide>
 using LaneVector = std::conditional_t<kWide, Floats, Floats8>;
+
+// The float32 lanes of a vector type V (Floats: 16, Floats8: 8)
+template <typename V>
+constexpr int64_t kLanesOf = sizeof(V) / sizeof(float);
 
 inline float to_float(float x) { return x; }
 
