@@ -66,38 +66,59 @@ __attribute__((always_inline)) inline void block_scores(const float* queries, in
   }
 }
 
-// block_scores built for AVX2 (16 registers of 8 lanes): two queries by four keys a register
-// block, accumulators of 8 lanes (Floats8: 16-lane ones would live in memory there) summed across
-// their lanes by the 8-lane tree, the two queries (which GCC keeps in registers) and each key
-// (held there: kYmm, hold8) read once for the FMAs that take them; rows a multiple of two. A
-// score's bits again do not depend on the block.
+// One register block of narrow_block_scores: queries [q0, q0 + kQueries) by the keys key[0,
+// kKeys), 8-lane accumulators (kQueries * kKeys <= 12) summed across their lanes by the 8-lane
+// tree; each vector read once for all the FMAs that take it: the one held across the block's
+// loads (kYmm, hold8) where GCC would fold it into each FMA, a load apiece.
+template <int kQueries, int kKeys, bool kYmm>
+__attribute__((always_inline)) inline void narrow_scores_block(const float* queries, const float* const* key,
+                                                               int64_t q0, int64_t k0, int64_t n, int64_t dim,
+                                                               float* scores, int64_t ahead) {
+  constexpr int kAcc = kQueries * kKeys;
+  static_assert(kAcc <= 12, "12 accumulators, with the vectors they take, fill AVX2's 16 registers");
+  Floats8 acc[16] = {};  // the first kAcc used; the rest zero for the second lane_sums
+  for (int64_t d = 0; d < dim; d += 8) {
+    Floats8 k[kKeys];
+    for (int j = 0; j < kKeys; ++j) {
+      if (ahead && q0 == 0 && d % kLanes == 0) __builtin_prefetch(key[j] + d + ahead, 0, 2);
+      Floats8 kj = load8(key[j] + d);
+      hold8<kYmm>(kj);  // held as a temporary: held in the array, it went through the stack
+      k[j] = kj;
+    }
+    for (int i = 0; i < kQueries; ++i) {
+      Floats8 q = load8(queries + (q0 + i) * dim + d);
+      if constexpr (kKeys > 1) hold8<kYmm>(q);
+      for (int j = 0; j < kKeys; ++j) acc[j * kQueries + i] += q * k[j];
+    }
+  }
+  float sums[16];
+  store_as(sums, lane_sums(*reinterpret_cast<const Floats8(*)[8]>(acc)));
+  if constexpr (kAcc > 8) store_as(sums + 8, lane_sums(*reinterpret_cast<const Floats8(*)[8]>(acc + 8)));
+  for (int j = 0; j < kKeys && k0 + j < n; ++j)
+    for (int i = 0; i < kQueries; ++i) scores[(q0 + i) * kBlockKeys + k0 + j] = sums[j * kQueries + i];
+}
+
+// block_scores built for AVX2 (16 registers of 8 lanes): six queries by two keys a register
+// block (12 accumulators: enough FMAs in flight to cover their latency, and the keys read once
+// for six queries; Flan-T5-small's six heads of a decoding step take one), the rows past the
+// last six two by four (8 accumulators); rows a multiple of two. A score's bits do not depend on
+// the block (every sum over d in the same order, the same lane tree).
 template <bool kYmm>
 __attribute__((always_inline)) inline void narrow_block_scores(const float* queries, int64_t rows, const float* keys,
                                                                int64_t ldk, int64_t n, int64_t dim, float* scores,
                                                                int64_t ahead) {
-  constexpr int kQueries = 2, kKeys = 4;
-  for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
-    const float* key[kKeys];
-    for (int k = 0; k < kKeys; ++k) key[k] = keys + std::min<int64_t>(k0 + k, n - 1) * ldk;
-    for (int64_t q0 = 0; q0 < rows; q0 += kQueries) {
-      Floats8 acc[kQueries * kKeys] = {};
-      for (int64_t d = 0; d < dim; d += 8) {
-        Floats8 q[kQueries];
-        for (int i = 0; i < kQueries; ++i) {
-          q[i] = load8(queries + (q0 + i) * dim + d);
-        }
-        for (int k = 0; k < kKeys; ++k) {
-          if (ahead && q0 == 0 && d % kLanes == 0) __builtin_prefetch(key[k] + d + ahead, 0, 2);
-          Floats8 kv = load8(key[k] + d);
-          hold8<kYmm>(kv);
-          for (int i = 0; i < kQueries; ++i) acc[k * kQueries + i] += kv * q[i];
-        }
-      }
-      float sums[kQueries * kKeys];
-      store_as(sums, lane_sums(acc));
-      for (int k = 0; k < kKeys && k0 + k < n; ++k)
-        for (int i = 0; i < kQueries; ++i) scores[(q0 + i) * kBlockKeys + k0 + k] = sums[k * kQueries + i];
-    }
+  const int64_t sixes = rows / 6 * 6;
+  for (int64_t k0 = 0; k0 < n; k0 += 2) {
+    const float* key[2] = {keys + k0 * ldk, keys + std::min<int64_t>(k0 + 1, n - 1) * ldk};
+    for (int64_t q0 = 0; q0 < sixes; q0 += 6)
+      narrow_scores_block<6, 2, kYmm>(queries, key, q0, k0, n, dim, scores, ahead);
+  }
+  if (sixes == rows) return;
+  for (int64_t k0 = 0; k0 < n; k0 += 4) {
+    const float* key[4];
+    for (int j = 0; j < 4; ++j) key[j] = keys + std::min<int64_t>(k0 + j, n - 1) * ldk;
+    for (int64_t q0 = sixes; q0 < rows; q0 += 2)
+      narrow_scores_block<2, 4, kYmm>(queries, key, q0, k0, n, dim, scores, sixes ? 0 : ahead);
   }
 }
 
