@@ -29,12 +29,15 @@ constexpr double kKeyBytesPerThread = 256 * 1024;
 
 inline int64_t round_up(int64_t n, int64_t step) { return (n + step - 1) / step * step; }
 
-// c[r][w] = sum over k < depth of a[r * lda + k] * b[k * ldb + w] for r < kRows, w < kCols, in
-// increasing k: the query-key scores (a = queries, b = keys transposed) and the weighted values
+// c[r][w] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + w] for r < kRows, w < kCols,
+// in increasing k: the query-key scores (a = queries, b = keys transposed) and the weighted values
 // (a = softmax weights, b = values) alike
 __attribute__((always_inline)) inline void block_product(const float* a, int64_t lda, const float* b, int64_t ldb,
-                                                         int64_t depth, float* c, int64_t ldc) {
+                                                         int64_t depth, float* c, int64_t ldc, bool accumulate) {
   Floats acc[kRows][2] = {};
+  if (accumulate) {
+    for (int r = 0; r < kRows; ++r) acc[r][0] = load(c + r * ldc), acc[r][1] = load(c + r * ldc + kLanes);
+  }
   for (int64_t k = 0; k < depth; ++k) {
     const Floats b0 = load(b + k * ldb), b1 = load(b + k * ldb + kLanes);
     for (int r = 0; r < kRows; ++r) {
@@ -55,17 +58,26 @@ __attribute__((always_inline)) inline void block_product(const float* a, int64_t
 template <bool kWide>
 constexpr int64_t kBlockRows = kWide ? kRows : kNarrowRows;
 
-// c[r][0 .. cols) (cols a multiple of kCols) for r < kBlockRows<kWide>, as block_product: the
-// same sums in the same order whichever blocks compute them
+// c[r][0 .. cols) (= or +=; cols a multiple of kCols) for r < kBlockRows<kWide>, as
+// block_product: the same sums in the same order whichever blocks compute them
 template <bool kWide>
 __attribute__((always_inline)) inline void block_rows(const float* a, int64_t lda, const float* b, int64_t ldb,
-                                                      int64_t depth, float* c, int64_t ldc, int64_t cols) {
+                                                      int64_t depth, float* c, int64_t ldc, int64_t cols,
+                                                      bool accumulate = false) {
   if constexpr (kWide) {
-    for (int64_t j0 = 0; j0 < cols; j0 += kCols) block_product(a, lda, b + j0, ldb, depth, c + j0, ldc);
+    for (int64_t j0 = 0; j0 < cols; j0 += kCols) block_product(a, lda, b + j0, ldb, depth, c + j0, ldc, accumulate);
   } else {
-    product<false, false, float, kProductRows, true>(a, lda, b, ldb, c, ldc, kNarrowRows, depth, cols, false);
+    product<false, false, float, kProductRows, true>(a, lda, b, ldb, c, ldc, kNarrowRows, depth, cols, accumulate);
   }
 }
+
+// A tile's products go chunk by chunk, kChunk keys at a time (a chunk of the keys' columns for
+// the scores, of the values' rows for the weighted sum), each chunk for every block of the tile's
+// rows in turn: the second block finds in L1 the lines the first read (16 KiB of a 64-dim head),
+// where a block over all the keys read each of them from L2 again, and the keys are packed a
+// chunk's columns together, so a block's steps stay within four pages (keys transposed over the
+// whole prompt put each step on its own page: 64 of them for a block, more than the L1 TLB held).
+constexpr int64_t kChunk = 64;
 
 // softmax weights of one query row over its visible keys j <= last, in place on scale x scores,
 // zero from last + 1 to width (a multiple of kLanes); returns 1 / their sum. kWide: built for
@@ -164,12 +176,13 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
                                                         T* out, int64_t first, int64_t last, PairOrder in) {
   const int64_t S = p.S, dim = p.dim;
   constexpr int64_t kRowsHere = kBlockRows<kWide>, kTileHere = 2 * kRowsHere;
-  // keys transposed [dim][ldk], ldk an odd number of register blocks: rows a multiple of 256
-  // bytes apart would fall into a few cache sets as the product walks down them
+  // keys transposed in chunks of kChunk columns, [W / kChunk][dim][kChunk]; the scores
+  // [rows][ldk], ldk an odd number of register blocks (rows a multiple of 256 bytes apart fall
+  // into a few cache sets)
   int64_t ldk = round_up(p.W, kCols);
   if ((ldk / kCols) % 2 == 0) ldk += kCols;
   const int64_t ldv = round_up(dim, kCols);  // values [W][ldv], zero past dim
-  std::vector<float> keys(static_cast<std::size_t>(dim * ldk), 0.0f);
+  std::vector<float> keys(static_cast<std::size_t>(round_up(p.W, kChunk) * dim), 0.0f);
   std::vector<float> values(static_cast<std::size_t>(p.W * ldv), 0.0f);
   std::vector<float> queries(static_cast<std::size_t>(kTileHere * dim), 0.0f);
   std::vector<float> weights(static_cast<std::size_t>(kTileHere * ldk), 0.0f);
@@ -180,7 +193,8 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
     for (int64_t j = from; j < pr.seen; ++j) {
       const T* k = key.row(b, j, hk);
       const T* v = value.row(b, j, hk);
-      for (int64_t d = 0; d < dim; ++d) keys[d * ldk + j] = to_float(k[d]);
+      float* column = keys.data() + j / kChunk * kChunk * dim + j % kChunk;
+      for (int64_t d = 0; d < dim; ++d) column[d * kChunk] = to_float(k[d]);
       for (int64_t d = 0; d < dim; ++d) values[j * ldv + d] = to_float(v[d]);
     }
     in.packed(p, pr, from);
@@ -192,8 +206,10 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
         for (int64_t d = 0; d < dim; ++d) queries[r * dim + d] = to_float(q[d]);
       }
       float* scores = weights.data();
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere)
-        block_rows<kWide>(queries.data() + r0 * dim, dim, keys.data(), ldk, dim, scores + r0 * ldk, ldk, width);
+      for (int64_t c0 = 0; c0 < width; c0 += kChunk)
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere)
+          block_rows<kWide>(queries.data() + r0 * dim, dim, keys.data() + c0 * dim, kChunk, dim, scores + r0 * ldk + c0,
+                            ldk, std::min(kChunk, width - c0));
       float inverse[kTileHere];
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t last = p.last_key(offset, t0 + r);
@@ -201,15 +217,24 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
         inverse[r] = softmax_row<kWide>(scores + r * ldk, last, width, p.bias ? 1.0f : p.scale);
       }
       for (int64_t r = rows; r < round_up(rows, kRowsHere); ++r) std::fill(scores + r * ldk, scores + r * ldk + width, 0.0f);
+      // each block's rows: the keys every row of the block sees, as one product (its sums go on
+      // from chunk to chunk); then each row's share of the block's own diagonal, so no value
+      // past a row's last key is ever read for it (a zero weight times a NaN would still be NaN)
+      auto before = [&](int64_t r0) { return std::min(offset + t0 + r0, p.W); };
+      const int64_t seen = before(round_up(rows, kRowsHere) - kRowsHere);  // the last block's
+      for (int64_t k0 = 0; k0 == 0 || k0 < seen; k0 += kChunk) {
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere) {
+          const int64_t depth = std::min(kChunk, before(r0) - k0);
+          if (k0 == 0 || depth > 0)  // (every block's sums are written once, as zeros where it sees no key)
+            block_rows<kWide>(scores + r0 * ldk + k0, ldk, values.data() + k0 * ldv, ldv, std::max<int64_t>(depth, 0),
+                              sums.data() + r0 * ldv, ldv, ldv, k0 > 0);
+        }
+      }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere) {
-        // the keys every row of the block sees, as one product; then each row's share of the
-        // block's own diagonal, so no value past a row's last key is ever read for it (a zero
-        // weight times a NaN would still be NaN)
-        const int64_t before = std::min(offset + t0 + r0, p.W);
-        block_rows<kWide>(scores + r0 * ldk, ldk, values.data(), ldv, before, sums.data() + r0 * ldv, ldv, ldv);
+        const int64_t before_block = before(r0);
         for (int64_t r = r0; r < std::min(rows, r0 + kRowsHere); ++r) {
           float* o = sums.data() + r * ldv;
-          for (int64_t j = before; j <= p.last_key(offset, t0 + r); ++j) {
+          for (int64_t j = before_block; j <= p.last_key(offset, t0 + r); ++j) {
             const float w = scores[r * ldk + j];
             const float* vj = values.data() + j * ldv;
             for (int64_t d = 0; d < ldv; ++d) o[d] += w * vj[d];
