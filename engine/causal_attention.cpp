@@ -78,6 +78,8 @@ __attribute__((always_inline)) inline void block_rows(const float* a, int64_t ld
 // chunk's columns together, so a block's steps stay within four pages (keys transposed over the
 // whole prompt put each step on its own page: 64 of them for a block, more than the L1 TLB held).
 constexpr int64_t kChunk = 64;
+// Keys (and values) ahead of the one being packed whose rows are fetched meanwhile
+constexpr int64_t kPackAhead = 8;
 
 // softmax weights of one query row over its visible keys j <= last, in place on scale x scores,
 // zero from last + 1 to width (a multiple of kLanes); returns 1 / their sum. kWide: built for
@@ -199,6 +201,14 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
     for (int64_t j = from; j < pr.seen; ++j) {
       const T* k = key.row(b, j, hk);
       const T* v = value.row(b, j, hk);
+      if (j + kPackAhead < pr.seen) {  // rows far apart: the hardware's stream would not fetch them
+        const char* k_ahead = reinterpret_cast<const char*>(key.row(b, j + kPackAhead, hk));
+        const char* v_ahead = reinterpret_cast<const char*>(value.row(b, j + kPackAhead, hk));
+        for (int64_t at = 0; at < dim * int64_t(sizeof(T)); at += 64) {
+          __builtin_prefetch(k_ahead + at);
+          __builtin_prefetch(v_ahead + at);
+        }
+      }
       float* column = keys.data() + j / kChunk * kChunk * dim + j % kChunk;
       for (int64_t d = 0; d < dim; ++d) column[d * kChunk] = to_float(k[d]);
       for (int64_t d = 0; d < dim; ++d) values[j * ldv + d] = to_float(v[d]);
