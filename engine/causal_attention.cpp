@@ -237,8 +237,8 @@ __attribute__((always_inline)) inline void attend_pairs(const CausalProblem& p, 
       // from chunk to chunk); then each row's share of the block's own diagonal, so no value
       // past a row's last key is ever read for it (a zero weight times a NaN would still be NaN)
       auto before = [&](int64_t r0) { return std::min(offset + t0 + r0, p.W); };
-      const int64_t seen = before(round_up(rows, kRowsHere) - kRowsHere);  // the last block's
-      for (int64_t k0 = 0; k0 == 0 || k0 < seen; k0 += kChunk) {
+      const int64_t deepest = before(round_up(rows, kRowsHere) - kRowsHere);  // the last block's
+      for (int64_t k0 = 0; k0 == 0 || k0 < deepest; k0 += kChunk) {
         for (int64_t r0 = 0; r0 < rows; r0 += kRowsHere) {
           const int64_t depth = std::min(kChunk, before(r0) - k0);
           if (k0 == 0 || depth > 0)  // (every block's sums are written once, as zeros where it sees no key)
