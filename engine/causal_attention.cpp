@@ -376,17 +376,21 @@ __attribute__((always_inline)) inline void narrow_row_scores(const float* q, int
         }
         for (int k = 0; k < kKeys; ++k) {
           const Floats8 kd = load8(block + k * ldk + d);
-          for (int r = 0; r < R; ++r) acc[r * kKeys + k] += qd[r] * kd;
+          for (int r = 0; r < R; ++r) acc[folded_vector(r * kKeys + k)] += qd[r] * kd;
         }
       }
     } else {
       for (int k = 0; k < n; ++k)
         for (int64_t d = 0; d < dim; d += 8)
-          for (int r = 0; r < R; ++r) acc[r * kKeys + k] += load8(q + r * dim + d) * load8(block + k * ldk + d);
+          for (int r = 0; r < R; ++r) acc[folded_vector(r * kKeys + k)] += load8(q + r * dim + d) * load8(block + k * ldk + d);
     }
     float sums[8];
-    store_as(sums, lane_sums(acc));
-    for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, n, w + r * ldw + k0);
+    store_as(sums, folded_lane_sums(acc));  // row r's sums at r * kKeys
+    if (n == kKeys) {  // a constant count: each row's sums stored straight from the register
+      for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, kKeys, w + r * ldw + k0);
+    } else {
+      for (int r = 0; r < R; ++r) std::copy_n(sums + r * kKeys, n, w + r * ldw + k0);
+    }
   }
 }
 

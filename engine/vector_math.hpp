@@ -119,18 +119,28 @@ inline Floats lane_sums(const Floats (&v)[16]) {
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// lane_sums for 8 vectors of 8 lanes (code built for AVX2): lane i holds the sum of v[i]'s, by
-// the same tree for every vector (halves, then quarters, then pairs)
-inline Floats8 lane_sums(const Floats8 (&v)[8]) {
+// The sums of 8 vectors' lanes (code built for AVX2), each by the same tree (halves, then
+// quarters, then pairs), lane i holding v[folded_vector(i)]'s: v0 v2 v4 v6 | v1 v3 v5 v7. Past
+// the halves each fold stays within 128-bit lanes (shufps, one cycle; folds across them took a
+// vpermd apiece); callers that index their vectors by folded_vector take the sums in place.
+constexpr int folded_vector(int lane) { return lane < 4 ? 2 * lane : 2 * (lane - 4) + 1; }
+
+inline Floats8 folded_lane_sums(const Floats8 (&v)[8]) {
   Floats8 b[4], c[2];
   for (int i = 0; i < 4; ++i)
     b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
   for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// lane_sums for 8 vectors of 8 lanes: lane i holds the sum of v[i]'s (folded_lane_sums, in order)
+inline Floats8 lane_sums(const Floats8 (&v)[8]) {
+  const Floats8 f = folded_lane_sums(v);
+  return __builtin_shufflevector(f, f, 0, 4, 1, 5, 2, 6, 3, 7);
 }
 
 // *p in every lane of a register, for FMAs that each read it: one broadcast, which the compiler
