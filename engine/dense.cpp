@@ -22,12 +22,12 @@ constexpr double kFlopsPerThread = 1e6;
 constexpr double kWeightBytesPerThread = 256 * 1024;
 // A group of a few rows (a decoding step's) reads a panel in slices of kSliceDepth inputs (or
 // bfloat16 input pairs: 64 x 64 words, 16 KiB, held in L1 while each of its row blocks reads
-// them), and fetches the weights kFetchSlices slices ahead into L2 while it computes: its panels
-// stream from memory once, spread over the compute. Reading each panel whole, row block after row
-// block, stalled the first block on memory while the later ones found it in L2 (Flan-T5-small's
-// decoder projections at 16 rows, float32: 4.6-4.9 -> 4.1 ms a step, 3.3 ms with the weights in
-// cache). One row block has no reuse to wait for, and groups of many rows are compute-bound: both
-// read the panel whole.
+// them), and fetches the weights ahead into L2 while it computes (bfloat16 kFetchSlices slices,
+// float32 kFetchSlicesF32): its panels stream from memory once, spread over the compute. Reading
+// each panel whole, row block after row block, stalled the first block on memory while the later
+// ones found it in L2 (Flan-T5-small's decoder projections at 16 rows, float32: 4.6-4.9 -> 4.1 ms
+// a step, 3.3 ms with the weights in cache). One row block has no reuse to wait for
+// (panel_product), and groups of many rows are compute-bound: both read the panel whole.
 constexpr int64_t kSliceDepth = 64;
 constexpr int64_t kFetchSlices = 4;
 constexpr int64_t kStreamedRows = 32;
