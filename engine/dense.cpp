@@ -77,7 +77,7 @@ __attribute__((always_inline)) inline void panel_product(const float* x, int64_t
   // line of every 256 bytes: streamed in slices instead, two threads, the mini Qwen3.5's
   // decoding-step projections 3 rows -35 %, 4 rows -37 % (one thread -46 %), Flan-T5-small's
   // 4 rows -42 % (alternating in one process)
-  constexpr int64_t kWholeRows = kWide ? kProductRows : 2;
+  constexpr int64_t kWholeRows = kWide ? kProductRows : kNarrowFewRows;
   if (rows <= kWholeRows || rows > kStreamedRows) {
     product<false, false, float, kProductRows, !kWide>(x, row_stride, panel, kPanelColumns, out, ldc, rows, K,
                                                         kPanelColumns, false);

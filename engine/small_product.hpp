@@ -15,6 +15,8 @@ constexpr int kProductRows = 4;
 constexpr int kMaxVectors = 4;
 // Rows of a register block of one vector of columns, for AVX2's 16 registers (see product())
 constexpr int kNarrowRows = 6;
+// Rows that AVX2's product() takes in wider blocks of whole rows of B (narrow_few_rows)
+constexpr int kNarrowFewRows = 2;
 
 // c[r][:NV lanes] (= or +=) sum over k < depth of a[r * lda + k] * b[k * ldb + :], r < R, in
 // increasing k (b float32, or bfloat16 bits widened as they load); with kFetch, the line at
@@ -134,7 +136,7 @@ __attribute__((always_inline)) inline void product(const float* A, int64_t lda, 
                                                    int64_t fetch_bytes = 0) {
   static_assert(kTileRows == kProductRows || (kTileRows == 6 && kZmm), "six-row blocks need 32 registers");
   if constexpr (kNarrow && !kFetch) {
-    if (rows > 0 && rows <= 2 && !lower) return narrow_few_rows(A, lda, B, ldb, C, ldc, rows, depth, cols, accumulate);
+    if (rows > 0 && rows <= kNarrowFewRows && !lower) return narrow_few_rows(A, lda, B, ldb, C, ldc, rows, depth, cols, accumulate);
   }
   // a vector of 16 lanes takes two of the 16 registers of AVX2: blocks of one vector
   constexpr int kRowsHere = kNarrow ? kNarrowRows : kTileRows, kVectors = kNarrow ? 1 : kMaxVectors;
