@@ -109,7 +109,7 @@ void inputs_of_tokens(const AttentionInputs<T>& in, T* normed, int64_t first, in
     // the pool's last column is its scratch, where padding goes and nothing is read: not
     // written here (several threads' padding tokens would write it at once)
     if (in.where[n] == in.columns - 1) continue;
-    const int64_t b = n / in.S;
+    const int64_t b = in.token_rows ? in.token_rows[n] : n / in.S;
     for (int64_t h = 0; h < in.Hkv; ++h) {
       const int64_t at = ((b * in.Hkv + h) * in.columns + in.where[n]) * hd;
       std::memcpy(in.keys + at, rotated + (in.H + h) * hd, hd * sizeof(T));

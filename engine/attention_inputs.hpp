@@ -21,7 +21,8 @@ namespace fastjudge {
 // is null; half: half the rotary dims) into rotated [N, H + Hkv, hd]; each token's rotated key
 // and its value written into the pool's keys and values [B, Hkv, columns, hd] of its row, at
 // column where[n]; a token whose column is the last (the pool's scratch column, where padding
-// goes) writes nothing there.
+// goes) writes nothing there. Token n is row n / S's, or row token_rows[n]'s where the rows' tokens
+// are packed (a decoding step's real tokens one after another, no padding: B S tokens in all).
 template <typename T>
 struct AttentionInputs {
   const T* qkv;
@@ -35,6 +36,7 @@ struct AttentionInputs {
   const int64_t* where;
   int64_t B, S, H, Hkv, hd, columns;
   const int64_t* rope_rows = nullptr;
+  const int64_t* token_rows = nullptr;
 };
 void attention_inputs(const AttentionInputs<float>& in, int threads);
 void attention_inputs(const AttentionInputs<uint16_t>& in, int threads);

@@ -223,11 +223,12 @@ __attribute__((always_inline)) inline void deltanet_rows(const StepRows<T>& a) {
     // the conv window: the row's last K - 1 inputs (none when fresh), then this step's
     for (int64_t i = 0; i < K - 1; ++i)
       for (int64_t c = 0; c < C; ++c) window[i * Cp + c] = s.fresh ? 0.0f : to_float(state[i * C + c]);
-    for (int64_t t = 0; t < S; ++t)
-      for (int64_t c = 0; c < C; ++c) window[(K - 1 + t) * Cp + c] = to_float(projected[(b * S + t) * width + c]);
-    const int64_t count = s.counts[b];
-    for (int64_t t = 0; t < S; ++t) {
-      const T* row = projected + (b * S + t) * width;
+    // the row's tokens: packed (its real ones) or [B, S] (padding included)
+    const int64_t count = s.counts[b], tokens = s.first ? count : S, at = s.first ? s.first[b] : b * S;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t c = 0; c < C; ++c) window[(K - 1 + t) * Cp + c] = to_float(projected[(at + t) * width + c]);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* row = projected + (at + t) * width;
       const bool real = t < count;
       // causal depthwise conv and SiLU, each product, the sum and the activation held in T as
       // the tensor ops hold them
@@ -252,7 +253,7 @@ __attribute__((always_inline)) inline void deltanet_rows(const StepRows<T>& a) {
         update_head<kWide>(M + h * dk * dv, act.data() + hk * dk, act.data() + (Hk + hk) * dk,
                            act.data() + 2 * Hk * dk + h * dv, std::exp(g), beta, core, read, u, dk, dv);
         gated_rms_norm<kWide>(core, row + C + h * dv, weight, s.eps, dv, dvp, gate,
-                              a.out + ((b * S + t) * Hv + h) * dv);
+                              a.out + ((at + t) * Hv + h) * dv);
       }
     }
     // the row's new conv state: its last K - 1 real inputs (window rows count .. count + K - 2)
@@ -405,6 +406,7 @@ void deltanet_chunked(const DeltaNetStep& s, const T* projected, T* conv_state, 
   const int64_t B = s.B, S = s.S, K = s.K, Hk = s.Hk, Hv = s.Hv, dk = s.dk, dv = s.dv, N = B * S;
   const int64_t C = 2 * Hk * dk + Hv * dv, width = C + Hv * dv + 2 * Hv, Cp = whole_vectors(C);
   if (K > kMaxTaps) throw std::invalid_argument("deltanet_prompt: at most 16 conv taps");
+  if (s.first) throw std::invalid_argument("deltanet_prompt: tokens are [B, S], never packed");
   if (N == 0) return;
   std::vector<float> kernel(static_cast<std::size_t>(K * Cp), 0.0f);
   for (int64_t j = 0; j < K; ++j)

@@ -62,13 +62,16 @@ void chunked_delta_rule(float* memory, const StridedRows<float>& query, const St
 //   (eps), scaled by gated_norm and multiplied by silu(z): out [B, S, Hv x dv];
 //   the conv state [B, K - 1, C] then holds each row's last K - 1 real inputs.
 // taps [K, C]; dt_bias, neg_A [Hv], gated_norm [dv] float32 (their values in the model's type
-// where the model holds them so); projected [B, S, width] contiguous.
+// where the model holds them so); projected [B, S, width] contiguous. With first (deltanet_step
+// only): the rows' real tokens packed, row b's at rows first[b] .. first[b] + counts[b] - 1 of
+// projected and out, and no padding token anywhere (nothing else of out is written).
 struct DeltaNetStep {
   int64_t B, S, K, Hk, Hv, dk, dv;
   float eps, l2_eps;
   bool fresh;
   const int64_t* counts;
   const float *dt_bias, *neg_A, *gated_norm;
+  const int64_t* first = nullptr;
 };
 
 void deltanet_step(const DeltaNetStep& step, const float* projected, float* conv_state, const float* taps,

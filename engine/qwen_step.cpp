@@ -29,10 +29,20 @@ class Step {
   Step(const QwenStepModel& m, const QwenStepInput& in, QwenStepBuffers<T>& buffers, int threads)
       : m_(m), in_(in), threads_(threads), buf_(buffers) {}
 
-  // the step's output rows [B * S, d] into out
+  // the step's output rows [B * S, d] into out, zeros at padding
   void run(T* out) {
     layers();
-    std::memcpy(out, buf_.x.data(), in_.B * in_.S * m_.d * sizeof(T));
+    const int64_t S = in_.S, d = m_.d;
+    for (int64_t b = 0; b < in_.B; ++b) {
+      for (int64_t t = 0; t < S; ++t) {
+        T* row = out + (b * S + t) * d;
+        if (t < in_.counts[b]) {
+          std::memcpy(row, &buf_.x[(buf_.first[b] + t) * d], d * sizeof(T));
+        } else {
+          std::fill_n(row, d, T{});
+        }
+      }
+    }
   }
 
   // each row's last real token: its hidden state into hidden [B, d], the greedy pick of its
@@ -43,10 +53,14 @@ class Step {
     if (!m_.final_norm || !m_.head.panels) throw std::invalid_argument("the decoder has no head");
     check_tracked(tracked, m_.head.out);
     layers();
-    const int64_t B = in_.B, S = in_.S, d = m_.d, V = m_.head.out;
+    const int64_t B = in_.B, d = m_.d, V = m_.head.out;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t last = in_.counts[b] > 0 ? in_.counts[b] - 1 : S - 1;  // as a [-1] index picks
-      std::memcpy(hidden + b * d, &buf_.x[(b * S + last) * d], d * sizeof(T));
+      const int64_t count = in_.counts[b];
+      if (count > 0) {
+        std::memcpy(hidden + b * d, &buf_.x[(buf_.first[b] + count - 1) * d], d * sizeof(T));
+      } else {
+        std::fill_n(hidden + b * d, d, T{});
+      }
     }
     rms_norm(hidden, d, d, m_.final_norm, buf_.normed.data(), B, 1, d, m_.eps, threads_);
     hold(buf_.logits, B * V);
@@ -56,9 +70,21 @@ class Step {
   }
 
  private:
+  // The rows' real tokens are packed (row b's t < counts[b] at first[b] + t), and every norm,
+  // projection and add runs on them alone: jump-forward's steps of a few tokens a row were about
+  // half padding. Only the few-token attention reads its queries in [B, S] (attend).
   void layers() {
     check();
     const int64_t N = in_.B * in_.S, d = m_.d;
+    hold(buf_.first, in_.B);
+    hold(buf_.token_rows, N);
+    real_ = 0;
+    for (int64_t b = 0; b < in_.B; ++b) {
+      buf_.first[b] = real_;
+      for (int64_t t = 0; t < in_.counts[b]; ++t) buf_.token_rows[real_ + t] = b;
+      real_ += in_.counts[b];
+    }
+    const int64_t R = real_;
     const int64_t qkv_width = m_.H * m_.hd * (m_.output_gate ? 2 : 1) + 2 * m_.Hkv * m_.hd;
     int64_t wide = m_.inner;
     for (const QwenStepLayer& layer : m_.layers) {
@@ -71,21 +97,25 @@ class Step {
     hold(buf_.heads, N * (m_.H + m_.Hkv) * m_.hd);
     hold(buf_.attended, N * std::max((m_.H + m_.Hkv) * m_.hd, m_.lin_v_heads * m_.lin_v_dim));
     const T* embed = static_cast<const T*>(m_.embed);
-    for (int64_t n = 0; n < N; ++n) std::memcpy(&buf_.x[n * d], embed + in_.tokens[n] * d, d * sizeof(T));
+    for (int64_t b = 0; b < in_.B; ++b) {
+      for (int64_t t = 0; t < in_.counts[b]; ++t) {
+        std::memcpy(&buf_.x[(buf_.first[b] + t) * d], embed + in_.tokens[b * in_.S + t] * d, d * sizeof(T));
+      }
+    }
     for (const QwenStepLayer& layer : m_.layers) {
-      rms_norm(buf_.x.data(), d, d, layer.in_norm, buf_.normed.data(), N, 1, d, m_.eps, threads_);
+      rms_norm(buf_.x.data(), d, d, layer.in_norm, buf_.normed.data(), R, 1, d, m_.eps, threads_);
       if (layer.attention) {
         attend(layer);
       } else {
         deltanet(layer);
       }
-      add(buf_.x.data(), buf_.mixed.data(), N * d);
-      rms_norm(buf_.x.data(), d, d, layer.post_norm, buf_.normed.data(), N, 1, d, m_.eps, threads_);
+      add(buf_.x.data(), buf_.mixed.data(), R * d);
+      rms_norm(buf_.x.data(), d, d, layer.post_norm, buf_.normed.data(), R, 1, d, m_.eps, threads_);
       gated_dense_product(buf_.normed.data(), d, static_cast<const PanelWord<T>*>(layer.gate.panels),
-                          static_cast<const PanelWord<T>*>(layer.up.panels), buf_.wide.data(), N, d, m_.inner,
+                          static_cast<const PanelWord<T>*>(layer.up.panels), buf_.wide.data(), R, d, m_.inner,
                           GateActivation::kSilu, threads_);
-      project(buf_.wide.data(), N, layer.down, buf_.mixed.data(), threads_);
-      add(buf_.x.data(), buf_.mixed.data(), N * d);
+      project(buf_.wide.data(), R, layer.down, buf_.mixed.data(), threads_);
+      add(buf_.x.data(), buf_.mixed.data(), R * d);
     }
     for (int64_t b = 0; b < in_.B; ++b) {
       m_.lengths[in_.start + b] += in_.counts[b];
@@ -114,21 +144,20 @@ class Step {
   }
 
   void attend(const QwenStepLayer& layer) {
-    const int64_t B = in_.B, S = in_.S, N = B * S, H = m_.H, Hkv = m_.Hkv, hd = m_.hd, heads = H + Hkv;
+    const int64_t B = in_.B, S = in_.S, R = real_, H = m_.H, Hkv = m_.Hkv, hd = m_.hd, heads = H + Hkv;
     const int64_t width = layer.qkv.out, gate_at = heads * hd, values_at = width - Hkv * hd;
     T* qkv = buf_.wide.data();
-    project(buf_.normed.data(), N, layer.qkv, qkv, threads_);
-    // each token's K/V column (its row's next; padding: the scratch column, which is not
-    // written) and rotary row (its position), then the queries' and keys' norms and rotary and
-    // the K/V writes as a prompt's pass runs them
+    project(buf_.normed.data(), R, layer.qkv, qkv, threads_);
+    // each real token's K/V column (its row's next) and rotary row (its position), then the
+    // queries' and keys' norms and rotary and the K/V writes as a prompt's pass runs them
     const int64_t column = m_.capacity + 1, row_floats = Hkv * column * hd;
-    hold(buf_.columns, N);
-    hold(buf_.rope_rows, N);
+    hold(buf_.columns, R);
+    hold(buf_.rope_rows, R);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t length = m_.lengths[in_.start + b], position = m_.positions[in_.start + b];
-      for (int64_t t = 0; t < S; ++t) {
-        buf_.columns[b * S + t] = t < in_.counts[b] ? length + t : column - 1;
-        buf_.rope_rows[b * S + t] = position + t;
+      for (int64_t t = 0; t < in_.counts[b]; ++t) {
+        buf_.columns[buf_.first[b] + t] = length + t;
+        buf_.rope_rows[buf_.first[b] + t] = position + t;
       }
     }
     T* rotated = buf_.heads.data();
@@ -136,8 +165,17 @@ class Step {
     T* values = static_cast<T*>(layer.values) + in_.start * row_floats;
     AttentionInputs<T> inputs{qkv, width, values_at, layer.qk_norm, m_.eps, static_cast<const T*>(in_.cos),
                               static_cast<const T*>(in_.sin), m_.rotary_half, rotated, keys, values,
-                              buf_.columns.data(), B, S, H, Hkv, hd, column, buf_.rope_rows.data()};
+                              buf_.columns.data(), R, 1, H, Hkv, hd, column, buf_.rope_rows.data(),
+                              buf_.token_rows.data()};
     attention_inputs(inputs, threads_);
+    // the rotated tokens to their [B, S] places for the attention (in place, the last first:
+    // a token never moves back, so none overwrites one still to move)
+    for (int64_t b = B - 1; b >= 0 && R < B * S; --b) {
+      for (int64_t t = in_.counts[b] - 1; t >= 0; --t) {
+        std::memmove(rotated + (b * S + t) * heads * hd, rotated + (buf_.first[b] + t) * heads * hd,
+                     heads * hd * sizeof(T));
+      }
+    }
     CausalProblem problem{B, S, column, H, Hkv, hd, static_cast<float>(std::pow(double(hd), -0.5)),
                           m_.lengths + in_.start, in_.counts};
     problem.shared_columns = in_.shared_columns, problem.shared_from = in_.shared_from;
@@ -146,28 +184,35 @@ class Step {
     const StridedRows<T> v{values, row_floats, hd, column * hd};
     T* attended = buf_.attended.data();
     causal_attention(problem, q, k, v, attended, threads_);
-    if (m_.output_gate) output_gate(attended, qkv + gate_at, width, N, H * hd, threads_);
-    project(attended, N, layer.o, buf_.mixed.data(), threads_);
+    // the real tokens' outputs packed again (in place, the first first: a token never moves on)
+    for (int64_t b = 0; b < B && R < B * S; ++b) {
+      for (int64_t t = 0; t < in_.counts[b]; ++t) {
+        std::memmove(attended + (buf_.first[b] + t) * H * hd, attended + (b * S + t) * H * hd, H * hd * sizeof(T));
+      }
+    }
+    if (m_.output_gate) output_gate(attended, qkv + gate_at, width, R, H * hd, threads_);
+    project(attended, R, layer.o, buf_.mixed.data(), threads_);
   }
 
   void deltanet(const QwenStepLayer& layer) {
     const int64_t Hv = m_.lin_v_heads, dk = m_.lin_k_dim, dv = m_.lin_v_dim, K = m_.conv_kernel;
     const int64_t C = 2 * m_.lin_k_heads * dk + Hv * dv;
     T* projected = buf_.wide.data();
-    project(buf_.normed.data(), in_.B * in_.S, layer.in_proj, projected, threads_);
+    project(buf_.normed.data(), real_, layer.in_proj, projected, threads_);
     const DeltaNetStep step{in_.B, in_.S, K, m_.lin_k_heads, Hv, dk, dv, m_.eps, m_.l2_eps, false, in_.counts,
-                            layer.dt_bias, layer.neg_A, layer.gated_norm};
+                            layer.dt_bias, layer.neg_A, layer.gated_norm, buf_.first.data()};
     T* conv_state = static_cast<T*>(layer.conv_state) + in_.start * (K - 1) * C;
     float* memory = layer.memory + in_.start * Hv * dk * dv;
     deltanet_step(step, projected, conv_state, static_cast<const T*>(layer.taps), memory, buf_.attended.data(),
                   threads_);
-    project(buf_.attended.data(), in_.B * in_.S, layer.out, buf_.mixed.data(), threads_);
+    project(buf_.attended.data(), real_, layer.out, buf_.mixed.data(), threads_);
   }
 
   const QwenStepModel& m_;
   const QwenStepInput& in_;
   int threads_;
   QwenStepBuffers<T>& buf_;
+  int64_t real_ = 0;  // the step's real tokens (layers())
 };
 
 }  // namespace

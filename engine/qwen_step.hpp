@@ -81,7 +81,8 @@ template <typename T>
 struct QwenStepBuffers {
   std::vector<T> x, normed, mixed, wide, heads, attended;  // heads: rotated queries and keys
   std::vector<T> logits;                                   // the greedy pick's [B, head outputs]
-  std::vector<int64_t> columns, rope_rows;                 // each token's K/V column and rotary row
+  std::vector<int64_t> columns, rope_rows;                 // each real token's K/V column and rotary row
+  std::vector<int64_t> first, token_rows;  // each row's first real token (packed), each real token's row
 };
 
 struct QwenStepScratch {
@@ -90,9 +91,9 @@ struct QwenStepScratch {
 };
 
 // Runs the step: out [B, S, d] (the model's type; the last layer's residual stream, before the
-// final norm) and, in place, each layer's state for the rows' real tokens (K/V at column
-// lengths[slot] + t, the DeltaNet states; padding writes nothing), then lengths and positions
-// advanced by counts. Each value is held in the model's type where the tensor-op step holds it
+// final norm; zeros at padding, which no layer computes) and, in place, each layer's state for the
+// rows' real tokens (K/V at column lengths[slot] + t, the DeltaNet states), then lengths and
+// positions advanced by counts. Each value is held in the model's type where the tensor-op step holds it
 // (residual adds, norms, rotary, the output gate each rounded once). Few-token attention reads
 // the keys in place (causal_attention.hpp). Throws std::invalid_argument on tokens outside the
 // vocabulary or positions past the tables or the pool's capacity, before anything is written.
@@ -102,8 +103,8 @@ void qwen_decode_step(const QwenStepModel& model, const QwenStepInput& input, ui
                       QwenStepScratch& scratch, int threads);
 
 // Greedy decoding's steps back to back, the host away between them. Each step is the step above,
-// then greedy decoding's pick: each row's last real token's output (column counts[b] - 1; the
-// last column where counts[b] is 0) into hidden [B, d], and the index of the largest of its
+// then greedy decoding's pick: each row's last real token's output (column counts[b] - 1; zeros
+// where counts[b] is 0) into hidden [B, d], and the index of the largest of its
 // logits (final norm, then the head, in the model's type; the first of equal ones, as torch's
 // argmax of the same logits) into column s of picks [B, steps] (row-major; columns past the steps
 // run untouched), and the logits of the tracked ids (as float32) into tracked.logits [B, steps,

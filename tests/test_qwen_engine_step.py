@@ -133,6 +133,28 @@ def test_engine_step_equals_tensor_ops_float32(model_dir, rows, width, monkeypat
         pool.held = other.held  # both advanced alike
 
 
+@pytest.mark.parametrize("rows,width", [(6, 3), (5, 4), (9, 2)])
+def test_padding_runs_through_no_layer(model_dir, rows, width):
+    """The step packs its rows' real tokens (engine/qwen_step.cpp): each row's outputs and state
+    are, bit for bit, what that row's step alone gives (its real tokens, no padding, nothing of
+    the other rows), and the output holds zeros at padding."""
+    model = backend(model_dir).model
+    vocab = model.embed.shape[0]
+    rng = np.random.default_rng(rows + width)
+    pool, _, _ = filled_pool(model, rng, rows, vocab)
+    alone = copy.deepcopy(pool)
+    alone.held = pool.held.copy()
+    counts = rng.integers(1, width + 1, size=rows)
+    counts[0], counts[-1] = width, 1
+    new = torch.tensor(rng.integers(5, vocab, size=(rows, width)))
+    ours = engine_step(model, pool, rows, width)(new, counts, 0, CAPACITY)
+    for b, count in enumerate(counts.tolist()):
+        one = engine_step(model, alone, 1, count)(new[b:b + 1, :count], np.array([count]), b, CAPACITY)
+        assert torch.equal(ours[b, :count], one[0])
+        assert not ours[b, count:].any()
+    assert_same_state(pool, alone, exact=True)
+
+
 def test_engine_step_bfloat16_same_bits_as_tensor_ops(model_dir, monkeypatch):
     """From 8 rows the tensor-op step runs the engine's own kernels (projections, norms,
     few-token attention, the DeltaNet step) op by op; the whole step then gives the same bits."""
