@@ -160,6 +160,39 @@ def test_eviction_under_tiny_budget_keeps_results(qwen35_dir):
             np.testing.assert_allclose(a.probs, b.probs, rtol=1e-5)
 
 
+@torch.inference_mode()
+def test_padded_suffix_pass_runs_real_tokens_alone(qwen_dir, monkeypatch):
+    """A suffix pass whose rows are mostly padding runs its projections and MLPs on the real
+    tokens alone (``layers.project_real``, ``model.packed_tokens``): the real tokens' hidden
+    states and every layer's state (past the K/V scratch column, where padding goes) have the
+    bits of the same pass computing every token."""
+    import copy
+
+    from fastjudge.backends.qwen import model as qwen_model
+    from fastjudge.backends.qwen.pool import StatePool
+
+    model = TorchQwenBackend(qwen_dir, device="cpu", dtype="float32").model
+    rng = np.random.default_rng(4)
+    rows, capacity, width = 6, 120, 40
+    pool = StatePool(model.s, rows, capacity, "cpu", model.embed.dtype)
+    lengths = rng.integers(5, 30, size=rows)
+    qwen_model.run_step(model, pool, 0, torch.tensor(rng.integers(5, 900, size=(rows, 30))), lengths.tolist())
+    twin = copy.deepcopy(pool)
+    counts = [width, 3, 1, 17, 2, 9]
+    tokens = torch.tensor(rng.integers(5, 900, size=(rows, width)))
+    assert qwen_model.packed_tokens(torch.arange(width)[None, :] < torch.tensor(counts)[:, None]) is not None
+    ours = qwen_model.run_step(model, pool, 0, tokens, counts)
+    monkeypatch.setattr(qwen_model, "PACK_MIN_PADDING", 1.0)  # nothing packed: every token runs
+    theirs = qwen_model.run_step(model, twin, 0, tokens, counts)
+    real = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+    assert torch.equal(ours[real], theirs[real])
+    for kind, pair, other in zip(pool.kinds, pool.layers, twin.layers):
+        for a, b in zip(pair, other):
+            if kind == "full_attention":
+                a, b = a[:, :, :capacity], b[:, :, :capacity]
+            assert torch.equal(a, b)
+
+
 def test_chat_template_with_thinking_disabled(qwen35_dir):
     backend = TorchQwenBackend(qwen35_dir, device=TEST_DEVICE, dtype="float32")
     text = backend.codec.format_prompt("Question: x?")

@@ -57,7 +57,8 @@ class Step:
     columns rows share by snapshot, read once per snapshot (:func:`attend_cached`), or None;
     ``offsets`` [B]: each row's keys before this step's tokens (its new token ``t`` sees keys up
     to ``offsets[b] + t``: the mask's rule for real tokens), or None; ``packed``: the flat
-    indices (into B x k) of the real tokens where the MLPs run on those alone, or None."""
+    indices (into B x k) of the real tokens where the MLPs and projections run on those alone
+    (:func:`project_real`), or None."""
 
     rope: tuple[torch.Tensor, torch.Tensor, int]
     counts: torch.Tensor
@@ -90,6 +91,19 @@ def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
     out = xf * scale if xf is x else xf.mul_(scale)
     out.mul_(weight_f32)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def project_real(proj, x: torch.Tensor, step: Step) -> torch.Tensor:
+    """``proj(x)`` [B, k, n] of ``x`` [B, k, d], on the real tokens alone where the step packs
+    them (``step.packed``), zeros at padding: a projection is per token, and a row's output has
+    the same bits at any row count (oneDNN's packed GEMM and the engine's panels alike), so every
+    real token's value is what the whole product gives it. Zeros keep the padding finite for the
+    ops that still run on it (norms, rotary, the DeltaNet rule with its gates at zero)."""
+    if step.packed is None:
+        return proj(x)
+    B, k = x.shape[:2]
+    real = proj(x.reshape(B * k, -1).index_select(0, step.packed))
+    return real.new_zeros(B * k, real.shape[-1]).index_copy_(0, step.packed, real).view(B, k, -1)
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
@@ -166,7 +180,7 @@ class AttentionLayer(QwenLayer):
         keys, values = state
         stored = None  # the keys and values already in the pool (the engine's pass writes them)
         if self.qk_adjacent:  # queries and keys side by side: normed and rotated as H + Hkv heads
-            qkv = self.qkv(h)
+            qkv = project_real(self.qkv, h, step)
             parts = qkv.split([(H + Hkv) * hd] + ([H * hd] if s.hybrid else []) + [Hkv * hd], dim=-1)
             qk, v = parts[0], parts[-1]
             if s.hybrid:
@@ -178,9 +192,9 @@ class AttentionLayer(QwenLayer):
             q, k = qk[:, :, :H], qk[:, :, H:]
         else:
             if self.kv is None:
-                q, k, v = self.qkv(h).split([q_dim, Hkv * hd, Hkv * hd], dim=-1)
+                q, k, v = project_real(self.qkv, h, step).split([q_dim, Hkv * hd, Hkv * hd], dim=-1)
             else:
-                q, (k, v) = self.qkv(h), self.kv(h).chunk(2, dim=-1)
+                q, (k, v) = project_real(self.qkv, h, step), project_real(self.kv, h, step).chunk(2, dim=-1)
             if s.hybrid:  # per head: its hd query dims, then its hd gate dims
                 q, gate = q.view(B, S, H, 2, hd).unbind(3)
             else:
@@ -201,7 +215,7 @@ class AttentionLayer(QwenLayer):
         if gate is not None:
             gated = output_gate_in_engine(o, gate)
             o = gated if gated is not None else o * torch.sigmoid(gate.reshape(B, S, H * hd))
-        return self.o(o)
+        return project_real(self.o, o, step)
 
 
 class DeltaNetLayer(QwenLayer):
@@ -236,10 +250,11 @@ class DeltaNetLayer(QwenLayer):
         # the chunked form (more tokens) wants value heads in whole vectors and at most 16 conv taps
         chunked = s.lin_v_dim % 16 == 0 and s.conv_kernel <= 16
         if engine_takes(h) and h.dtype in ENGINE_DTYPES and (S <= RECURRENT_STEPS or chunked):
-            return self.out(self._engine_step(h, step, state))
+            return project_real(self.out, self._engine_step(h, step, state), step)
         key_dim, val_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
         conv_dim, K = 2 * key_dim + val_dim, s.conv_kernel
-        mixed, z, b, a = self.in_proj(h).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads], dim=-1)
+        mixed, z, b, a = project_real(self.in_proj, h, step).split([conv_dim, val_dim, s.lin_v_heads, s.lin_v_heads],
+                                                                   dim=-1)
         conv_state, memory = state
         history = mixed.new_zeros(B, K - 1, conv_dim) if step.fresh else conv_state
         window = torch.cat([history, mixed], dim=1)  # [B, K - 1 + S, C]
@@ -276,7 +291,7 @@ class DeltaNetLayer(QwenLayer):
         else:
             normed = F.rms_norm(core.float(), (s.lin_v_dim,), None, s.eps).to(core.dtype) * self.gated_norm
             gated = (normed.float() * F.silu(z.float())).to(h.dtype)
-        return self.out(gated.view(B, S, val_dim))
+        return project_real(self.out, gated.view(B, S, val_dim), step)
 
     def _engine_step(self, h, step: Step, state) -> torch.Tensor:
         """Everything between the two projections as one engine call on the CPU
@@ -291,7 +306,7 @@ class DeltaNetLayer(QwenLayer):
         s = self.s
         B, S, _ = h.shape
         chunk = 0 if S <= RECURRENT_STEPS else S if S <= ONE_CHUNK_STEPS else DELTA_CHUNK
-        projected = self.in_proj(h).contiguous()
+        projected = project_real(self.in_proj, h, step).contiguous()
         conv_state, memory = state
         out = h.new_empty(B, S, s.lin_v_heads * s.lin_v_dim)
         _engine.deltanet_step(engine_array(projected), engine_array(conv_state), engine_array(self.taps),
