@@ -96,9 +96,10 @@ def rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
 def project_real(proj, x: torch.Tensor, step: Step) -> torch.Tensor:
     """``proj(x)`` [B, k, n] of ``x`` [B, k, d], on the real tokens alone where the step packs
     them (``step.packed``), zeros at padding: a projection is per token, and a row's output has
-    the same bits at any row count (oneDNN's packed GEMM and the engine's panels alike), so every
-    real token's value is what the whole product gives it. Zeros keep the padding finite for the
-    ops that still run on it (norms, rotary, the DeltaNet rule with its gates at zero)."""
+    the same bits at any row count (the engine's panels by construction; oneDNN's packed GEMM as
+    measured on an AVX2 CPU, where the two paths also agree), so every real token's value is what
+    the whole product gives it. Zeros keep the padding finite for the ops that still run on it
+    (norms, rotary, the DeltaNet rule with its gates at zero)."""
     if step.packed is None:
         return proj(x)
     B, k = x.shape[:2]
