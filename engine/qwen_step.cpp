@@ -78,10 +78,19 @@ class Step {
     const int64_t N = in_.B * in_.S, d = m_.d;
     hold(buf_.first, in_.B);
     hold(buf_.token_rows, N);
+    hold(buf_.columns, N);
+    hold(buf_.rope_rows, N);
+    // each real token's row, K/V column (its row's next) and rotary row (its position), the
+    // same in every attention layer
     real_ = 0;
     for (int64_t b = 0; b < in_.B; ++b) {
       buf_.first[b] = real_;
-      for (int64_t t = 0; t < in_.counts[b]; ++t) buf_.token_rows[real_ + t] = b;
+      const int64_t length = m_.lengths[in_.start + b], position = m_.positions[in_.start + b];
+      for (int64_t t = 0; t < in_.counts[b]; ++t) {
+        buf_.token_rows[real_ + t] = b;
+        buf_.columns[real_ + t] = length + t;
+        buf_.rope_rows[real_ + t] = position + t;
+      }
       real_ += in_.counts[b];
     }
     const int64_t R = real_;
@@ -148,18 +157,9 @@ class Step {
     const int64_t width = layer.qkv.out, gate_at = heads * hd, values_at = width - Hkv * hd;
     T* qkv = buf_.wide.data();
     project(buf_.normed.data(), R, layer.qkv, qkv, threads_);
-    // each real token's K/V column (its row's next) and rotary row (its position), then the
-    // queries' and keys' norms and rotary and the K/V writes as a prompt's pass runs them
+    // the queries' and keys' norms and rotary and the K/V writes (at the columns layers() set) as
+    // a prompt's pass runs them
     const int64_t column = m_.capacity + 1, row_floats = Hkv * column * hd;
-    hold(buf_.columns, R);
-    hold(buf_.rope_rows, R);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t length = m_.lengths[in_.start + b], position = m_.positions[in_.start + b];
-      for (int64_t t = 0; t < in_.counts[b]; ++t) {
-        buf_.columns[buf_.first[b] + t] = length + t;
-        buf_.rope_rows[buf_.first[b] + t] = position + t;
-      }
-    }
     T* rotated = buf_.heads.data();
     T* keys = static_cast<T*>(layer.keys) + in_.start * row_floats;
     T* values = static_cast<T*>(layer.values) + in_.start * row_floats;
