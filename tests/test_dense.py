@@ -106,8 +106,8 @@ def test_gated_product_is_activation_of_gate_times_up(dtype, rows, activation):
     from transformers' ``ACT2FN`` (activations.py) on the gate rows and the up rows of one
     weight: prepared (its halves apart; the engine's panels in float32, its activation applied to
     each panel of both halves at every row count, or after them for the erf GELU, which takes
-    oneDNN's fused epilogues from ``ENGINE_MAX_ROWS`` rows as bfloat16 does) within 1e-5 in float32 and to bfloat16 rounding; ``forward`` stays the plain
-    product with the whole weight."""
+    oneDNN's fused epilogues from ``ENGINE_MAX_ROWS`` rows as bfloat16 does) within 1e-5 in
+    float32 and to bfloat16 rounding; ``forward`` stays the plain product with the whole weight."""
     from transformers.activations import ACT2FN
 
     g = torch.Generator().manual_seed(rows)
