@@ -929,8 +929,29 @@ void projection(const py::handle& x, const py::handle& panels, const py::handle&
   }
 }
 
-void dense_product(const py::handle& x, const py::handle& panels, const py::handle& out, int threads) {
-  projection(x, panels, py::none(), out, std::nullopt, threads);
+void dense_product(const py::handle& x, const py::handle& panels, const py::handle& out, int threads,
+                   const py::handle& bias, const py::handle& activation) {
+  if (bias.is_none() && activation.is_none()) {
+    projection(x, panels, py::none(), out, std::nullopt, threads);
+    return;
+  }
+  // the epilogue is float32's only
+  const py::array in = py::array::ensure(x);
+  if (!in || in.ndim() != 2 || !in.dtype().is(py::dtype::of<float>())) {
+    throw py::value_error("bias and activation need a float32 x [rows, K]");
+  }
+  const int64_t columns = fastjudge::kPanelColumns;
+  const auto [M, N, depth] = projection_shape<float>(x, panels, out);
+  const int64_t K = in.shape(1), P = (N + columns - 1) / columns;
+  if (K != depth) throw py::value_error("x must be [rows, K] for panels of K entries an output");
+  const auto [rows, stride] = input_rows<float>(x, K);
+  const float* w = typed_array<float>(panels, "panels", {P, depth, columns});
+  const float* b = bias.is_none() ? nullptr : typed_array<float>(bias, "bias", {N});
+  std::optional<fastjudge::GateActivation> act;
+  if (!activation.is_none()) act = gate_activation(py::cast<std::string>(activation));
+  float* dst = typed_array<float>(out, "out", {M, N}, true);
+  py::gil_scoped_release release;
+  fastjudge::dense_product(rows, stride, w, dst, M, K, N, b, act, threads);
 }
 
 void gated_dense_product(const py::handle& x, const py::handle& gate_panels, const py::handle& up_panels,
@@ -940,7 +961,8 @@ void gated_dense_product(const py::handle& x, const py::handle& gate_panels, con
 
 void bind_dense(py::module_& m) {
   m.def("dense_product", &dense_product, py::arg("x"), py::arg("panels"), py::arg("out"), py::arg("threads") = 1,
-        R"doc(out = x W^T on a weight packed into panels of 64 output columns.
+        py::arg("bias") = py::none(), py::arg("activation") = py::none(),
+        R"doc(out = act(x W^T + bias) on a weight packed into panels of 64 output columns.
 
 float32: x [M, K] (contiguous rows, any row stride), panels [ceil(N / 64), K, 64] (panels[p, k,
 c] = W[64 p + c, k], zero past the last output), out [M, N] (C-contiguous, written); each
@@ -948,7 +970,9 @@ output sums over k in increasing order. bfloat16 (x and out as 16-bit integer ar
 bits; needs AVX512-BF16, bf16_dense_available()): panels [ceil(N / 64), ceil(K / 2), 64] of
 32-bit words, each two bfloat16 weights of consecutive inputs (low half first); products
 summed in float32, the output rounded once. threads: at most this many, used only where the
-work pays for them. Raises ValueError on arrays of another dtype, layout or shape.)doc");
+work pays for them. bias ([N] float32) and activation ("silu", "gelu_tanh" as g * sigmoid(2 y),
+or "relu"): float32 only, added then applied to each panel's outputs while in cache. Raises
+ValueError on arrays of another dtype, layout or shape.)doc");
   m.def("gated_dense_product", &gated_dense_product, py::arg("x"), py::arg("gate_panels"), py::arg("up_panels"),
         py::arg("out"), py::arg("activation"), py::arg("threads") = 1,
         R"doc(out = act(x Wg^T) * (x Wu^T) on two weights packed as dense_product packs one.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -48,6 +49,9 @@ struct Problem {
   X* out;
   int64_t M, K, N;
   GateActivation activation;
+  // float32, ungated: out = act(x W^T + bias), bias [N] where not null, act where activate
+  const float* bias = nullptr;
+  bool activate = false;
 };
 
 template <typename V>
@@ -94,6 +98,34 @@ __attribute__((always_inline)) inline void panel_product(const float* x, int64_t
   }
 }
 
+// out[r][0, cols) = act(out[r][c] + bias[c]) for r < rows (row stride ldc), as Problem's
+// epilogue says; applied to a panel's outputs while they are in cache (a last partial vector
+// through a padded copy)
+template <typename V>
+__attribute__((always_inline)) inline void finish_outputs(float* out, int64_t ldc, int64_t rows, int64_t cols,
+                                                          const float* bias, bool apply, GateActivation activation) {
+  constexpr int64_t lanes = kLanesOf<V>;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; c += lanes) {
+      const int64_t n = std::min(lanes, cols - c);
+      float* o = out + r * ldc + c;
+      const float* b = bias ? bias + c : nullptr;
+      alignas(64) float tail[lanes] = {}, tail_bias[lanes] = {};
+      if (n < lanes) {
+        std::copy(o, o + n, tail);
+        if (b) std::copy(b, b + n, tail_bias);
+        o = tail;
+        b = b ? tail_bias : nullptr;
+      }
+      V v = load_as<V>(o);
+      if (b) v = v + load_as<V>(b);
+      if (apply) v = activate(v, activation);
+      store_as(o, v);
+      if (n < lanes) std::copy(tail, tail + n, out + r * ldc + c);
+    }
+  }
+}
+
 struct Units {
   const Problem<float, float>& s;
   int64_t first, last;
@@ -114,8 +146,11 @@ __attribute__((always_inline)) inline void run_units(const Units& u) {
     const float* x = s.x + r0 * s.row_stride;
     const float* panel = s.panels + p * K * kPanelColumns;
     float* out = s.out + r0 * s.N + c0;
+    using V = LaneVector<kWide>;
+    const bool finish = s.bias || s.activate;
     if (!s.up_panels && cols == kPanelColumns) {
       panel_product<kWide>(x, s.row_stride, panel, K, out, s.N, rows);
+      if (finish) finish_outputs<V>(out, s.N, rows, cols, s.bias ? s.bias + c0 : nullptr, s.activate, s.activation);
       continue;
     }
     scratch.resize(static_cast<std::size_t>(2 * kRowGroup * kPanelColumns));
@@ -123,11 +158,11 @@ __attribute__((always_inline)) inline void run_units(const Units& u) {
     panel_product<kWide>(x, s.row_stride, panel, K, gate, kPanelColumns, rows);
     if (s.up_panels) {
       panel_product<kWide>(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows);
-      using V = LaneVector<kWide>;
       for (int64_t i = 0; i < rows * kPanelColumns; i += kLanesOf<V>)
         store_as(gate + i, activate(load_as<V>(gate + i), s.activation) * load_as<V>(up + i));
     }
     for (int64_t r = 0; r < rows; ++r) std::copy(gate + r * kPanelColumns, gate + r * kPanelColumns + cols, out + r * s.N);
+    if (finish) finish_outputs<V>(out, s.N, rows, cols, s.bias ? s.bias + c0 : nullptr, s.activate, s.activation);
   }
 }
 
@@ -257,6 +292,13 @@ void run(const Problem<X, W>& s, int threads) {
 void dense_product(const float* x, int64_t row_stride, const float* panels, float* out, int64_t M, int64_t K,
                    int64_t N, int threads) {
   run(Problem<float, float>{x, row_stride, panels, nullptr, out, M, K, N, GateActivation::kSilu}, threads);
+}
+
+void dense_product(const float* x, int64_t row_stride, const float* panels, float* out, int64_t M, int64_t K,
+                   int64_t N, const float* bias, std::optional<GateActivation> activation, int threads) {
+  run(Problem<float, float>{x, row_stride, panels, nullptr, out, M, K, N,
+                            activation.value_or(GateActivation::kSilu), bias, activation.has_value()},
+      threads);
 }
 
 void gated_dense_product(const float* x, int64_t row_stride, const float* gate_panels, const float* up_panels,

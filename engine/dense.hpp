@@ -11,18 +11,26 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace fastjudge {
 
 constexpr int64_t kPanelColumns = 64;
 
-// What a gated projection applies to its gate before multiplying the up projection's output.
+// What a gated projection applies to its gate before multiplying the up projection's output, or a
+// float32 projection to its output.
 enum class GateActivation { kSilu = 0, kGeluTanh = 1, kRelu = 2 };
 
 // out [M, N] = x [M, K] W^T; x rows row_stride apart (contiguous within a row), out contiguous.
 void dense_product(const float* x, int64_t row_stride, const float* panels, float* out, int64_t M, int64_t K,
                    int64_t N, int threads);
+
+// out [M, N] = act(x W^T + bias): bias [N] added where not null, then the activation where given,
+// each panel's outputs while they are in cache (the sum's bits as dense_product's, the bias added
+// in one rounding as a separate add would).
+void dense_product(const float* x, int64_t row_stride, const float* panels, float* out, int64_t M, int64_t K,
+                   int64_t N, const float* bias, std::optional<GateActivation> activation, int threads);
 
 // out [M, N] = act(x Wg^T) * (x Wu^T), each panel of the gate and the up weight together.
 void gated_dense_product(const float* x, int64_t row_stride, const float* gate_panels, const float* up_panels,

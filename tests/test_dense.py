@@ -141,9 +141,11 @@ def test_bias_and_activation_on_every_path(dtype, rows, activation):
     """``Dense(w, bias=b, activation=act)`` against the biased linear layers of transformers'
     vision MLPs (``Qwen3_5VisionMLP.forward``: ``linear_fc2(act_fn(linear_fc1(x)))``, each an
     ``nn.Linear`` with a bias; transformers/models/qwen3_5/modeling_qwen3_5.py), the activation
-    from ``ACT2FN``: ``F.linear`` (unprepared), the engine's panels (few rows) and oneDNN's packed
-    GEMM with the bias and activation in its epilogue (many rows) within 1e-5 in float32 and to
-    bfloat16 rounding; a weight of more dimensions (a Conv3d's, kernel == stride) read flattened."""
+    from ``ACT2FN``: ``F.linear`` (unprepared), the engine's panels (few rows; in float32 every
+    row count where the engine applies the activation, bias and activation on each panel in its
+    call) and oneDNN's packed GEMM with the bias and activation in its epilogue (many rows) within
+    1e-5 in float32 and to bfloat16 rounding; a weight of more dimensions (a Conv3d's, kernel ==
+    stride) read flattened."""
     from transformers.activations import ACT2FN
 
     g = torch.Generator().manual_seed(rows)
@@ -160,13 +162,42 @@ def test_bias_and_activation_on_every_path(dtype, rows, activation):
         d.prepare()
         how = d._prepared_for_input(x)
         engine = dtype == torch.float32 or BF16_ENGINE
-        assert how == ("engine" if engine and rows <= dense.ENGINE_MAX_ROWS[dtype] else
+        panels_only = dtype == torch.float32 and activation in dense.ENGINE_ACTIVATIONS
+        assert d.path == ("engine" if panels_only else expected_path(engine, dense.packing_available(dtype)))
+        assert how == ("engine" if engine and (rows <= dense.ENGINE_MAX_ROWS[dtype] or panels_only) else
                        "onednn-packed" if dense.packing_available(dtype) else "engine" if engine else None)
         got = d(x)
         assert got.shape == (rows, 576) and got.dtype == dtype
         assert rel_err(got, want) <= tol
     assert [k for k, _ in d.state_dict().items()] == ["weight", "bias"]
     assert d.state_dict()["weight"].shape == (576, 3, 2, 8, 8)
+
+
+@pytest.mark.parametrize("outputs", (64, 100, 7))
+@pytest.mark.parametrize("activation", [None, *sorted(dense.ENGINE_ACTIVATIONS)])
+def test_engine_epilogue_bias_then_activation(outputs, activation):
+    """``_engine.dense_product``'s float32 epilogue: the bias added to the product's own bits (as
+    a separate ``add_`` after the plain engine product), then the activation (transformers'
+    ``ACT2FN``, activations.py) within 1e-6, panels cut short (100, 7 outputs) included; refused
+    for bfloat16 bits."""
+    from transformers.activations import ACT2FN
+
+    g = torch.Generator().manual_seed(outputs)
+    w, b = torch.randn(outputs, 96, generator=g) / 10, torch.randn(outputs, generator=g)
+    x = torch.randn(70, 96, generator=g)
+    panels = dense.pack_panels(w)
+    plain = dense.engine_linear(x, panels, outputs)
+    biased = dense.engine_linear(x, panels, outputs, b)
+    assert torch.equal(biased, plain + b)
+    got = dense.engine_linear(x, panels, outputs, b, activation)
+    want = plain + b if activation is None else ACT2FN[activation](plain + b)
+    assert (got - want).abs().max().item() <= 1e-6 * max(1.0, want.abs().max().item())
+    if activation is not None:
+        unbiased = dense.engine_linear(x, panels, outputs, None, activation)
+        want = ACT2FN[activation](plain)
+        assert (unbiased - want).abs().max().item() <= 1e-6 * max(1.0, want.abs().max().item())
+    with pytest.raises(ValueError, match="float32"):
+        _engine.dense_product(x.bfloat16().view(torch.int16).numpy(), panels, plain.numpy(), 1, b.numpy(), None)
 
 
 def test_bias_and_activation_refusals():

@@ -41,7 +41,10 @@ its panels, and prompts run on them too: oneDNN's second linear reads back the g
 that its first wrote, where the engine holds both halves of a panel in cache (two threads, a
 2-core AVX2 CPU, 2,048 rows: the shapes above 11.6 against 15.5 ms and 29.9 against 37.0 ms; a
 whole mini Qwen3.5 prefill of 4 x 512 tokens 0.91x, a Flan-T5-small encoder pass of 8 x 490
-0.93x).
+0.93x). So does a float32 weight with an output activation the engine applies (the vision
+MLP's tanh GELU): the engine adds the bias and applies it to each panel's outputs in cache,
+where oneDNN's tanh-GELU epilogue cost more than its GEMM (4,096 rows, 128 -> 512: 7.3 against
+13.1 ms; the mini vision tower 0.90x).
 
 The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone, as
 before. Each costs a copy of the weight in memory (a weight can hold two: the engine's panels
@@ -130,11 +133,19 @@ def pack_panels(weight: torch.Tensor) -> np.ndarray:
     return bits.view(torch.int32).view(panels, width // 2, columns).numpy()
 
 
-def engine_linear(x: torch.Tensor, panels: np.ndarray, out_features: int) -> torch.Tensor:
-    """``x @ W.T`` for any leading shape of ``x`` (CPU, W's dtype) on ``pack_panels(W)``."""
+def engine_linear(x: torch.Tensor, panels: np.ndarray, out_features: int, bias: torch.Tensor | None = None,
+                  activation: str | None = None) -> torch.Tensor:
+    """``act(x @ W.T + bias)`` for any leading shape of ``x`` (CPU, W's dtype) on
+    ``pack_panels(W)``; the bias and the activation (float32 only, one of
+    :data:`ENGINE_ACTIVATIONS`) on each panel's outputs in the engine's call."""
     rows = _rows(x)
     out = x.new_empty(rows.shape[0], out_features)
-    _engine.dense_product(engine_array(rows), panels, engine_array(out), torch.get_num_threads())
+    epilogue = {}
+    if bias is not None:
+        epilogue["bias"] = engine_array(bias)
+    if activation is not None:
+        epilogue["activation"] = ENGINE_ACTIVATIONS[activation]
+    _engine.dense_product(engine_array(rows), panels, engine_array(out), torch.get_num_threads(), **epilogue)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -300,23 +311,26 @@ class Dense(torch.nn.Module):
             return self.path
         w = self.matrix
         # a gated weight packs its halves apart (gated_product), and only those
-        if takes_panels(w) and (self.steps or not should_pack(w)):
+        if takes_panels(w) and (self.steps or not should_pack(w) or self._panels_serve_prompts(w)):
             self._panels = tuple(pack_panels(half) for half in w.chunk(2)) if self.gate else pack_panels(w)
             self._packed_for = (w.data_ptr(), w.dtype)
-        if should_pack(w) and (self.prompts or self._panels is None) and not self._panels_serve_prompts(w):
+        if should_pack(w) and (self.prompts or self._panels is None) and not (
+                self._panels is not None and self._panels_serve_prompts(w)):
             self._packed = tuple(pack(half) for half in w.chunk(2)) if self.gate else pack(w)
             self._packed_for = (w.data_ptr(), w.dtype)
             self._min_rows = packed_min_rows(w)
         return self.path
 
     def _panels_serve_prompts(self, w: torch.Tensor) -> bool:
-        # a float32 gated product whose activation the engine applies runs on the panels at
-        # every row count: oneDNN's two linears write the gate's [rows, inner] product and read
-        # it back in the up projection's epilogue, where the panels keep both halves of a panel
-        # in cache (two threads, AVX2, 2,048 rows: Qwen3.5 mini's 256 -> 2 x 768 11.6 against
-        # 15.5 ms, Flan-T5-small's 512 -> 2 x 1024 29.9 against 37.0 ms)
-        return (self.gate in ENGINE_ACTIVATIONS and self._panels is not None
-                and w.dtype == torch.float32)
+        # float32 products with an activation the engine applies (a gated product's on its gate,
+        # or an output activation) run on the panels at every row count, the activation on each
+        # panel while it is in cache. oneDNN's gated pair writes the gate's [rows, inner] product
+        # and reads it back in the up projection's epilogue; its tanh-GELU epilogue cost more
+        # than its GEMM (two threads, AVX2: Qwen3.5 mini's MLP at 2,048 rows, 256 -> 2 x 768,
+        # 11.6 against 15.5 ms; Flan-T5-small's 512 -> 2 x 1024 29.9 against 37.0 ms; the mini
+        # vision tower's first MLP projection, 4,096 rows, 128 -> 512, bias, tanh GELU, 7.3
+        # against 13.1 ms, the same product alone 5.2 on either)
+        return (self.gate or self.activation) in ENGINE_ACTIVATIONS and w.dtype == torch.float32
 
     def unprepare(self) -> str:
         """Drop the packed copy (``F.linear`` from now on); returns :attr:`path`."""
@@ -343,11 +357,14 @@ class Dense(torch.nn.Module):
         if how is None:
             return self._activate(F.linear(x, w, self.bias))
         if how == "engine":
-            halves = self._panels if self.gate else (self._panels,)
-            parts = [engine_linear(x, panels, w.shape[0] // len(halves)) for panels in halves]
             if self.gate:
-                return torch.cat(parts, dim=-1)
-            return self._activate(parts[0] if self.bias is None else parts[0].add_(self.bias))
+                return torch.cat([engine_linear(x, panels, w.shape[0] // 2) for panels in self._panels], dim=-1)
+            if x.dtype != torch.float32:  # the engine's bias and activation are float32's
+                y = engine_linear(x, self._panels, w.shape[0])
+                return self._activate(y if self.bias is None else y.add_(self.bias))
+            fused = self.activation if self.activation in ENGINE_ACTIVATIONS else None
+            y = engine_linear(x, self._panels, w.shape[0], self.bias, fused)
+            return y if fused is not None else self._activate(y)
         if self.gate:
             return torch.cat([packed_linear(x, half) for half in self._packed], dim=-1)
         return packed_linear(x, self._packed, self.bias, self.activation)
