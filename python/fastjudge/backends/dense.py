@@ -10,12 +10,10 @@ GEMM each one runs:
   packed copy: the engine's projection kernel (``_engine.dense_product``) on the weight packed
   once into panels of 64 output columns (:func:`pack_panels`), each output its row's dot product
   over the inputs in increasing order (bfloat16: as bfloat16 dot products, each output rounded
-  once; the same bits as ``F.linear`` at every shape measured). Measured with torch 2.13 on a
-  2-core AVX-512-BF16 machine, two threads, against oneDNN's prepacked linear (below): faster at
-  a decoding step's few rows, where oneDNN's op costs ~15 us a call before any work (float32,
-  256 -> 1536: 1 row 32 -> 17 us, 3 rows 33 -> 21 us, 16 rows 81 -> 63 us; 256 -> 256: 1 row 20
-  -> 7 us). float32 within 2.4e-6 of ``F.linear`` relative to the output's largest value
-  (another summation order).
+  once; the same bits as ``F.linear`` at every shape measured): faster than oneDNN's prepacked
+  linear (below) at a decoding step's few rows, where oneDNN's op costs ~15 us a call before any
+  work (docs/engine.md has the figures). float32 within 2.4e-6 of ``F.linear`` relative to the
+  output's largest value (another summation order).
 * CPU, inputs of more rows, weights of at least :data:`PACK_MIN_ELEMENTS`: oneDNN's linear on a
   weight reordered once into its blocked layout
   (``mkldnn._reorder_linear_weight`` then ``mkldnn._linear_pointwise``, the ops inductor's CPU
@@ -32,28 +30,21 @@ A gated projection (``Dense(w, gate=name)``: the gate and up projections of a ga
 never write the ``[rows, 2 * inner]`` product or the activation apart: the engine computes each
 panel of both halves and writes ``act(gate) * up`` (silu, the tanh GELU as ``g * sigmoid(2 y)``,
 relu; the erf GELU takes torch's activation after the engine's two products); oneDNN runs two
-linears with fused epilogues (the activation on the gate, times the gate on the up projection):
-Qwen's SwiGLU at ``[rows, 256] x [256, 2 x 768]`` with the down projection, 3,840 rows bfloat16
-13.1 -> 11.9 ms; Flan-T5's gated GELU at ``[3920, 512] x [512, 2 x 1024]`` 24.4 -> 21.1 ms
-bfloat16. float32 within 1e-5 of the unfused path; in bfloat16 the gate is no longer rounded
-before its activation. In float32 a gated weight whose activation the engine applies keeps only
-its panels, and prompts run on them too: oneDNN's second linear reads back the gate's product
-that its first wrote, where the engine holds both halves of a panel in cache (two threads, a
-2-core AVX2 CPU, 2,048 rows: the shapes above 11.6 against 15.5 ms and 29.9 against 37.0 ms; a
-whole mini Qwen3.5 prefill of 4 x 512 tokens 0.91x, a Flan-T5-small encoder pass of 8 x 490
-0.93x). So does a float32 weight with an output activation the engine applies (the vision
-MLP's tanh GELU): the engine adds the bias and applies it to each panel's outputs in cache,
-where oneDNN's tanh-GELU epilogue cost more than its GEMM (4,096 rows, 128 -> 512: 7.3 against
-13.1 ms; the mini vision tower 0.90x).
+linears with fused epilogues (the activation on the gate, times the gate on the up projection).
+float32 within 1e-5 of the unfused path; in bfloat16 the gate is no longer rounded before its
+activation. In float32 a weight whose activation the engine applies (a gated product's; an
+output activation, the vision MLP's tanh GELU) keeps only its panels and runs every row count on
+them, the bias and activation applied to each panel in cache: oneDNN's gated pair writes the
+gate's product and reads it back, and its tanh-GELU epilogue cost more than its GEMM (AVX2,
+2,048-4,096 rows: 0.56-0.81x of oneDNN's time; prompt passes 0.90-0.93x; docs/benchmarks.md).
 
-The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone, as
-before. Each costs a copy of the weight in memory (a weight can hold two: the engine's panels
-and oneDNN's). They are rebuilt after ``.to()`` and
-``load_state_dict`` and is bypassed (``F.linear``) when it no longer matches the weight's
-storage or dtype, when the input needs a gradient, and inside ``torch.compile``d code: inductor
-cannot lower the packed op on an opaque oneDNN tensor or call the engine, and compiles
-``F.linear`` instead; likewise under ``torch.jit.trace`` (an ONNX export), whose graph would
-hold the engine's output as a constant.
+The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone. Each
+costs a copy of the weight in memory (a weight can hold two: the engine's panels and oneDNN's).
+They are rebuilt after ``.to()`` and ``load_state_dict``, and bypassed (``F.linear``) when they
+no longer match the weight's storage or dtype, when the input needs a gradient, and inside
+``torch.compile``d code: inductor cannot lower the packed op on an opaque oneDNN tensor or call
+the engine, and compiles ``F.linear`` instead; likewise under ``torch.jit.trace`` (an ONNX
+export), whose graph would hold the engine's output as a constant.
 """
 
 from __future__ import annotations
@@ -135,17 +126,13 @@ def pack_panels(weight: torch.Tensor) -> np.ndarray:
 
 def engine_linear(x: torch.Tensor, panels: np.ndarray, out_features: int, bias: torch.Tensor | None = None,
                   activation: str | None = None) -> torch.Tensor:
-    """``act(x @ W.T + bias)`` for any leading shape of ``x`` (CPU, W's dtype) on
-    ``pack_panels(W)``; the bias and the activation (float32 only, one of
-    :data:`ENGINE_ACTIVATIONS`) on each panel's outputs in the engine's call."""
+    """``act(x @ W.T + bias)`` for any leading shape of ``x`` (CPU, W's dtype) on ``pack_panels(W)``;
+    the bias and activation (float32 only; one of :data:`ENGINE_ACTIVATIONS`) in the engine's call."""
     rows = _rows(x)
     out = x.new_empty(rows.shape[0], out_features)
-    epilogue = {}
-    if bias is not None:
-        epilogue["bias"] = engine_array(bias)
-    if activation is not None:
-        epilogue["activation"] = ENGINE_ACTIVATIONS[activation]
-    _engine.dense_product(engine_array(rows), panels, engine_array(out), torch.get_num_threads(), **epilogue)
+    _engine.dense_product(engine_array(rows), panels, engine_array(out), torch.get_num_threads(),
+                          None if bias is None else engine_array(bias),
+                          None if activation is None else ENGINE_ACTIVATIONS[activation])
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -322,14 +309,7 @@ class Dense(torch.nn.Module):
         return self.path
 
     def _panels_serve_prompts(self, w: torch.Tensor) -> bool:
-        # float32 products with an activation the engine applies (a gated product's on its gate,
-        # or an output activation) run on the panels at every row count, the activation on each
-        # panel while it is in cache. oneDNN's gated pair writes the gate's [rows, inner] product
-        # and reads it back in the up projection's epilogue; its tanh-GELU epilogue cost more
-        # than its GEMM (two threads, AVX2: Qwen3.5 mini's MLP at 2,048 rows, 256 -> 2 x 768,
-        # 11.6 against 15.5 ms; Flan-T5-small's 512 -> 2 x 1024 29.9 against 37.0 ms; the mini
-        # vision tower's first MLP projection, 4,096 rows, 128 -> 512, bias, tanh GELU, 7.3
-        # against 13.1 ms, the same product alone 5.2 on either)
+        # float32, an activation the engine applies: the panels at every row count (docstring)
         return (self.gate or self.activation) in ENGINE_ACTIVATIONS and w.dtype == torch.float32
 
     def unprepare(self) -> str:
@@ -359,11 +339,10 @@ class Dense(torch.nn.Module):
         if how == "engine":
             if self.gate:
                 return torch.cat([engine_linear(x, panels, w.shape[0] // 2) for panels in self._panels], dim=-1)
-            if x.dtype != torch.float32:  # the engine's bias and activation are float32's
-                y = engine_linear(x, self._panels, w.shape[0])
-                return self._activate(y if self.bias is None else y.add_(self.bias))
-            fused = self.activation if self.activation in ENGINE_ACTIVATIONS else None
-            y = engine_linear(x, self._panels, w.shape[0], self.bias, fused)
+            f32 = x.dtype == torch.float32  # the engine's bias and activation are float32's
+            fused = self.activation if f32 and self.activation in ENGINE_ACTIVATIONS else None
+            y = engine_linear(x, self._panels, w.shape[0], self.bias if f32 else None, fused)
+            y = y if f32 or self.bias is None else y.add_(self.bias)
             return y if fused is not None else self._activate(y)
         if self.gate:
             return torch.cat([packed_linear(x, half) for half in self._packed], dim=-1)
