@@ -893,10 +893,12 @@ fastjudge::GateActivation gate_activation(const std::string& name) {
 }
 
 // out = x W^T (gated: act(x Wg^T) * (x Wu^T)): X float32 on float32 panels, or bfloat16 bits on
-// panels of input pairs (W 32-bit words)
+// panels of input pairs (W 32-bit words); ungated float32 also takes a bias (None or [N]) and an
+// output activation, both applied in the engine's call
 template <typename X, typename W>
 void project(const py::handle& x, const py::handle& panels, const py::handle& up_panels, const py::handle& out,
-             std::optional<fastjudge::GateActivation> activation, int threads) {
+             std::optional<fastjudge::GateActivation> activation, int threads, const py::handle& bias,
+             std::optional<fastjudge::GateActivation> output_activation) {
   const int64_t columns = fastjudge::kPanelColumns, per_entry = sizeof(W) / sizeof(X);
   const auto [M, N, depth] = projection_shape<W>(x, panels, out);
   const int64_t K = py::array::ensure(x).shape(1), P = (N + columns - 1) / columns;
@@ -908,6 +910,14 @@ void project(const py::handle& x, const py::handle& panels, const py::handle& up
   const W* w = typed_array<W>(panels, "panels", {P, depth, columns});
   const W* up = activation ? typed_array<W>(up_panels, "up_panels", {P, depth, columns}) : nullptr;
   X* dst = typed_array<X>(out, "out", {M, N}, true);
+  if constexpr (std::is_same_v<X, float>) {
+    const float* b = bias.is_none() ? nullptr : typed_array<float>(bias, "bias", {N});
+    if (b || output_activation) {
+      py::gil_scoped_release release;
+      fastjudge::dense_product(rows, stride, w, dst, M, K, N, b, output_activation, threads);
+      return;
+    }
+  }
   py::gil_scoped_release release;
   if (activation) {
     fastjudge::gated_dense_product(rows, stride, w, up, dst, M, K, N, *activation, threads);
@@ -917,13 +927,16 @@ void project(const py::handle& x, const py::handle& panels, const py::handle& up
 }
 
 void projection(const py::handle& x, const py::handle& panels, const py::handle& up_panels, const py::handle& out,
-                std::optional<fastjudge::GateActivation> activation, int threads) {
+                std::optional<fastjudge::GateActivation> activation, int threads, const py::handle& bias = py::none(),
+                std::optional<fastjudge::GateActivation> output_activation = std::nullopt) {
   const py::array in = py::array::ensure(x);
   if (!in || in.ndim() != 2) throw py::value_error("x must be a 2-D array [rows, K]");
   if (!((in.dtype().kind() == 'i' || in.dtype().kind() == 'u') && in.itemsize() == 2)) {
-    project<float, float>(x, panels, up_panels, out, activation, threads);
+    project<float, float>(x, panels, up_panels, out, activation, threads, bias, output_activation);
+  } else if (!bias.is_none() || output_activation) {
+    throw py::value_error("bias and activation need a float32 x [rows, K]");  // the epilogue is float32's only
   } else if (fastjudge::bf16_dense_available()) {
-    project<uint16_t, uint32_t>(x, panels, up_panels, out, activation, threads);
+    project<uint16_t, uint32_t>(x, panels, up_panels, out, activation, threads, bias, std::nullopt);
   } else {
     throw py::value_error("bfloat16 projections need AVX512-BF16");
   }
@@ -931,27 +944,9 @@ void projection(const py::handle& x, const py::handle& panels, const py::handle&
 
 void dense_product(const py::handle& x, const py::handle& panels, const py::handle& out, int threads,
                    const py::handle& bias, const py::handle& activation) {
-  if (bias.is_none() && activation.is_none()) {
-    projection(x, panels, py::none(), out, std::nullopt, threads);
-    return;
-  }
-  // the epilogue is float32's only
-  const py::array in = py::array::ensure(x);
-  if (!in || in.ndim() != 2 || !in.dtype().is(py::dtype::of<float>())) {
-    throw py::value_error("bias and activation need a float32 x [rows, K]");
-  }
-  const int64_t columns = fastjudge::kPanelColumns;
-  const auto [M, N, depth] = projection_shape<float>(x, panels, out);
-  const int64_t K = in.shape(1), P = (N + columns - 1) / columns;
-  if (K != depth) throw py::value_error("x must be [rows, K] for panels of K entries an output");
-  const auto [rows, stride] = input_rows<float>(x, K);
-  const float* w = typed_array<float>(panels, "panels", {P, depth, columns});
-  const float* b = bias.is_none() ? nullptr : typed_array<float>(bias, "bias", {N});
   std::optional<fastjudge::GateActivation> act;
   if (!activation.is_none()) act = gate_activation(py::cast<std::string>(activation));
-  float* dst = typed_array<float>(out, "out", {M, N}, true);
-  py::gil_scoped_release release;
-  fastjudge::dense_product(rows, stride, w, dst, M, K, N, b, act, threads);
+  projection(x, panels, py::none(), out, std::nullopt, threads, bias, act);
 }
 
 void gated_dense_product(const py::handle& x, const py::handle& gate_panels, const py::handle& up_panels,
