@@ -39,12 +39,12 @@ gate's product and reads it back, and its tanh-GELU epilogue cost more than its 
 2,048-4,096 rows: 0.56-0.81x of oneDNN's time; prompt passes 0.90-0.93x; docs/benchmarks.md).
 
 The packed copies are not parameters or buffers: ``state_dict`` holds ``weight`` alone. Each
-costs a copy of the weight in memory (a weight can hold two: the engine's panels and oneDNN's).
-They are rebuilt after ``.to()`` and ``load_state_dict``, and bypassed (``F.linear``) when they
-no longer match the weight's storage or dtype, when the input needs a gradient, and inside
-``torch.compile``d code: inductor cannot lower the packed op on an opaque oneDNN tensor or call
-the engine, and compiles ``F.linear`` instead; likewise under ``torch.jit.trace`` (an ONNX
-export), whose graph would hold the engine's output as a constant.
+costs a copy of the weight in memory, a weight up to two (the engine's panels lie in huge pages
+from 2 MiB on: ``cpu_memory``). They are rebuilt after ``.to()`` and ``load_state_dict``, and
+bypassed (``F.linear``) when they no longer match the weight's storage or dtype, when the input
+needs a gradient, in ``torch.compile``d code (inductor cannot lower the packed op or call the
+engine, and compiles ``F.linear``) and under ``torch.jit.trace`` (an ONNX export's graph would
+hold the engine's output as a constant).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from .. import _engine
 from .cpu_engine import engine_array
+from .cpu_memory import huge_page_empty
 
 # The packed oneDNN linear costs ~15 us a call beyond F.linear's; below about 256 x 512 weights
 # F.linear is as fast or faster at every row count measured (1, 16, 256 rows).
@@ -118,10 +119,10 @@ def pack_panels(weight: torch.Tensor) -> np.ndarray:
     width = inputs + (inputs % 2 if pairs else 0)
     padded = weight.detach().new_zeros(panels * columns, width)
     padded[:out, :inputs] = weight.detach()
-    if not pairs:
-        return padded.view(panels, columns, width).transpose(1, 2).contiguous().numpy()
-    bits = padded.view(torch.int16).view(panels, columns, width // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return bits.view(torch.int32).view(panels, width // 2, columns).numpy()
+    layout = (padded.view(torch.int32) if pairs else padded).view(panels, columns, -1).transpose(1, 2)
+    held = huge_page_empty(tuple(layout.shape), np.int32 if pairs else np.float32)  # read every step
+    torch.from_numpy(held).copy_(layout)
+    return held
 
 
 def engine_linear(x: torch.Tensor, panels: np.ndarray, out_features: int, bias: torch.Tensor | None = None,
