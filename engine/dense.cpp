@@ -27,8 +27,10 @@ constexpr double kWeightBytesPerThread = 256 * 1024;
 // float32 kFetchSlicesF32): its panels stream from memory once, spread over the compute. Reading
 // each panel whole, row block after row block, stalled the first block on memory while the later
 // ones found it in L2 (Flan-T5-small's decoder projections at 16 rows, float32: 4.6-4.9 -> 4.1 ms
-// a step, 3.3 ms with the weights in cache). One row block has no reuse to wait for
-// (panel_product), and groups of many rows are compute-bound: both read the panel whole.
+// a step, 3.3 ms with the weights in cache). One row block has no reuse to wait for and reads
+// the panel whole. float32: the first row group of a call streams its panels at any row count
+// (panel_product); bfloat16: groups of up to kStreamedRows rows do, larger ones (taken for
+// compute-bound, and not measured on an AVX512-BF16 CPU since float32's change) read it whole.
 constexpr int64_t kSliceDepth = 64;
 constexpr int64_t kFetchSlices = 4;
 constexpr int64_t kStreamedRows = 32;
@@ -70,19 +72,24 @@ __attribute__((always_inline)) inline V activate(V g, GateActivation activation)
 }
 
 // out [rows, 64] (row stride ldc) = x [rows, K] panel (a panel's successor lies right after it:
-// the stream fetched ahead runs on into the next panel, which the next unit reads); kWide: built
-// for AVX-512's registers (blocks of four vectors), else for AVX2's (product's narrow blocks)
+// the stream fetched ahead runs on into the next panel, which the next unit reads); first: the
+// call's first row group, which reads the panel from memory (later groups find it in cache);
+// kWide: built for AVX-512's registers (blocks of four vectors), else for AVX2's (product's
+// narrow blocks)
 template <bool kWide>
 __attribute__((always_inline)) inline void panel_product(const float* x, int64_t row_stride, const float* panel,
-                                                         int64_t K, float* out, int64_t ldc, int64_t rows) {
+                                                         int64_t K, float* out, int64_t ldc, int64_t rows,
+                                                         bool first) {
   // rows that one register block takes read the panel whole; under AVX2 that is only one or two
-  // (product's 64- and 32-column blocks, each a whole 256-byte row of the panel an input). Three
-  // or four rows there take blocks of 16 columns, four passes over the panel, each reading a
-  // line of every 256 bytes: streamed in slices instead, two threads, the mini Qwen3.5's
-  // decoding-step projections 3 rows -35 %, 4 rows -37 % (one thread -46 %), Flan-T5-small's
-  // 4 rows -42 % (alternating in one process)
+  // (product's 64- and 32-column blocks, each a whole 256-byte row of the panel an input). More
+  // rows there take blocks of 16 columns, passes over the panel each reading a line of every 256
+  // bytes: the first group streams it in slices instead (two threads, alternating in one
+  // process: the mini Qwen3.5's decoding-step projections 3 rows -35 %, 4 rows -37 % (one thread
+  // -46 %), Flan-T5-small's 4 rows -42 %; the whole steps at 48 / 64 / 128 / 256 rows (weights
+  // read whole before) -21 / -15 / -6 / -4 %, Flan-T5-small's at 48 / 64 rows -24 / -20 %). A
+  // group after it reads the panel from cache, whole: slices cost 6 % there.
   constexpr int64_t kWholeRows = kWide ? kProductRows : kNarrowFewRows;
-  if (rows <= kWholeRows || rows > kStreamedRows) {
+  if (rows <= kWholeRows || !first) {
     product<false, false, float, kProductRows, !kWide>(x, row_stride, panel, kPanelColumns, out, ldc, rows, K,
                                                         kPanelColumns, false);
     return;
@@ -149,15 +156,16 @@ __attribute__((always_inline)) inline void run_units(const Units& u) {
     using V = LaneVector<kWide>;
     const bool finish = s.bias || s.activate;
     if (!s.up_panels && cols == kPanelColumns) {
-      panel_product<kWide>(x, s.row_stride, panel, K, out, s.N, rows);
+      panel_product<kWide>(x, s.row_stride, panel, K, out, s.N, rows, r0 == 0);
       if (finish) finish_outputs<V>(out, s.N, rows, cols, s.bias ? s.bias + c0 : nullptr, s.activate, s.activation);
       continue;
     }
     scratch.resize(static_cast<std::size_t>(2 * kRowGroup * kPanelColumns));
     float *gate = scratch.data(), *up = gate + kRowGroup * kPanelColumns;
-    panel_product<kWide>(x, s.row_stride, panel, K, gate, kPanelColumns, rows);
+    panel_product<kWide>(x, s.row_stride, panel, K, gate, kPanelColumns, rows, r0 == 0);
     if (s.up_panels) {
-      panel_product<kWide>(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows);
+      panel_product<kWide>(x, s.row_stride, s.up_panels + p * K * kPanelColumns, K, up, kPanelColumns, rows,
+                           r0 == 0);
       for (int64_t i = 0; i < rows * kPanelColumns; i += kLanesOf<V>)
         store_as(gate + i, activate(load_as<V>(gate + i), s.activation) * load_as<V>(up + i));
     }
