@@ -170,13 +170,14 @@ __attribute__((always_inline)) inline void write_group(const float* sums, const 
 }
 
 // One row's group of query rows [r0, r0 + rows) over its first `length` states (queries of type
-// Q, states T, outputs O: float32 or bfloat16 bits each). kZmm: built for AVX-512; kYmm: a build
-// with 256-bit registers (FASTJUDGE_VERSIONED_YMM).
+// Q, states T, outputs O: float32 or bfloat16 bits each); next: the first state the thread's
+// next group reads (null: none). kZmm: built for AVX-512; kYmm: a build with 256-bit registers
+// (FASTJUDGE_VERSIONED_YMM).
 template <bool kZmm, bool kYmm, typename Q, typename T, typename O>
 __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& query, const StridedRows<T>& states,
                                                         int64_t length, O* out, int64_t b, int64_t r0, int64_t rows,
                                                         int64_t R, int64_t dim, float scale, float* queries,
-                                                        float* sums, float* scores, float* block) {
+                                                        float* sums, float* scores, float* block, const T* next) {
   constexpr bool wide = std::is_same_v<T, float>;
   // four queries a register block where they fill it, else two (six rows: no padded row); two
   // in the AVX2 build (narrow_block_scores)
@@ -203,8 +204,11 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     }
     // the next block's states, fetched into L2 while this one computes (float32 states are read in
     // place): fetched into L1, the next block's 128 KiB pushed out the one being read (16 rows over
-    // 1,200 states, every layer's cross-attention, in-process alternation: 25.5 -> 22.2 ms)
-    const int64_t ahead = wide && j0 + kBlockKeys < length ? kBlockKeys * ldk : 0;
+    // 1,200 states, every layer's cross-attention, in-process alternation: 25.5 -> 22.2 ms). The
+    // last block fetches the next group's first (64 rows over 128 states, streamed from memory:
+    // -8 %; nothing fetched at all: +9 %)
+    int64_t ahead = 0;
+    if constexpr (wide) ahead = j0 + kBlockKeys < length ? kBlockKeys * ldk : next ? next - keys : 0;
     // a decoding step's six heads (Flan-T5-small's) against four float32 keys at a time, each key
     // read once for all six: every layer's cross-attention of 16 rows over 1,200 states 18.4-28.6
     // -> 14.6-25.8 ms; over bfloat16 states (converted into a buffer first) it was 2 % slower
@@ -248,11 +252,12 @@ __attribute__((always_inline)) inline void attend_units(const Attend<Q, T, O>& a
   const std::unique_ptr<float[]> queries(new float[kGroupRows * dim]), sums(new float[kGroupRows * dim]);
   const std::unique_ptr<float[]> scores(new float[kGroupRows * kBlockKeys]);
   const std::unique_ptr<float[]> block(new float[std::is_same_v<T, float> ? 0 : kBlockKeys * dim]);
+  const auto unit = [&](int64_t i) { return a.reverse ? a.units - 1 - i : i; };
   for (int64_t i = a.first; i < a.last; ++i) {
-    const int64_t u = a.reverse ? a.units - 1 - i : i;
-    const int64_t b = u / groups, r0 = (u % groups) * a.group;
+    const int64_t u = unit(i), b = u / groups, r0 = (u % groups) * a.group;
+    const T* next = i + 1 < a.last ? a.states.row(unit(i + 1) / groups, 0, 0) : nullptr;
     attend_group<kZmm, kYmm>(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, dim,
-                             a.scale, queries.get(), sums.get(), scores.get(), block.get());
+                             a.scale, queries.get(), sums.get(), scores.get(), block.get(), next);
   }
 }
 
