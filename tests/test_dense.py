@@ -350,14 +350,17 @@ def test_engine_product_any_shape(out_features, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [5, 16, 32, 48, 100])
+@pytest.mark.parametrize("rows", [5, 16, 32, 48, 100, 130, 131])
 @pytest.mark.parametrize("gated", [False, True])
 def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated):
-    """A call's first group of rows (a decoding step's; float32 at any size, bfloat16 up to 32
-    rows) reads each panel in slices of inputs, keeping partial sums between them, while one row,
-    and a later group (100 rows: 64, then 36), reads it whole: every row's outputs must be the
-    same bits as that row projected alone (each output sums its inputs in the same order), over
-    input widths that end mid-slice and several panels, on one thread and two."""
+    """A call of one group of rows (a decoding step's; float32 at any size, bfloat16 up to 32
+    rows) reads each panel in slices of inputs, keeping partial sums between them, while one row
+    reads it whole; a call of more groups (100 rows: 64, then 36; 130 and 131: a last group of two
+    and three) reads, under AVX2, each thread's copy of the panel split into 16-column sub-panels,
+    block of six rows by block (and under AVX-512 the panel whole): every row's outputs must be
+    the same bits as that row projected alone (each output sums its inputs in the same order),
+    over input widths that end mid-slice, several panels and one cut short, on one thread and
+    two."""
     if dtype == torch.bfloat16 and not BF16_ENGINE:
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     g = torch.Generator().manual_seed(rows)
