@@ -139,10 +139,11 @@ __attribute__((always_inline)) inline void finish_outputs(float* out, int64_t ld
 // next) and takes each kNarrowRows-row block of inputs against every column of the panel (and of
 // its up panel) in turn, while the block's inputs are in L1. Reading the panel in place, pass by
 // 16-column pass over every row block, touched one line in four of each row (a quarter of L1's
-// sets) and read each row block from L2 again for every pass. Two threads, the two layouts
-// alternating in one process: Qwen3.5-mini's gated MLP at 2,048 rows -16 %, Flan-T5-small's at
-// 4,096 -16 %, plain products of 96-4,096 rows -9 to -23 % (weights read from memory at 96-256
-// rows: -3 to -14 %). Both give each output the same sum in the same order: the same bits.
+// sets) and read each row block from L2 again for every pass. Two threads, the two paths
+// alternating in one process: Flan-T5-small's gated MLP (3,920 rows) -14 % / -21 % in a fast / slow
+// phase of the machine, Qwen3.5-mini's (2,048) -3 to -15 %; plain products -6 to -17 % in fast
+// phases, -7 to +12 % in slow ones; LAVE end to end -6 to -7 %. Both give each output the same
+// sum in the same order: the same bits.
 constexpr int64_t kSubColumns = 16;
 
 // panel [K][kPanelColumns] -> sub [kPanelColumns / kSubColumns][K][kSubColumns], the panel read in order
