@@ -71,11 +71,10 @@ MANY_ROWS = 128
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # inputs of up to this many rows (decoding and few-token steps) take the engine's panels; more
 # (prompts) take oneDNN's packed GEMM where the weight has one. float32: in whole models the
-# engine was within 2 % of oneDNN on prompts (Qwen prefill 4 x 512, T5 encoder 8 x 490; 4 % slower
-# in one order of alternation) and 17-22 % faster on decoding steps; with its split panels under
-# AVX2 (engine/dense.cpp) 1.07 and 1.00 of oneDNN's time on those prompts, so they stay on oneDNN.
-# bfloat16: alone, faster up to 16 rows at every shape measured (256 -> 1536: 1 row 39 -> 29 us,
-# 16 rows 68 -> 60 us), mixed at 64 and 4-15 % slower from 256 rows on.
+# engine took 1.00-1.07 of oneDNN's time on prompts (Qwen prefill 4 x 512, T5 encoder 8 x 490; AVX2,
+# split panels) and was 17-22 % faster on decoding steps. bfloat16: alone, faster up to 16 rows at
+# every shape measured (256 -> 1536: 1 row 39 -> 29 us, 16 rows 68 -> 60 us), mixed at 64 and
+# 4-15 % slower from 256 rows on.
 ENGINE_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 32}
 
 
