@@ -29,8 +29,9 @@ constexpr double kWeightBytesPerThread = 256 * 1024;
 // ones found it in L2 (Flan-T5-small's decoder projections at 16 rows, float32: 4.6-4.9 -> 4.1 ms
 // a step, 3.3 ms with the weights in cache). One row block has no reuse to wait for and reads
 // the panel whole. float32: the first row group of a call streams its panels at any row count
-// (panel_product); bfloat16: groups of up to kStreamedRows rows do, larger ones (taken for
-// compute-bound, and not measured on an AVX512-BF16 CPU since float32's change) read it whole.
+// (panel_product; under AVX2 a call of more groups reads split copies instead, split_products);
+// bfloat16: groups of up to kStreamedRows rows do, larger ones (taken for compute-bound, and not
+// measured on an AVX512-BF16 CPU since float32's change) read it whole.
 constexpr int64_t kSliceDepth = 64;
 constexpr int64_t kFetchSlices = 4;
 constexpr int64_t kStreamedRows = 32;
