@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_product.hpp"
 #include "attention_inputs.hpp"
 #include "causal_attention.hpp"
 #include "cpu_parallel.hpp"
@@ -975,6 +976,18 @@ ValueError on arrays of another dtype, layout or shape.)doc");
 activation: "silu", "gelu_tanh" (the tanh approximation, as g * sigmoid(2 y)) or "relu".
 Otherwise as dense_product.)doc");
   m.attr("dense_panel_columns") = fastjudge::kPanelColumns;
+  m.def(
+      "amx_products",
+      [](const py::object& wanted) {
+        return wanted.is_none() ? fastjudge::amx_products() : fastjudge::amx_products(wanted.cast<bool>());
+      },
+      py::arg("wanted") = py::none(),
+      R"doc(Whether bfloat16 projections on the engine's panels run on AMX tiles (AMX-BF16, where the
+CPU has it and the OS grants this process its tile data; inputs of four rows or more, an even
+number of inputs that is a multiple of 32) rather than on AVX512-BF16 dot products. Each output
+is a float32 sum over the inputs in increasing order either way (the tiles add each pair's two
+products in a fused step, as oneDNN's tile GEMM does). wanted: True (the default) or False sets
+the choice for the process; returns what is in use.)doc");
   m.def("bf16_dense_available", &fastjudge::bf16_dense_available,
         "Whether this CPU runs the bfloat16 projections (AVX512-BF16).");
 }

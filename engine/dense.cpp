@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_product.hpp"
 #include "cpu_parallel.hpp"
 #include "small_product.hpp"
 #include "vector_math.hpp"
@@ -301,6 +302,11 @@ FASTJUDGE_BF16_TARGET void pair_product(const uint32_t* a, int64_t lda, const ui
 // the bfloat16 form of run_units: each row group's inputs as pairs once, then its panels
 FASTJUDGE_BF16_TARGET void run_units_bf16(const Problem<uint16_t, uint32_t>& s, int64_t first, int64_t last) {
   const int64_t groups = (s.M + kRowGroup - 1) / kRowGroup, pairs = (s.K + 1) / 2;
+  // AMX tiles take 16 rows and pairs at a time: rows past a group's are read (from x, whose
+  // rows are zero or an earlier group's finite inputs) and their sums dropped
+  const bool tiles = pairs % kTilePairs == 0 && amx_products();
+  const auto product = tiles ? amx_pair_product : pair_product;
+  if (tiles) amx_configure(s.M);
   std::vector<uint32_t> x(static_cast<std::size_t>(kRowGroup * pairs));
   std::vector<float> sums(static_cast<std::size_t>(2 * kRowGroup * kPanelColumns));
   float *gate = sums.data(), *up = gate + kRowGroup * kPanelColumns;
@@ -318,9 +324,9 @@ FASTJUDGE_BF16_TARGET void run_units_bf16(const Problem<uint16_t, uint32_t>& s, 
       }
       loaded = group;
     }
-    pair_product(x.data(), pairs, s.panels + p * pairs * kPanelColumns, pairs, rows, gate);
+    product(x.data(), pairs, s.panels + p * pairs * kPanelColumns, pairs, rows, gate);
     if (s.up_panels) {
-      pair_product(x.data(), pairs, s.up_panels + p * pairs * kPanelColumns, pairs, rows, up);
+      product(x.data(), pairs, s.up_panels + p * pairs * kPanelColumns, pairs, rows, up);
       for (int64_t i = 0; i < rows * kPanelColumns; i += kLanes)
         store(gate + i, rounded<uint16_t>(activate(load(gate + i), s.activation)) * load(up + i));
     }
@@ -329,6 +335,7 @@ FASTJUDGE_BF16_TARGET void run_units_bf16(const Problem<uint16_t, uint32_t>& s, 
       for (int64_t c = 0; c < cols; ++c) from_float(gate[r * kPanelColumns + c], o + c);
     }
   }
+  if (tiles) amx_release();
 }
 #endif
 

@@ -41,7 +41,10 @@ void gated_dense_product(const float* x, int64_t row_stride, const float* gate_p
 // as oneDNN's bfloat16 GEMM adds them), each output rounded once to bfloat16. Panels hold pairs
 // of inputs: pair_panels[p, i, c] = (W[64 p + c, 2 i], W[64 p + c, 2 i + 1]) in one 32-bit word
 // (zero past the last output and input). Gated: act(gate) rounded to bfloat16, times the up
-// projection's float32 sum, rounded (what oneDNN's two fused linears compute).
+// projection's float32 sum, rounded (what oneDNN's two fused linears compute). Where the CPU has
+// AMX-BF16 and K is a multiple of 32, the products run on AMX tiles instead (amx_product.hpp:
+// each pair's two products added in one fused step, as oneDNN's tile GEMM adds them), at every
+// row count, so that a row's bits never depend on the rows beside it.
 bool bf16_dense_available();
 void dense_product(const uint16_t* x, int64_t row_stride, const uint32_t* pair_panels, uint16_t* out, int64_t M,
                    int64_t K, int64_t N, int threads);

@@ -352,19 +352,21 @@ def test_engine_product_any_shape(out_features, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [5, 16, 32, 48, 100, 130, 131])
 @pytest.mark.parametrize("gated", [False, True])
-def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated):
+@pytest.mark.parametrize("inputs", [301, 288])
+def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated, inputs):
     """A call of one group of rows (a decoding step's; float32 at any size, bfloat16 up to 32
     rows) reads each panel in slices of inputs, keeping partial sums between them, while one row
     reads it whole; a call of more groups (100 rows: 64, then 36; 130 and 131: a last group of two
     and three) reads, under AVX2, each thread's copy of the panel split into 16-column sub-panels,
-    block of six rows by block (and under AVX-512 the panel whole): every row's outputs must be
-    the same bits as that row projected alone (each output sums its inputs in the same order),
-    over input widths that end mid-slice, several panels and one cut short, on one thread and
-    two."""
+    block of six rows by block (and under AVX-512 the panel whole); bfloat16 on AMX tiles (288
+    inputs: whole tiles of 16 pairs) pads each group to blocks of 16 rows, the rows past it
+    holding an earlier group's inputs: every row's outputs must be the same bits as that row
+    projected alone (each output sums its inputs in the same order), over input widths that end
+    mid-slice, several panels and one cut short, on one thread and two."""
     if dtype == torch.bfloat16 and not BF16_ENGINE:
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     g = torch.Generator().manual_seed(rows)
-    w, up = (torch.randn(200, 301, generator=g) / 301 ** 0.5 for _ in range(2))
+    w, up = (torch.randn(200, inputs, generator=g) / inputs ** 0.5 for _ in range(2))
     wide = torch.randn(rows, 320, generator=g)
     panels, up_panels = (dense.pack_panels(m.to(dtype)) for m in (w, up))
 
@@ -377,7 +379,7 @@ def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated):
             _engine.dense_product(xa, panels, oa, threads)
         return out
 
-    x = wide.to(dtype)[:, 7:308]
+    x = wide.to(dtype)[:, 7:7 + inputs]
     alone = torch.cat([project(x[r:r + 1], 1) for r in range(rows)])
     for threads in (1, 2):
         assert torch.equal(project(x, threads), alone)

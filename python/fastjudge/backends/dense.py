@@ -9,11 +9,11 @@ GEMM each one runs:
   :data:`ENGINE_MAX_ROWS` rows (decoding and few-token steps), and every input where oneDNN has no
   packed copy: the engine's projection kernel (``_engine.dense_product``) on the weight packed
   once into panels of 64 output columns (:func:`pack_panels`), each output its row's dot product
-  over the inputs in increasing order (bfloat16: as bfloat16 dot products, each output rounded
-  once; the same bits as ``F.linear`` at every shape measured): faster than oneDNN's prepacked
-  linear (below) at a decoding step's few rows, where oneDNN's op costs ~15 us a call before any
-  work (docs/engine.md has the figures). float32 within 2.4e-6 of ``F.linear`` relative to the
-  output's largest value (another summation order).
+  over the inputs in increasing order (bfloat16: dot products, or AMX tiles where the CPU has
+  them; each output rounded once, the bits of ``F.linear``'s oneDNN GEMM up to 32 rows): faster
+  than oneDNN's prepacked linear (below) at a decoding step's few rows, where oneDNN's op costs
+  ~15 us a call before any work (docs/engine.md has the figures). float32 within 2.4e-6 of
+  ``F.linear`` relative to the output's largest value (another summation order).
 * CPU, inputs of more rows, weights of at least :data:`PACK_MIN_ELEMENTS`: oneDNN's linear on a
   weight reordered once into its blocked layout
   (``mkldnn._reorder_linear_weight`` then ``mkldnn._linear_pointwise``, the ops inductor's CPU
@@ -74,7 +74,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # engine took 1.00-1.07 of oneDNN's time on prompts (Qwen prefill 4 x 512, T5 encoder 8 x 490; AVX2,
 # split panels) and was 17-22 % faster on decoding steps. bfloat16: alone, faster up to 16 rows at
 # every shape measured (256 -> 1536: 1 row 39 -> 29 us, 16 rows 68 -> 60 us), mixed at 64 and
-# 4-15 % slower from 256 rows on.
+# 4-15 % slower from 256 rows on; AMX tiles: 0.6-1.0x oneDNN's time at 1-32 rows, 1.3-1.5x at 256.
 ENGINE_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 32}
 
 
