@@ -53,35 +53,44 @@ FASTJUDGE_AMX_TARGET void configure(int64_t rows) {
 
 constexpr int64_t kPanelBytes = 64 * sizeof(uint32_t);  // a panel row: 64 columns of pairs
 
-// c [16, 64] = one block of rows (a, a_stride bytes apart) by the panel: the four column quarters'
-// sums in tiles 0-3, the panel's quarters loaded in turn into tiles 6 and 7 (a load need not wait
-// for the multiply reading the other)
-FASTJUDGE_AMX_TARGET void one_block(const uint32_t* a, int64_t a_stride, const uint32_t* panel, int64_t pairs,
-                                    float* c) {
+// c [16][N * 16] (row stride ldc floats) = a [16][pairs] (lda words) by b [pairs][N * 16] (ldb
+// words): tiles 0 .. N-1 hold the sums, 4 a's 16 pairs at a step, 6 and 7 b's in turn (a load need
+// not wait for the multiply reading the other)
+template <int N>
+FASTJUDGE_AMX_TARGET __attribute__((always_inline)) inline void tile_row(const uint32_t* a, int64_t lda,
+                                                                        const uint32_t* b, int64_t ldb, int64_t pairs,
+                                                                        float* c, int64_t ldc) {
+  const int64_t a_stride = lda * 4, b_stride = ldb * 4, c_stride = ldc * 4;
   _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (N > 1) _tile_zero(1);
+  if constexpr (N > 2) _tile_zero(2);
+  if constexpr (N > 3) _tile_zero(3);
   for (int64_t i = 0; i < pairs; i += kTilePairs) {
-    const uint32_t* b = panel + i * 64;
+    const uint32_t* bi = b + i * ldb;
     _tile_loadd(4, a + i, a_stride);
-    _tile_loadd(6, b, kPanelBytes);
+    _tile_loadd(6, bi, b_stride);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, b + 16, kPanelBytes);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(6, b + 32, kPanelBytes);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_loadd(7, b + 48, kPanelBytes);
-    _tile_dpbf16ps(3, 4, 7);
+    if constexpr (N > 1) {
+      _tile_loadd(7, bi + 16, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(6, bi + 32, b_stride);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(7, bi + 48, b_stride);
+      _tile_dpbf16ps(3, 4, 7);
+    }
   }
-  _tile_stored(0, c, kPanelBytes);
-  _tile_stored(1, c + 16, kPanelBytes);
-  _tile_stored(2, c + 32, kPanelBytes);
-  _tile_stored(3, c + 48, kPanelBytes);
+  _tile_stored(0, c, c_stride);
+  if constexpr (N > 1) _tile_stored(1, c + 16, c_stride);
+  if constexpr (N > 2) _tile_stored(2, c + 32, c_stride);
+  if constexpr (N > 3) _tile_stored(3, c + 48, c_stride);
 }
 
 // c [32, 64] = two blocks of rows by the panel, one half of its columns at a time: each step
-// loads two tiles of inputs and two of weights for four multiplies (one_block: five for four)
+// loads two tiles of inputs and two of weights for four multiplies (tile_row<4>: five for four)
 FASTJUDGE_AMX_TARGET void two_blocks(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t pairs,
                                      float* c) {
   const int64_t a_stride = lda * static_cast<int64_t>(sizeof(uint32_t));
@@ -136,7 +145,19 @@ FASTJUDGE_AMX_TARGET void amx_pair_product(const uint32_t* a, int64_t lda, const
                                            int64_t rows, float* c) {
   int64_t r0 = 0;
   for (; r0 + kTileRows < rows; r0 += 2 * kTileRows) two_blocks(a + r0 * lda, lda, panel, pairs, c + r0 * 64);
-  if (r0 < rows) one_block(a + r0 * lda, lda * static_cast<int64_t>(sizeof(uint32_t)), panel, pairs, c + r0 * 64);
+  if (r0 < rows) tile_row<4>(a + r0 * lda, lda, panel, 64, pairs, c + r0 * 64, 64);
+}
+
+FASTJUDGE_AMX_TARGET void amx_tile_product(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                                           int64_t pairs, float* c, int64_t ldc, int64_t columns) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= columns; c0 += 64) tile_row<4>(a, lda, b + c0, ldb, pairs, c + c0, ldc);
+  switch ((columns - c0) / 16) {
+    case 3: tile_row<3>(a, lda, b + c0, ldb, pairs, c + c0, ldc); break;
+    case 2: tile_row<2>(a, lda, b + c0, ldb, pairs, c + c0, ldc); break;
+    case 1: tile_row<1>(a, lda, b + c0, ldb, pairs, c + c0, ldc); break;
+    default: break;
+  }
 }
 
 FASTJUDGE_AMX_TARGET void amx_release() {
@@ -144,6 +165,9 @@ FASTJUDGE_AMX_TARGET void amx_release() {
 }
 #else
 void amx_pair_product(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*) {
+  throw std::logic_error("this build has no AMX tile products");
+}
+void amx_tile_product(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, int64_t) {
   throw std::logic_error("this build has no AMX tile products");
 }
 void amx_configure(int64_t) {

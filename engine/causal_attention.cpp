@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_product.hpp"
 #include "cpu_parallel.hpp"
 #include "small_product.hpp"
 #include "vector_math.hpp"
@@ -732,8 +733,15 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
   int64_t ldk = round_up(p.W, kCols);
   if ((ldk / kCols) % 2 == 0) ldk += kCols;
   const int64_t ldv = round_up(dim, kCols);
+  // AMX tiles (where the CPU has them; dims a multiple of 32): each tile of query tokens as one
+  // product of 16 rows by all its keys' columns, then by all its keys' pairs of values, the weights
+  // past a row's last key zero (so the values of a tile's width of keys are read: zero past the
+  // pair's own, never an earlier pair's)
+  const bool tiles = half % kTilePairs == 0 && amx_products();
+  if (tiles) amx_configure(kTileRows);
+  const int64_t value_pairs = tiles ? round_up(p.W, kCols) / 2 : (p.W + 1) / 2;
   std::vector<uint32_t> keys(static_cast<std::size_t>(half * ldk), 0u);
-  std::vector<uint32_t> values(static_cast<std::size_t>((p.W + 1) / 2 * ldv), 0u);
+  std::vector<uint32_t> values(static_cast<std::size_t>(value_pairs * ldv), 0u);
   std::vector<uint32_t> queries(static_cast<std::size_t>(kTile * half), 0u);
   std::vector<uint32_t> pairs(static_cast<std::size_t>(kTile * ldk / 2 + kTile), 0u);
   std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
@@ -752,6 +760,7 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
       uint32_t* row = values.data() + (j / 2) * ldv;
       for (int64_t d = 0; d < dim; ++d) row[d] = bf16_pair(v0[d], v1 ? v1[d] : 0);
     }
+    if (tiles) std::fill(values.begin() + (seen + 1) / 2 * ldv, values.end(), 0u);
     in.packed(p, pr, from);
     // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
     for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)
@@ -761,8 +770,12 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
         for (int64_t d = 0; d < half; ++d) queries[r * half + d] = bf16_pair(q[2 * d], 2 * d + 1 < dim ? q[2 * d + 1] : 0);
       }
       float* scores = weights.data();
-      for (int64_t r0 = 0; r0 < rows; r0 += kDotRows)
-        rows_dot(queries.data() + r0 * half, half, keys.data(), ldk, half, scores + r0 * ldk, ldk, width);
+      if (tiles) {  // rows past `rows` hold an earlier tile's queries: their scores are never read
+        amx_tile_product(queries.data(), half, keys.data(), ldk, half, scores, ldk, width);
+      } else {
+        for (int64_t r0 = 0; r0 < rows; r0 += kDotRows)
+          rows_dot(queries.data() + r0 * half, half, keys.data(), ldk, half, scores + r0 * ldk, ldk, width);
+      }
       for (int64_t r = 0; r < rows; ++r) {  // weights normalised, then rounded to bfloat16 in pairs
         float* w = scores + r * ldk;
         const int64_t last = p.last_key(offset, t0 + r);
@@ -772,7 +785,8 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
         for (int64_t j = 0; j < width; j += kLanes) store_bf16_pairs(wp + j / 2, load(w + j) * inverse);
       }
       for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
-      for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      if (tiles) amx_tile_product(pairs.data(), ldp, values.data(), ldv, width / 2, sums.data(), ldv, ldv);
+      for (int64_t r0 = 0; r0 < rows && !tiles; r0 += kDotRows) {
         // the key pairs every row of the block sees, as one product (key offset + t0 + r0 and
         // those before it: visible to all of the block's rows); then each row's remaining keys
         const int64_t common = std::min(offset + t0 + r0 + 1, p.W) / 2;
@@ -793,6 +807,7 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
       }
     });
   }
+  if (tiles) amx_release();
 }
 
 #endif

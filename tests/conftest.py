@@ -29,15 +29,21 @@ if TEST_DEVICE.startswith("cuda"):
     torch.backends.cudnn.allow_tf32 = False
 
 
-@pytest.fixture(params=[False, True], ids=["float32 weights", "bfloat16 dot products"])
+@pytest.fixture(params=[False, "dots", "tiles"],
+                ids=["float32 weights", "bfloat16 dot products", "bfloat16 AMX tiles"])
 def bf16_form(request):
     """Each form of the engine's bfloat16 attention (the dot products where the CPU has
-    AVX512-BF16), the default restored after."""
+    AVX512-BF16; a prompt's products on AMX tiles where it has AMX-BF16 too), the defaults
+    restored after. Truthy for both bfloat16 forms."""
     if request.param and not _engine.bf16_dot_products(True):
         pytest.skip("this CPU has no AVX512-BF16")
-    _engine.bf16_dot_products(request.param)
+    if request.param == "tiles" and not _engine.amx_products(True):
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    _engine.bf16_dot_products(bool(request.param))
+    _engine.amx_products(request.param == "tiles")
     yield request.param
     _engine.bf16_dot_products(True)
+    _engine.amx_products(True)
 
 
 def record_runs(monkeypatch, owner, name: str) -> list[int]:
