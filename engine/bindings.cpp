@@ -1065,25 +1065,28 @@ arrays of another dtype, layout or shape.)doc");
 // RMSNorm of rows
 // ---------------------------------------------------------------------------------------
 
-void rms_norm(const py::handle& x, const py::handle& weight, const py::handle& out, float eps, int threads) {
+void rms_norm(const py::handle& x, const py::handle& weight, const py::handle& out, float eps, int threads,
+              bool round_first) {
   with_rows(x, [&](const auto* src, const RowsLayout& rows) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(src)>>;
     const float* w = typed_array<float>(weight, "weight", {rows.H, rows.D});
     T* dst = typed_array<T>(out, "out", {rows.N, rows.H, rows.D}, true);
     py::gil_scoped_release release;
-    fastjudge::rms_norm(src, rows.row_stride, rows.head_stride, w, dst, rows.N, rows.H, rows.D, eps, threads);
+    fastjudge::rms_norm(src, rows.row_stride, rows.head_stride, w, dst, rows.N, rows.H, rows.D, eps, threads,
+                        round_first);
   });
 }
 
 void bind_rms_norm(py::module_& m) {
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("eps"),
-        py::arg("threads") = 1,
+        py::arg("threads") = 1, py::arg("round_first") = false,
         R"doc(out = (x / sqrt(mean(x^2) + eps)) * weight for each row, in one pass.
 
 x [N, H, D] (float32, or bfloat16 as 16-bit integers; any strides over N and H, contiguous rows),
 weight [H, D] float32 (row (n, h) takes weight[h]), out [N, H, D] C-contiguous of x's dtype.
-Arithmetic in float32; a bfloat16 output rounded once. Raises ValueError on arrays of another
-dtype, layout or shape.)doc");
+Arithmetic in float32; a bfloat16 output rounded once, or with round_first twice: the normalised
+x rounded to bfloat16 before the weight multiplies it (T5's layer norm). Raises ValueError on
+arrays of another dtype, layout or shape.)doc");
 }
 
 

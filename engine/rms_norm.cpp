@@ -21,6 +21,7 @@ struct NormRows {
   T* out;
   int64_t H, D;
   float eps;
+  bool round_first;
   int64_t first, last;
 };
 
@@ -50,6 +51,12 @@ __attribute__((always_inline)) inline void rms_rows(const NormRows<T>& a) {
       for (int64_t l = 0; l < kLanesOf<V>; ++l) total += squares[part][l];
     for (int64_t j = full; j < D; ++j) total += to_float(src[j]) * to_float(src[j]);
     const float inverse = 1.0f / std::sqrt(total / static_cast<float>(D) + a.eps);
+    if (a.round_first) {
+      for (int64_t j = 0; j < full; j += kLanesOf<V>)
+        store_lanes(dst + j, rounded<T>(load_lanes<V>(src + j) * inverse) * load_as<V>(w + j));
+      for (int64_t j = full; j < D; ++j) from_float(rounded<T>(to_float(src[j]) * inverse) * w[j], dst + j);
+      continue;
+    }
     for (int64_t j = 0; j < full; j += kLanesOf<V>) {
       store_lanes(dst + j, load_lanes<V>(src + j) * inverse * load_as<V>(w + j));
     }
@@ -64,12 +71,12 @@ FASTJUDGE_VERSIONED(rms_rows_bf16, rms_rows, NormRows<uint16_t>)
 
 template <typename T>
 void rms_norm(const T* x, int64_t row_stride, int64_t head_stride, const float* weight, T* out, int64_t N,
-              int64_t H, int64_t D, float eps, int threads) {
+              int64_t H, int64_t D, float eps, int threads, bool round_first) {
   const int64_t rows = N * H;
   if (rows == 0 || D == 0) return;
   const int64_t workers = std::min<int64_t>(threads, rows * D / kElementsPerThread + 1);
   parallel_ranges(rows, workers, 1, [&](int64_t first, int64_t last) {
-    const NormRows<T> rows_of{x, row_stride, head_stride, weight, out, H, D, eps, first, last};
+    const NormRows<T> rows_of{x, row_stride, head_stride, weight, out, H, D, eps, round_first, first, last};
     if constexpr (std::is_same_v<T, float>) {
       rms_rows_f32(rows_of);
     } else {
@@ -79,8 +86,8 @@ void rms_norm(const T* x, int64_t row_stride, int64_t head_stride, const float* 
 }
 
 template void rms_norm<float>(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, int64_t, float,
-                              int);
+                              int, bool);
 template void rms_norm<uint16_t>(const uint16_t*, int64_t, int64_t, const float*, uint16_t*, int64_t, int64_t, int64_t,
-                                 float, int);
+                                 float, int, bool);
 
 }  // namespace fastjudge

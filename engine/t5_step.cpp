@@ -15,6 +15,10 @@
 namespace fastjudge {
 namespace {
 
+// T5's layer norm rounds the normalised states to the model's type before the weight multiplies
+// them (rms_norm's round_first)
+constexpr bool kT5Norm = true;
+
 // float32 copies of T values (exact), and T roundings of float32 ones
 template <typename T>
 void widen(const T* src, float* dst, int64_t n) {
@@ -49,7 +53,7 @@ class Step {
       const int64_t t = in_.counts[b] > 0 ? in_.counts[b] - 1 : S - 1;  // as a [-1] index picks
       std::memcpy(last + b * d, &buf_.x[(b * S + t) * d], d * sizeof(T));
     }
-    rms_norm(last, d, d, m_.final_norm, buf_.normed.data(), B, 1, d, m_.eps, threads_);
+    rms_norm(last, d, d, m_.final_norm, buf_.normed.data(), B, 1, d, m_.eps, threads_, kT5Norm);
     if (m_.head_scale != 1.0f) {
       for (int64_t i = 0; i < B * d; ++i) from_float(to_float(buf_.normed[i]) * m_.head_scale, &buf_.normed[i]);
     }
@@ -80,7 +84,7 @@ class Step {
       const T5StepLayer& layer = m_.layers[i];
       self_attention(layer, static_cast<int64_t>(i));
       cross_attention(layer, static_cast<int64_t>(i));
-      rms_norm(buf_.x.data(), d, d, layer.ff_norm, buf_.normed.data(), N_, 1, d, m_.eps, threads_);
+      rms_norm(buf_.x.data(), d, d, layer.ff_norm, buf_.normed.data(), N_, 1, d, m_.eps, threads_, kT5Norm);
       gated_dense_product(buf_.normed.data(), d, static_cast<const PanelWord<T>*>(layer.gate.panels),
                           static_cast<const PanelWord<T>*>(layer.up.panels), buf_.wide.data(), N_, d, m_.d_ff,
                           m_.activation, threads_);
@@ -119,7 +123,7 @@ class Step {
     const int64_t B = in_.B, S = in_.S, H = m_.H, dk = m_.dk, qkv_width = 3 * inner_;
     const int64_t column = m_.capacity + 1, layer_floats = 2 * H * column * dk;
     const int64_t slot_floats = static_cast<int64_t>(m_.layers.size()) * layer_floats;
-    rms_norm(buf_.x.data(), m_.d, m_.d, layer.norm, buf_.normed.data(), N_, 1, m_.d, m_.eps, threads_);
+    rms_norm(buf_.x.data(), m_.d, m_.d, layer.norm, buf_.normed.data(), N_, 1, m_.d, m_.eps, threads_, kT5Norm);
     project(buf_.normed.data(), N_, layer.qkv, buf_.wide.data(), threads_);
     // queries, keys and values in float32, the K/V's type (read in place where T is float32)
     const float* qkv;
@@ -155,7 +159,7 @@ class Step {
   // x += x_o(cross-attention of x_q's queries over each row's encoder states)
   void cross_attention(const T5StepLayer& layer, int64_t index) {
     const int64_t B = in_.B, S = in_.S, H = m_.H, dk = m_.dk, d = m_.d;
-    rms_norm(buf_.x.data(), d, d, layer.x_norm, buf_.normed.data(), N_, 1, d, m_.eps, threads_);
+    rms_norm(buf_.x.data(), d, d, layer.x_norm, buf_.normed.data(), N_, 1, d, m_.eps, threads_, kT5Norm);
     T* xq = buf_.heads.data();
     T* context = xq + N_ * inner_;
     project(buf_.normed.data(), N_, layer.x_q, xq, threads_);

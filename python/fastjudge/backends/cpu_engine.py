@@ -25,12 +25,14 @@ def engine_array(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def rms_norm_in_engine(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm_in_engine(x: torch.Tensor, weight_f32: torch.Tensor, eps: float,
+                       round_first: bool = False) -> torch.Tensor | None:
     """RMSNorm of ``x`` [..., D] on the engine (``_engine.rms_norm``: one pass a row, its sums in
     float32), in ``x``'s dtype; ``weight_f32`` one float32 scale per channel ``[D]`` or per head
-    ``[heads, D]`` (over the last ``heads * D`` values). ``x`` is read in place, even a slice of a
-    fused projection's output. None where the engine does not take it: not a CPU tensor in eager
-    code, not float32 or bfloat16, or strides that do not merge into rows."""
+    ``[heads, D]`` (over the last ``heads * D`` values); ``round_first``: the normalised ``x``
+    rounded to its dtype before the weight multiplies it (T5's norm). ``x`` is read in place, even
+    a slice of a fused projection's output. None where the engine does not take it: not a CPU
+    tensor in eager code, not float32 or bfloat16, or strides that do not merge into rows."""
     if not engine_takes(x) or x.dtype not in ENGINE_DTYPES:
         return None
     weight = _weight_rows(weight_f32)
@@ -42,7 +44,7 @@ def rms_norm_in_engine(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) ->
     if rows.stride(-1) != 1:
         return None
     out = x.new_empty(rows.shape)
-    _engine.rms_norm(engine_array(rows), weight, engine_array(out), eps, torch.get_num_threads())
+    _engine.rms_norm(engine_array(rows), weight, engine_array(out), eps, torch.get_num_threads(), round_first)
     return out.view(x.shape)
 
 

@@ -55,6 +55,7 @@ from ..dense import ACTIVATIONS, Dense
 from ..fp8 import Fp8Weight, fuse, projection_weight
 from ..loading import CheckpointError, check_shapes
 from .engine_step import engine_step
+from .norm import float32_copy, rms_norm
 from .shape import T5Shape
 
 
@@ -73,12 +74,6 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
     large = max_exact + (torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
                          * (num_buckets - max_exact)).long()
     return buckets + torch.where(distance < max_exact, distance, large.clamp(max=num_buckets - 1))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # T5's norm (no mean, no bias). The fused op accumulates in float32 like transformers'
-    # T5LayerNorm and is bit-identical to it in float32, at half its cost in bfloat16.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -395,6 +390,7 @@ class T5Model(torch.nn.Module):
         rows, never ``[B, vocab]``), or all (the norm on the CPU engine, as ``EngineStep.run_picks``: same bits)."""
         if rows is not None:
             return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, self.s.eps, self.s.head_scale)
-        normed = rms_norm_in_engine(hidden.contiguous(), self.dec_final_norm.float(), self.s.eps)
+        normed = rms_norm_in_engine(hidden.contiguous(), float32_copy(self.dec_final_norm), self.s.eps,
+                                    round_first=True)
         normed = rms_norm(hidden, self.dec_final_norm, self.s.eps) if normed is None else normed
         return self.head(normed * self.s.head_scale).float()
