@@ -53,18 +53,26 @@ FASTJUDGE_AMX_TARGET void configure(int64_t rows) {
 
 constexpr int64_t kPanelBytes = 64 * sizeof(uint32_t);  // a panel row: 64 columns of pairs
 
-// c [16][N * 16] (row stride ldc floats) = a [16][pairs] (lda words) by b [pairs][N * 16] (ldb
-// words): tiles 0 .. N-1 hold the sums, 4 a's 16 pairs at a step, 6 and 7 b's in turn (a load need
-// not wait for the multiply reading the other)
+// c [16][N * 16] (row stride ldc floats; = or +=) = a [16][pairs] (lda words) by b [pairs][N * 16]
+// (ldb words): tiles 0 .. N-1 hold the sums, 4 a's 16 pairs at a step, 6 and 7 b's in turn (a
+// load need not wait for the multiply reading the other)
 template <int N>
 FASTJUDGE_AMX_TARGET __attribute__((always_inline)) inline void tile_row(const uint32_t* a, int64_t lda,
                                                                         const uint32_t* b, int64_t ldb, int64_t pairs,
-                                                                        float* c, int64_t ldc) {
+                                                                        float* c, int64_t ldc,
+                                                                        bool accumulate = false) {
   const int64_t a_stride = lda * 4, b_stride = ldb * 4, c_stride = ldc * 4;
-  _tile_zero(0);
-  if constexpr (N > 1) _tile_zero(1);
-  if constexpr (N > 2) _tile_zero(2);
-  if constexpr (N > 3) _tile_zero(3);
+  if (accumulate) {
+    _tile_loadd(0, c, c_stride);
+    if constexpr (N > 1) _tile_loadd(1, c + 16, c_stride);
+    if constexpr (N > 2) _tile_loadd(2, c + 32, c_stride);
+    if constexpr (N > 3) _tile_loadd(3, c + 48, c_stride);
+  } else {
+    _tile_zero(0);
+    if constexpr (N > 1) _tile_zero(1);
+    if constexpr (N > 2) _tile_zero(2);
+    if constexpr (N > 3) _tile_zero(3);
+  }
   for (int64_t i = 0; i < pairs; i += kTilePairs) {
     const uint32_t* bi = b + i * ldb;
     _tile_loadd(4, a + i, a_stride);
@@ -149,13 +157,13 @@ FASTJUDGE_AMX_TARGET void amx_pair_product(const uint32_t* a, int64_t lda, const
 }
 
 FASTJUDGE_AMX_TARGET void amx_tile_product(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                                           int64_t pairs, float* c, int64_t ldc, int64_t columns) {
+                                           int64_t pairs, float* c, int64_t ldc, int64_t columns, bool accumulate) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= columns; c0 += 64) tile_row<4>(a, lda, b + c0, ldb, pairs, c + c0, ldc);
+  for (; c0 + 64 <= columns; c0 += 64) tile_row<4>(a, lda, b + c0, ldb, pairs, c + c0, ldc, accumulate);
   switch ((columns - c0) / 16) {
-    case 3: tile_row<3>(a, lda, b + c0, ldb, pairs, c + c0, ldc); break;
-    case 2: tile_row<2>(a, lda, b + c0, ldb, pairs, c + c0, ldc); break;
-    case 1: tile_row<1>(a, lda, b + c0, ldb, pairs, c + c0, ldc); break;
+    case 3: tile_row<3>(a, lda, b + c0, ldb, pairs, c + c0, ldc, accumulate); break;
+    case 2: tile_row<2>(a, lda, b + c0, ldb, pairs, c + c0, ldc, accumulate); break;
+    case 1: tile_row<1>(a, lda, b + c0, ldb, pairs, c + c0, ldc, accumulate); break;
     default: break;
   }
 }
@@ -167,7 +175,7 @@ FASTJUDGE_AMX_TARGET void amx_release() {
 void amx_pair_product(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*) {
   throw std::logic_error("this build has no AMX tile products");
 }
-void amx_tile_product(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, int64_t) {
+void amx_tile_product(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, int64_t, bool) {
   throw std::logic_error("this build has no AMX tile products");
 }
 void amx_configure(int64_t) {

@@ -36,11 +36,12 @@ void amx_configure(int64_t rows);
 // kTilePairs. Needs amx_products() and amx_configure() on this thread.
 void amx_pair_product(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t pairs, int64_t rows, float* c);
 
-// c [16][columns] (rows ldc floats apart) = a [16][pairs] (lda words apart) by b [pairs][columns]
-// (ldb words apart), each output a float32 sum over pairs in increasing order; pairs and columns
-// multiples of 16. Needs amx_products() and amx_configure(kTileRows) on this thread.
+// c [16][columns] (rows ldc floats apart; accumulate: += its values) = a [16][pairs] (lda words
+// apart) by b [pairs][columns] (ldb words apart), each output a float32 sum over pairs in
+// increasing order; pairs and columns multiples of 16. Needs amx_products() and
+// amx_configure(kTileRows) on this thread.
 void amx_tile_product(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t pairs, float* c,
-                      int64_t ldc, int64_t columns);
+                      int64_t ldc, int64_t columns, bool accumulate = false);
 
 // Gives this thread's tile state back to the OS (after a call's last tile product: a thread
 // holding tile state saves and restores 8 KiB at each context switch)

@@ -1,12 +1,14 @@
 #include "encoder_attention.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "amx_product.hpp"
 #include "causal_attention.hpp"
 #include "cpu_parallel.hpp"
 #include "small_product.hpp"
@@ -383,11 +385,63 @@ struct DotScratch {
   std::vector<uint16_t> queries;
   std::vector<uint32_t> weights, states;
   std::vector<float> scores, sums;
+  // on AMX tiles: the queries as pairs of dims transposed [dim / 2][kTileRows], a block's scores
+  // as keys by queries, and a last block's keys padded to kBlockKeys with zeros
+  std::vector<uint32_t> query_pairs;
+  std::vector<float> key_scores;
+  std::vector<uint16_t> last_keys;
   explicit DotScratch(int64_t dim)
       : queries(kDotRows * dim), weights(kDotRows * kBlockKeys / 2), states(kBlockKeys / 2 * dim),
-        scores(kDotRows * kBlockKeys), sums(kDotRows * dim) {}
+        scores(kDotRows * kBlockKeys), sums(kDotRows * dim), query_pairs(dim / 2 * kTileRows),
+        key_scores(kBlockKeys * kTileRows), last_keys(kBlockKeys * dim) {}
   static constexpr int64_t kDotRows = kGroupRows + 2;  // a group's rows padded to a multiple of six
 };
+
+static_assert(kGroupRows <= kTileRows, "a group's rows fill one tile");
+
+// attend_group on AMX tiles (dim a multiple of 32, states rows of whole 32-bit words): a block's
+// scores as its keys by the group's queries (the keys read in place as the tiles' first operand,
+// the queries as pairs of dims transposed once a group as their second: each score the sum a
+// query-by-key product gives it), then the weighted values as the group's rows (padded to 16 with
+// zero weights) by the block's key pairs, added into the running sums
+FASTJUDGE_BF16_TARGET void attend_group_tiles(const StridedRows<uint16_t>& query,
+                                              const StridedRows<uint16_t>& states, int64_t length, uint16_t* out,
+                                              int64_t b, int64_t r0, int64_t rows, int64_t R, int64_t dim,
+                                              float scale, DotScratch& s) {
+  const int64_t half = dim / 2;
+  std::fill(s.query_pairs.begin(), s.query_pairs.end(), 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(query.row(b, r0 + r, 0));
+    for (int64_t p = 0; p < half; ++p) s.query_pairs[p * kTileRows + r] = q[p];
+  }
+  std::fill_n(s.sums.data(), kTileRows * dim, 0.0f);
+  float top[kGroupRows], total[kGroupRows];
+  std::fill_n(top, rows, -__builtin_inff());
+  std::fill_n(total, rows, 0.0f);
+  for (int64_t j0 = 0; j0 < length; j0 += kBlockKeys) {
+    const int64_t n = std::min(kBlockKeys, length - j0);
+    const uint16_t* keys = states.row(b, j0, 0);
+    int64_t ldk = states.token;
+    if (n < kBlockKeys) {  // the tiles read whole blocks of 16 keys: none past the states' end
+      for (int64_t j = 0; j < n; ++j) std::copy_n(keys + j * ldk, dim, s.last_keys.data() + j * dim);
+      std::fill(s.last_keys.begin() + n * dim, s.last_keys.end(), uint16_t{0});
+      keys = s.last_keys.data(), ldk = dim;
+    }
+    const uint32_t* key_words = reinterpret_cast<const uint32_t*>(keys);
+    for (int64_t k0 = 0; k0 < n; k0 += kTileRows)
+      amx_tile_product(key_words + k0 * ldk / 2, ldk / 2, s.query_pairs.data(), kTileRows, half,
+                       s.key_scores.data() + k0 * kTileRows, kTileRows, kTileRows);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) s.scores[r * kBlockKeys + j] = s.key_scores[j * kTileRows + r];
+    online_softmax<true>(s.scores.data(), rows, n, scale, top, total, s.sums.data(), dim);
+    weight_pairs(s.scores.data(), rows, kTileRows, s.weights.data());
+    pack_key_pairs(keys, ldk, n, dim, s.states.data());
+    std::fill(s.states.begin() + (n + 1) / 2 * dim, s.states.end(), 0u);  // zero weights' values: zero
+    amx_tile_product(s.weights.data(), kBlockKeys / 2, s.states.data(), dim, kBlockKeys / 2, s.sums.data(), dim, dim,
+                     true);
+  }
+  write_group(s.sums.data(), total, rows, dim, out + (b * R + r0) * dim);
+}
 
 // attend_group by bfloat16 dot products (dim a multiple of 32)
 FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, const StridedRows<uint16_t>& states,
@@ -426,12 +480,17 @@ FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, 
 FASTJUDGE_BF16_TARGET void attend_units_dot(const AttendBF16& a) {
   const int64_t groups = (a.R + a.group - 1) / a.group;
   DotScratch scratch(a.dim);
+  const bool tiles = a.states.token % 2 == 0 && a.query.token % 2 == 0 && a.query.head % 2 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.states.data) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.query.data) % 4 == 0 && amx_products();
+  if (tiles) amx_configure(kTileRows);
   for (int64_t i = a.first; i < a.last; ++i) {
     const int64_t u = a.reverse ? a.units - 1 - i : i;
     const int64_t b = u / groups, r0 = (u % groups) * a.group;
-    attend_group_dot(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, a.dim,
-                     a.scale, scratch);
+    const auto attend = tiles ? attend_group_tiles : attend_group_dot;
+    attend(a.query, a.states, a.lengths[b], a.out, b, r0, std::min(a.group, a.R - r0), a.R, a.dim, a.scale, scratch);
   }
+  if (tiles) amx_release();
 }
 #endif
 
