@@ -124,6 +124,17 @@ __attribute__((always_inline)) inline void narrow_block_scores(const float* quer
   }
 }
 
+// A group's online softmax between blocks: each row's running maximum and total, and its
+// weighted sums (sum_rows rows of dim, zeroed)
+struct RunningSoftmax {
+  float top[kGroupRows], total[kGroupRows];
+  RunningSoftmax(int64_t rows, float* sums, int64_t sum_rows, int64_t dim) {
+    std::fill_n(top, rows, -__builtin_inff());
+    std::fill_n(total, rows, 0.0f);
+    std::fill_n(sums, sum_rows * dim, 0.0f);
+  }
+};
+
 // The online softmax of a block's scores [rows][kBlockKeys] (n of them real) for each query row:
 // each turned into its weight against the row's running maximum top[r] (the block's past n set
 // to zero), the running total and the row's weighted sums [rows][dim] rescaled where the maximum
@@ -189,10 +200,7 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     for (int64_t d = 0; d < dim; d += kLanes)
       store(queries + r * dim + d, r < rows ? load_floats(query.row(b, r0 + r, 0) + d) : Floats{});
   }
-  std::fill_n(sums, rows * dim, 0.0f);
-  float top[kGroupRows], total[kGroupRows];
-  std::fill_n(top, rows, -__builtin_inff());
-  std::fill_n(total, rows, 0.0f);
+  RunningSoftmax running(rows, sums, rows, dim);
   for (int64_t j0 = 0; j0 < length; j0 += kBlockKeys) {
     const int64_t n = std::min(kBlockKeys, length - j0);
     const float* keys;
@@ -223,12 +231,12 @@ __attribute__((always_inline)) inline void attend_group(const StridedRows<Q>& qu
     } else {
       block_scores<2, 8>(queries, padded, keys, ldk, n, dim, scores, ahead);
     }
-    online_softmax<kZmm>(scores, rows, n, scale, top, total, sums, dim);
+    online_softmax<kZmm>(scores, rows, n, scale, running.top, running.total, sums, dim);
     // six rows a register block where the build has 32 registers: a decoding step's six heads
     // read the block's states once
     product<kZmm, false, float, kZmm ? 6 : kProductRows>(scores, kBlockKeys, keys, ldk, sums, dim, rows, n, dim, true);
   }
-  write_group(sums, total, rows, dim, out + (b * R + r0) * dim);
+  write_group(sums, running.total, rows, dim, out + (b * R + r0) * dim);
 }
 
 // One call's attention: queries of type Q over states T into outputs O
@@ -414,10 +422,7 @@ FASTJUDGE_BF16_TARGET void attend_group_tiles(const StridedRows<uint16_t>& query
     const uint32_t* q = reinterpret_cast<const uint32_t*>(query.row(b, r0 + r, 0));
     for (int64_t p = 0; p < half; ++p) s.query_pairs[p * kTileRows + r] = q[p];
   }
-  std::fill_n(s.sums.data(), kTileRows * dim, 0.0f);
-  float top[kGroupRows], total[kGroupRows];
-  std::fill_n(top, rows, -__builtin_inff());
-  std::fill_n(total, rows, 0.0f);
+  RunningSoftmax running(rows, s.sums.data(), kTileRows, dim);
   for (int64_t j0 = 0; j0 < length; j0 += kBlockKeys) {
     const int64_t n = std::min(kBlockKeys, length - j0);
     const uint16_t* keys = states.row(b, j0, 0);
@@ -433,14 +438,14 @@ FASTJUDGE_BF16_TARGET void attend_group_tiles(const StridedRows<uint16_t>& query
                        s.key_scores.data() + k0 * kTileRows, kTileRows, kTileRows);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < n; ++j) s.scores[r * kBlockKeys + j] = s.key_scores[j * kTileRows + r];
-    online_softmax<true>(s.scores.data(), rows, n, scale, top, total, s.sums.data(), dim);
+    online_softmax<true>(s.scores.data(), rows, n, scale, running.top, running.total, s.sums.data(), dim);
     weight_pairs(s.scores.data(), rows, kTileRows, s.weights.data());
     pack_key_pairs(keys, ldk, n, dim, s.states.data());
     std::fill(s.states.begin() + (n + 1) / 2 * dim, s.states.end(), 0u);  // zero weights' values: zero
     amx_tile_product(s.weights.data(), kBlockKeys / 2, s.states.data(), dim, kBlockKeys / 2, s.sums.data(), dim, dim,
                      true);
   }
-  write_group(s.sums.data(), total, rows, dim, out + (b * R + r0) * dim);
+  write_group(s.sums.data(), running.total, rows, dim, out + (b * R + r0) * dim);
 }
 
 // attend_group by bfloat16 dot products (dim a multiple of 32)
@@ -452,10 +457,7 @@ FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, 
   const int64_t padded = sixes ? rows : (rows + 3) / 4 * 4;
   for (int64_t r = 0; r < rows; ++r) std::copy_n(query.row(b, r0 + r, 0), dim, s.queries.data() + r * dim);
   std::fill(s.queries.data() + rows * dim, s.queries.data() + padded * dim, uint16_t{0});
-  std::fill_n(s.sums.data(), padded * dim, 0.0f);
-  float top[kGroupRows], total[kGroupRows];
-  std::fill_n(top, rows, -__builtin_inff());
-  std::fill_n(total, rows, 0.0f);
+  RunningSoftmax running(rows, s.sums.data(), padded, dim);
   for (int64_t j0 = 0; j0 < length; j0 += kBlockKeys) {
     const int64_t n = std::min(kBlockKeys, length - j0);
     const uint16_t* keys = states.row(b, j0, 0);
@@ -465,7 +467,7 @@ FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, 
     } else {
       block_scores_dot<4>(s.queries.data(), padded, keys, states.token, n, dim, s.scores.data(), ahead);
     }
-    online_softmax<true>(s.scores.data(), rows, n, scale, top, total, s.sums.data(), dim);
+    online_softmax<true>(s.scores.data(), rows, n, scale, running.top, running.total, s.sums.data(), dim);
     weight_pairs(s.scores.data(), rows, padded, s.weights.data());
     pack_key_pairs(keys, states.token, n, dim, s.states.data());
     if (sixes) {
@@ -474,7 +476,7 @@ FASTJUDGE_BF16_TARGET void attend_group_dot(const StridedRows<uint16_t>& query, 
       weighted_pairs<4>(s.weights.data(), padded, s.states.data(), (n + 1) / 2, dim, s.sums.data());
     }
   }
-  write_group(s.sums.data(), total, rows, dim, out + (b * R + r0) * dim);
+  write_group(s.sums.data(), running.total, rows, dim, out + (b * R + r0) * dim);
 }
 
 FASTJUDGE_BF16_TARGET void attend_units_dot(const AttendBF16& a) {
