@@ -20,20 +20,21 @@ constexpr int64_t kTilePairs = 16;
 constexpr int64_t kTileRows = 16;
 
 // Whether this CPU has AMX-BF16 and the kernel lets this process use its tile data (Linux asks
-// each process to request it: done here, once), and amx_tiles has not turned the tiles off.
+// each process to request it: done here, once), and amx_products(false) has not turned them off.
 bool amx_products();
 // Turns the tile products on or off (for comparisons; on by default where the CPU has them);
 // returns amx_products().
 bool amx_products(bool wanted);
 
-// Sets this thread's tiles up for amx_pair_product: once per call, before its first product (the
-// tiles are the thread's state, and oneDNN's GEMMs on the same thread set up their own)
+// Sets this thread's tiles up for the products below: once per call, before its first product
+// (the tiles are the thread's state, and oneDNN's GEMMs on the same thread set up their own).
+// rows: the most rows a product of the call takes (16 from 16 on; fewer make cheaper tiles)
 void amx_configure(int64_t rows);
 
 // c [rows', 64] = a [rows', pairs] x panel [pairs][64] over pairs in increasing order, in
-// float32, rows' = rows rounded up to kTileRows (the rows of a past `rows` are read and their
-// outputs written: the caller pads both); a's rows lda words apart; pairs a multiple of
-// kTilePairs. Needs amx_products() and amx_configure() on this thread.
+// float32, rows' = rows rounded up to the configured rows (the rows of a past `rows` are read and
+// their outputs written: the caller pads both); a's rows lda words apart; pairs a multiple of
+// kTilePairs. Needs amx_products() and amx_configure(rows) on this thread.
 void amx_pair_product(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t pairs, int64_t rows, float* c);
 
 // c [16][columns] (rows ldc floats apart; accumulate: += its values) = a [16][pairs] (lda words
