@@ -747,6 +747,7 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
   std::vector<float> weights(static_cast<std::size_t>(kTile * ldk), 0.0f);
   std::vector<float> sums(static_cast<std::size_t>(kTile * ldv));
   const int64_t ldp = ldk / 2 + 1;  // weight pairs a row
+  int64_t packed_pairs = 0;  // the value pairs any pair has written (zero past them)
   for (int64_t i = first; i < last; ++i) {
     const Pair pr = start_pair(p, in.pair(i), out);
     const int64_t b = pr.b, hk = pr.hk, offset = pr.offset, seen = pr.seen, from = in.first_key(p, pr);
@@ -760,7 +761,10 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
       uint32_t* row = values.data() + (j / 2) * ldv;
       for (int64_t d = 0; d < dim; ++d) row[d] = bf16_pair(v0[d], v1 ? v1[d] : 0);
     }
-    if (tiles) std::fill(values.begin() + (seen + 1) / 2 * ldv, values.end(), 0u);
+    const int64_t own_pairs = (seen + 1) / 2;
+    if (tiles && packed_pairs > own_pairs)  // an earlier pair's values past this one's: zero again
+      std::fill(values.begin() + own_pairs * ldv, values.begin() + packed_pairs * ldv, 0u);
+    packed_pairs = std::max(packed_pairs, own_pairs);
     in.packed(p, pr, from);
     // (inlined: a lambda left out of line would be built for the baseline ISA, not this clone's)
     for_each_tile(p, pr, [&](int64_t h, int64_t t0, int64_t rows, int64_t width)

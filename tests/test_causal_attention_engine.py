@@ -131,6 +131,26 @@ def test_padding_tokens_are_skipped(offsets):
         assert torch.equal(padded[b, n:], torch.zeros_like(padded[b, n:]))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_short_rows_after_long_ones_read_only_their_own_values(bf16_form, threads):
+    """bfloat16 prompts of real counts that shrink row after row (a padded batch): on one thread
+    a later row's keys and values lie where an earlier, longer row's were packed, and each row's
+    outputs must be the bits of that row attended alone (the tile form multiplies whole tiles of
+    keys, with zero weights past a row's own: the values past them must be zero, not stale). The
+    first row's later values are NaN: read through a later row's zero weights, they would spoil
+    it."""
+    B, S, H, kv_heads, hd = 4, 70, 2, 1, 64
+    q, k, v = layer_inputs(B, S, H, kv_heads, hd, dtype=torch.bfloat16, seed=5)
+    v[0, 40:] = float("nan")
+    counts = np.array([70, 40, 33, 5])
+    padded = torch.full((B, S, H, hd), float("nan"), dtype=torch.bfloat16)
+    _engine.causal_attention(engine_array(q), engine_array(k), engine_array(v), engine_array(padded), hd ** -0.5,
+                             counts=counts, threads=threads)
+    for b, n in list(enumerate(counts))[1:]:
+        alone = engine_attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n])
+        assert torch.equal(padded[b, :n], alone[0])
+
+
 @pytest.mark.parametrize("S,hd", [(37, 64), (233, 64), (130, 128)])
 def test_bfloat16_against_float32(S, hd, bf16_form):
     """In bfloat16, against the float32 reference: with float32 softmax weights (the portable
