@@ -99,6 +99,21 @@ def test_repeated_keys_and_strong_decays():
     assert_close(engine(y, 32), theirs(y))
 
 
+def test_subnormals_flushed_inside_the_engine_only():
+    """Heads that forget fast put the rule's products in the subnormal range, which the engine
+    flushes to zero (engine/cpu_parallel.hpp: FlushSubnormals, set for each range of
+    parallel_ranges: x86 takes a microcode assist for every subnormal operand). The outputs stay
+    within tolerance of the reference, which keeps subnormals; and afterwards this thread and
+    torch's worker threads keep them again: MXCSR is restored wherever the engine ran."""
+    x = inputs(S=128, seed=5)
+    x["g"] = -40.0 - 40.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(6))
+    for threads in (1, 2):
+        assert_close(engine(x, 64, threads=threads), theirs(x))
+        tiny = torch.full((1 << 20,), 2e-38)  # large enough that torch splits it over its threads
+        assert bool(((tiny / 4) != 0).all())
+        assert float(torch.tensor(2e-38) * 0.25) > 0.0
+
+
 def test_padding_steps_leave_the_state_alone():
     """Rows right-padded with beta = 0, g = 0 steps (what the layers give padding tokens) end in
     the state of their real tokens alone, and the real tokens' outputs are theirs alone."""
