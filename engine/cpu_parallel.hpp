@@ -67,7 +67,7 @@ OpenMPRuntime process_openmp();
 // While alive, this thread's float32 arithmetic treats subnormal inputs as zero and flushes
 // subnormal results to zero (MXCSR's DAZ and FTZ bits), restored on exit. Products of
 // exp(-80)-sized factors (a fast-forgetting Gated DeltaNet head's decays, a softmax's far tail)
-// land in the subnormal range, where each x86 multiply or add takes a microcode assist of about a
+// land in the subnormal range, where on Intel cores each multiply or add takes a microcode assist of a
 // hundred cycles: such a prompt ran its chunked delta rule 20-50x slower. The values lost are
 // below 1.2e-38, under the last bit of any sum they join; the bfloat16 dot products and tiles
 // flush them whatever MXCSR says.
