@@ -66,6 +66,30 @@ def test_choice_reference_is_the_backends_math(gen, per_row):
     torch.testing.assert_close(full, ch.full_vocab_logprobs_naive(hidden, w, W, ids, eps), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 48 ** -0.5])
+def test_choice_reference_t5_norm_rounds_as_t5(gen, scale):
+    """``t5_norm=True``: the LM head's input is what transformers' T5 hands its ``lm_head``,
+    bit for bit: ``T5LayerNorm.forward`` (transformers/models/t5/modeling_t5.py: the normalised
+    states cast to the weight's dtype, then times the weight) and, for tied embeddings,
+    ``T5ForConditionalGeneration.forward``'s ``sequence_output * model_dim ** -0.5``, each a
+    bfloat16 tensor. The one-rounding form differs from it; in float32 the two agree."""
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    hidden, w, W, ids = _head_inputs(gen, B=64, dtype=torch.bfloat16)
+    norm = t5.T5LayerNorm(48, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        theirs = norm(hidden)
+    theirs = theirs * scale if scale != 1.0 else theirs
+    ours = ch.normed_hidden(hidden, norm.weight, 1e-6, scale, torch.bfloat16, t5_norm=True)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    assert not torch.equal(ch.normed_hidden(hidden, norm.weight, 1e-6, scale, torch.bfloat16), theirs)
+    got = ch.choice_logits(hidden, norm.weight, W, ids, 1e-6, scale, impl="torch", t5_norm=True)
+    torch.testing.assert_close(got, F.linear(theirs.float(), W.float())[:, ids], rtol=1e-6, atol=1e-5)
+    h32, w32 = hidden.float(), norm.weight.float()
+    torch.testing.assert_close(ch.normed_hidden(h32, w32, 1e-6, scale, torch.float32, t5_norm=True),
+                               ch.normed_hidden(h32, w32, 1e-6, scale, torch.float32), rtol=1e-6, atol=1e-6)
+
+
 def test_reference_vocab_tiles(gen):
     x = torch.randn(4, 32, generator=gen) * 4
     W = torch.randn(333, 32, generator=gen)
@@ -133,6 +157,26 @@ def test_choice_triton_matches_reference(gen, dtype, per_row, full_vocab):
         assert ws.numel() * ws.element_size() == ch.workspace_bytes(B, 3, True)
     else:
         assert ws is None
+
+
+@needs_triton
+@pytest.mark.parametrize("full_vocab", [False, True])
+def test_choice_triton_t5_norm_matches_reference(gen, full_vocab):
+    """The kernels' T5 roundings (``T5_NORM``) against the reference's: the same bfloat16 inputs to
+    the LM head, so the logits agree to float32 summation order, closer than the one-rounding
+    form comes to them."""
+    B = 19 if full_vocab else 40
+    hidden, w, W, ids = _head_inputs(gen, B=B, dtype=torch.bfloat16)
+    w = w.bfloat16()
+    scale = 48 ** -0.5
+    got = ch.choice_head_triton(hidden, w, W, ids, full_vocab=full_vocab, scale=scale, t5_norm=True,
+                                num_splits=3 if full_vocab else None)
+    ref = ch.choice_head_reference(hidden, w, W, ids, full_vocab=full_vocab, scale=scale, t5_norm=True)
+    once = ch.choice_head_reference(hidden, w, W, ids, full_vocab=full_vocab, scale=scale)
+    tol = dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.logits, ref.logits, **tol)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, **tol)
+    assert (once.logits - ref.logits).abs().max() > 1e-3
 
 
 @needs_triton

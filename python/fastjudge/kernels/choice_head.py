@@ -16,7 +16,13 @@ Math (the same in the Triton kernels and the torch reference below)::
 
 ``norm_weight`` is the *effective* multiplier: Qwen3.5's zero-centred norms pass ``1 + w``
 (QwenWeights.final_norm already is), Qwen3 and T5 pass ``w``. ``scale`` is ``d_model ** -0.5``
-for T5 checkpoints with tied embeddings and 1.0 otherwise.
+for T5 checkpoints with tied embeddings and 1.0 otherwise. ``t5_norm=True`` rounds where
+transformers' T5 rounds (``T5LayerNorm`` casts the normalised states to the weight's dtype
+before the weight multiplies them; the product and its ``scale`` are tensors of that dtype)::
+
+    xn = round(round(round(hidden * rsqrt(mean(hidden ** 2) + eps)) * norm_weight) * scale)
+
+where ``round`` is the cast to the LM head's dtype (no rounding at all in float32).
 
 Extra device memory (besides the ``[B, K]`` outputs):
 
@@ -102,8 +108,14 @@ def _check(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torc
 
 
 def normed_hidden(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: float,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Final RMSNorm in float32, times ``scale``, cast to the LM head's dtype."""
+                  dtype: torch.dtype, t5_norm: bool = False) -> torch.Tensor:
+    """Final RMSNorm in float32, times ``scale``, cast to the LM head's dtype; with ``t5_norm``,
+    rounded to that dtype where transformers' T5 rounds (module docstring)."""
+    if t5_norm:
+        h = hidden.float()
+        x = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        x = (x.float() * norm_weight.float()).to(dtype)
+        return x if scale == 1.0 else (x.float() * scale).to(dtype)
     x = F.rms_norm(hidden.float(), (hidden.shape[-1],), norm_weight.float(), eps)
     if scale != 1.0:
         x = x * scale
@@ -135,9 +147,9 @@ def vocab_logsumexp_reference(xn: torch.Tensor, lm_head_weight: torch.Tensor,
 
 def choice_head_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                           token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False,
-                          scale: float = 1.0) -> ChoiceHead:
+                          scale: float = 1.0, t5_norm: bool = False) -> ChoiceHead:
     ids = _check(hidden, norm_weight, lm_head_weight, token_ids)
-    xn = normed_hidden(hidden, norm_weight, eps, scale, lm_head_weight.dtype)
+    xn = normed_hidden(hidden, norm_weight, eps, scale, lm_head_weight.dtype, t5_norm)
     logits = _candidate_logits(xn, lm_head_weight, ids)
     if full_vocab:
         lse = vocab_logsumexp_reference(xn, lm_head_weight)
@@ -147,11 +159,12 @@ def choice_head_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_he
 
 
 def full_vocab_logprobs_naive(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                              token_ids: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+                              token_ids: torch.Tensor, eps: float = 1e-6, scale: float = 1.0,
+                              t5_norm: bool = False) -> torch.Tensor:
     """The eager path the fused head replaces: materialize ``[B, V]`` float32 logits, log-softmax,
     gather the K candidates. Oracle for tests and baseline for benchmarks."""
     ids = _check(hidden, norm_weight, lm_head_weight, token_ids)
-    xn = normed_hidden(hidden, norm_weight, eps, scale, lm_head_weight.dtype)
+    xn = normed_hidden(hidden, norm_weight, eps, scale, lm_head_weight.dtype, t5_norm)
     logp = F.linear(xn.float(), lm_head_weight.float()).log_softmax(dim=-1)
     return logp.gather(1, ids.expand(hidden.shape[0], -1) if ids.dim() == 1 else ids)
 
@@ -189,7 +202,7 @@ def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_
                        token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False,
                        scale: float = 1.0, num_splits: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       _return_workspace: bool = False):
+                       _return_workspace: bool = False, t5_norm: bool = False):
     """Triton launcher: one launch of the choice kernel, preceded by one launch of the
     vocabulary log-sum-exp kernel when ``full_vocab``. ``out`` may pass preallocated
     ``[B, K]`` float32 (logits, logprobs) buffers."""
@@ -223,14 +236,16 @@ def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_
         k["lse"][(n_row_blocks, S)](
             x, nw, w, workspace, B, H, V, x.stride(0), w.stride(0), float(scale), float(eps), S, n_tiles,
             BLOCK_B=block_b, BLOCK_V=_VOCAB_BLOCK_V, BLOCK_H=_VOCAB_BLOCK_H,
-            DOT_F32=bool(f32 or interpreting()), IEEE=f32, BF16_RNE=bf16, num_warps=8 if block_b == 64 else 4)
+            DOT_F32=bool(f32 or interpreting()), IEEE=f32, BF16_RNE=bf16, T5_NORM=bool(t5_norm),
+            num_warps=8 if block_b == 64 else 4)
     block_k = min(_CHOICE_BLOCK_K, max(2, _next_pow2(K)))
     k["choice"][(B,)](
         x, nw, w, ids, logits, logp, workspace if workspace is not None else logits,
         B, H, V, K, x.stride(0), w.stride(0), ids.stride(0) if ids.dim() == 2 else 0,
         float(scale), float(eps), S,
         BLOCK_K=block_k, BLOCK_H=min(_CHOICE_BLOCK_H, max(16, _next_pow2(H))),
-        BLOCK_S=max(2, _next_pow2(S)), ONE_CHUNK=K <= block_k, FULL_VOCAB=bool(full_vocab), BF16_RNE=bf16)
+        BLOCK_S=max(2, _next_pow2(S)), ONE_CHUNK=K <= block_k, FULL_VOCAB=bool(full_vocab), BF16_RNE=bf16,
+        T5_NORM=bool(t5_norm))
     result = ChoiceHead(logits, logp)
     return (result, workspace) if _return_workspace else result
 
@@ -240,23 +255,25 @@ def choice_head_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_
 # ----------------------------------------------------------------------------------------------
 def choice_head(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                 token_ids: torch.Tensor, eps: float = 1e-6, full_vocab: bool = False, scale: float = 1.0,
-                impl: str = "auto") -> ChoiceHead:
+                impl: str = "auto", t5_norm: bool = False) -> ChoiceHead:
     """Candidate logits and log-probabilities ``[B, K]`` (float32) in one pass.
 
     hidden: ``[B, H]`` final hidden states in the model dtype; norm_weight: ``[H]`` effective
     RMSNorm multiplier (any float dtype, used in float32); lm_head_weight: ``[V, H]``;
-    token_ids: LongTensor ``[K]`` (shared) or ``[B, K]`` (per row).
+    token_ids: LongTensor ``[K]`` (shared) or ``[B, K]`` (per row); t5_norm: T5's roundings
+    (module docstring).
     """
     if use_triton(hidden.device, impl):
-        return choice_head_triton(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale)
-    return choice_head_reference(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale)
+        return choice_head_triton(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale,
+                                  t5_norm=t5_norm)
+    return choice_head_reference(hidden, norm_weight, lm_head_weight, token_ids, eps, full_vocab, scale, t5_norm)
 
 
 def choice_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                   token_ids: torch.Tensor, eps: float = 1e-6, scale: float = 1.0,
-                  impl: str = "auto") -> torch.Tensor:
+                  impl: str = "auto", t5_norm: bool = False) -> torch.Tensor:
     """Raw candidate logits ``[B, K]`` float32: final RMSNorm, ``* scale``, K rows of the LM head."""
-    return choice_head(hidden, norm_weight, lm_head_weight, token_ids, eps, False, scale, impl).logits
+    return choice_head(hidden, norm_weight, lm_head_weight, token_ids, eps, False, scale, impl, t5_norm).logits
 
 
 def choice_logprobs(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,

@@ -6,10 +6,30 @@ import triton.language as tl
 
 
 @triton.jit
+def rounded(x, like, BF16_RNE: tl.constexpr):
+    """``x`` (float32) rounded to ``like``'s dtype and back: by hand to nearest even for bfloat16
+    (the interpreter's bf16 cast truncates)."""
+    if BF16_RNE:
+        u = x.to(tl.uint32, bitcast=True)
+        x = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(like.dtype).to(tl.float32)
+
+
+@triton.jit
+def normed(x, rstd, nw, scale, like, BF16_RNE: tl.constexpr, T5_NORM: tl.constexpr):
+    """The normalised states times the norm weight and ``scale``, in float32; with T5_NORM rounded
+    to ``like``'s dtype where transformers' T5 rounds (after the norm, after the weight). The
+    caller rounds the result."""
+    if T5_NORM:
+        return rounded(rounded(x * rstd, like, BF16_RNE) * nw, like, BF16_RNE) * scale
+    return x * rstd * nw * scale
+
+
+@triton.jit
 def vocab_lse_kernel(x_ptr, nw_ptr, w_ptr, part_ptr, B, H, V, stride_xb, stride_wv, scale, eps,
                      num_splits, n_tiles,
                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                     DOT_F32: tl.constexpr, IEEE: tl.constexpr, BF16_RNE: tl.constexpr):
+                     DOT_F32: tl.constexpr, IEEE: tl.constexpr, BF16_RNE: tl.constexpr, T5_NORM: tl.constexpr):
     """Per (row block, vocabulary split): running max and sum-exp of the logits over the
     vocabulary tiles pid_s, pid_s + S, ... -> part[0, pid_s, rows], part[1, pid_s, rows]."""
     pid_b = tl.program_id(0)
@@ -39,11 +59,8 @@ def vocab_lse_kernel(x_ptr, nw_ptr, w_ptr, part_ptr, B, H, V, stride_xb, stride_
             nw = tl.load(nw_ptr + cols, mask=h_mask, other=0.0)
             w = tl.load(w_ptr + vocab.to(tl.int64)[:, None] * stride_wv + cols[None, :],  # V*H may pass 2**31
                         mask=v_mask[:, None] & h_mask[None, :], other=0.0)
-            xn = x * rstd[:, None] * nw[None, :] * scale
-            if BF16_RNE:  # round to nearest even by hand: the interpreter's bf16 cast truncates
-                u = xn.to(tl.uint32, bitcast=True)
-                xn = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-            xn = xn.to(w.dtype)  # the rounding of the eager path's matmul input
+            # rounded as the eager path's matmul input
+            xn = rounded(normed(x, rstd[:, None], nw[None, :], scale, w, BF16_RNE, T5_NORM), w, BF16_RNE).to(w.dtype)
             if DOT_F32:
                 # float32 inputs, or the interpreter (whose bf16 dot is wrong): exact products.
                 acc += tl.dot(xn.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -61,7 +78,7 @@ def vocab_lse_kernel(x_ptr, nw_ptr, w_ptr, part_ptr, B, H, V, stride_xb, stride_
 
 @triton.jit
 def candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, stride_wv, stride_ib, rstd, scale,
-                    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BF16_RNE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BF16_RNE: tl.constexpr, T5_NORM: tl.constexpr):
     """Logits of candidates k0 .. k0 + BLOCK_K of row b (NaN for an id outside [0, V))."""
     hh = tl.arange(0, BLOCK_H)
     k = k0 + tl.arange(0, BLOCK_K)
@@ -76,11 +93,7 @@ def candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, st
         nw = tl.load(nw_ptr + cols, mask=h_mask, other=0.0)
         w = tl.load(w_ptr + ids[:, None] * stride_wv + cols[None, :],
                     mask=valid[:, None] & h_mask[None, :], other=0.0)
-        xn = x * rstd * nw * scale
-        if BF16_RNE:
-            u = xn.to(tl.uint32, bitcast=True)
-            xn = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-        xn = xn.to(w.dtype).to(tl.float32)
+        xn = rounded(normed(x, rstd, nw, scale, w, BF16_RNE, T5_NORM), w, BF16_RNE)
         acc += tl.sum(w.to(tl.float32) * xn[None, :], axis=1)
     return tl.where(valid, acc, float("nan")), k, k_mask
 
@@ -89,7 +102,8 @@ def candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, st
 def choice_kernel(x_ptr, nw_ptr, w_ptr, ids_ptr, logits_ptr, logp_ptr, part_ptr,
                   B, H, V, K, stride_xb, stride_wv, stride_ib, scale, eps, num_splits,
                   BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                  ONE_CHUNK: tl.constexpr, FULL_VOCAB: tl.constexpr, BF16_RNE: tl.constexpr):
+                  ONE_CHUNK: tl.constexpr, FULL_VOCAB: tl.constexpr, BF16_RNE: tl.constexpr,
+                  T5_NORM: tl.constexpr):
     """One program per row: candidate logits by gathering K rows of the LM head, then the
     log-normalizer over the K candidates or from the vocabulary partials. With more than
     BLOCK_K candidates the chunks are computed twice (never stored and re-read: a program's
@@ -103,7 +117,7 @@ def choice_kernel(x_ptr, nw_ptr, w_ptr, ids_ptr, logits_ptr, logp_ptr, part_ptr,
         ss += x * x
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
     logits, k, k_mask = candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, 0, H, V, K, stride_xb, stride_wv,
-                                        stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE)
+                                        stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE, T5_NORM)
     z = tl.where(k_mask, logits, float("-inf"))
     m = tl.max(z, axis=0)
     s = tl.sum(tl.exp(z - m), axis=0)
@@ -111,7 +125,7 @@ def choice_kernel(x_ptr, nw_ptr, w_ptr, ids_ptr, logits_ptr, logp_ptr, part_ptr,
         tl.store(logits_ptr + b * K + k, logits, mask=k_mask)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             lg, kc, kc_mask = candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, stride_wv,
-                                              stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE)
+                                              stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE, T5_NORM)
             tl.store(logits_ptr + b * K + kc, lg, mask=kc_mask)
             z = tl.where(kc_mask, lg, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
@@ -131,5 +145,5 @@ def choice_kernel(x_ptr, nw_ptr, w_ptr, ids_ptr, logits_ptr, logp_ptr, part_ptr,
     else:
         for k0 in range(0, K, BLOCK_K):
             lg, kc, kc_mask = candidate_chunk(x_ptr, nw_ptr, w_ptr, ids_ptr, b, k0, H, V, K, stride_xb, stride_wv,
-                                              stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE)
+                                              stride_ib, rstd, scale, BLOCK_K, BLOCK_H, BF16_RNE, T5_NORM)
             tl.store(logp_ptr + b * K + kc, lg - lse, mask=kc_mask)

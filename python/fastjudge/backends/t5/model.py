@@ -389,7 +389,8 @@ class T5Model(torch.nn.Module):
         """LM-head logits of final decoder states: only the candidate ``rows`` (fused choice head: final norm + K
         rows, never ``[B, vocab]``), or all (the norm on the CPU engine, as ``EngineStep.run_picks``: same bits)."""
         if rows is not None:
-            return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, self.s.eps, self.s.head_scale)
+            return choice_logits(hidden, self.dec_final_norm, self.lm_head, rows, self.s.eps, self.s.head_scale,
+                                 t5_norm=True)
         normed = rms_norm_in_engine(hidden.contiguous(), float32_copy(self.dec_final_norm), self.s.eps,
                                     round_first=True)
         normed = rms_norm(hidden, self.dec_final_norm, self.s.eps) if normed is None else normed
