@@ -724,6 +724,30 @@ FASTJUDGE_BF16_TARGET inline void rows_dot(const uint32_t* a, int64_t lda, const
 
 inline uint32_t bf16_pair(uint16_t low, uint16_t high) { return low | static_cast<uint32_t>(high) << 16; }
 
+// store_bf16_pairs by the CPU's own conversion (vcvtneps2bf16: to nearest even, a NaN quieted):
+// the same bits for every input but subnormals, which it flushes, as the engine's ranges already
+// do (FlushSubnormals)
+FASTJUDGE_BF16_TARGET inline void store_weight_pairs(uint32_t* pairs, Floats x) {
+  __m512 v;
+  std::memcpy(&v, &x, sizeof v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// add_distance_bias 16 keys at a time: the bias of keys j .. j + 15 lies at descending addresses,
+// loaded as one vector and reversed
+FASTJUDGE_BF16_TARGET inline void add_distance_bias_avx512(const CausalProblem& p, int64_t h, int64_t position,
+                                                           float* w, int64_t visible) {
+  const float* bias = p.bias + h * p.bias_stride + position;
+  const __m512i reverse = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  int64_t j = 0;
+  for (; j + kLanes <= visible; j += kLanes) {
+    const __m512 b = _mm512_permutexvar_ps(reverse, _mm512_loadu_ps(bias - j - (kLanes - 1)));
+    _mm512_storeu_ps(w + j, _mm512_fmadd_ps(_mm512_loadu_ps(w + j), scale, b));
+  }
+  for (; j < visible; ++j) w[j] = w[j] * p.scale + bias[-j];
+}
+
 // attend_pairs for bfloat16 by dot products: keys packed [dim / 2][ldk] as pairs of consecutive
 // dims, values [W / 2][ldv] as pairs of consecutive keys, queries and weights as pairs too
 FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const StridedRows<uint16_t>& query,
@@ -783,10 +807,10 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
       for (int64_t r = 0; r < rows; ++r) {  // weights normalised, then rounded to bfloat16 in pairs
         float* w = scores + r * ldk;
         const int64_t last = p.last_key(offset, t0 + r);
-        if (p.bias) add_distance_bias(p, h, offset + t0 + r, w, last + 1);
+        if (p.bias) add_distance_bias_avx512(p, h, offset + t0 + r, w, last + 1);
         const float inverse = softmax_row<true>(w, last, width, p.bias ? 1.0f : p.scale);
         uint32_t* wp = pairs.data() + r * ldp;
-        for (int64_t j = 0; j < width; j += kLanes) store_bf16_pairs(wp + j / 2, load(w + j) * inverse);
+        for (int64_t j = 0; j < width; j += kLanes) store_weight_pairs(wp + j / 2, load(w + j) * inverse);
       }
       for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
       if (tiles) amx_tile_product(pairs.data(), ldp, values.data(), ldv, width / 2, sums.data(), ldv, ldv);
