@@ -112,12 +112,15 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------
 def check_choice_head(ch, device, dry: bool, timer: Timer, rows: list, report: dict) -> None:
     impl = "torch" if dry else "triton"
+    # T5 cases run the T5 roundings (t5_norm) and its tied-embedding scale
     cases = ([("bf16 Qwen-like", torch.bfloat16, 8, 64, 1000, 3, False),
-              ("fp32 T5-like", torch.float32, 4, 64, 500, 3, True)] if dry else
+              ("fp32 T5-like", torch.float32, 4, 64, 500, 3, True),
+              ("bf16 T5-like", torch.bfloat16, 4, 64, 500, 3, True)] if dry else
              [("bf16 Qwen3-4B B=8", torch.bfloat16, 8, 2560, 151_936, 3, False),
               ("bf16 Qwen3-4B B=256", torch.bfloat16, 256, 2560, 151_936, 3, False),
               ("bf16 Qwen3-4B B=256 per-row K=2", torch.bfloat16, 256, 2560, 151_936, 2, False),
-              ("fp32 Flan-T5-base B=64", torch.float32, 64, 768, 32_128, 3, True)])
+              ("fp32 Flan-T5-base B=64", torch.float32, 64, 768, 32_128, 3, True),
+              ("bf16 Flan-T5-base B=64", torch.bfloat16, 64, 768, 32_128, 3, True)])
     g = torch.Generator(device="cpu").manual_seed(0)
     for name, dtype, B, H, V, K, t5 in cases:
         per_row = "per-row" in name
@@ -131,11 +134,11 @@ def check_choice_head(ch, device, dry: bool, timer: Timer, rows: list, report: d
             sets.append((h, ids))
         h, ids = sets[0]
         r = {"dtype": str(dtype).replace("torch.", ""), "B": B, "H": H, "V": V, "K": K, "per_row": per_row}
-        ref = ch.choice_head_reference(h, w, W, ids, full_vocab=False, scale=scale)
-        ref_full = ch.choice_head_reference(h, w, W, ids, full_vocab=True, scale=scale)
-        got = ch.choice_head(h, w, W, ids, full_vocab=False, scale=scale, impl=impl)
-        got_full = ch.choice_head(h, w, W, ids, full_vocab=True, scale=scale, impl=impl)
-        naive = ch.full_vocab_logprobs_naive(h, w, W, ids, scale=scale)
+        ref = ch.choice_head_reference(h, w, W, ids, full_vocab=False, scale=scale, t5_norm=t5)
+        ref_full = ch.choice_head_reference(h, w, W, ids, full_vocab=True, scale=scale, t5_norm=t5)
+        got = ch.choice_head(h, w, W, ids, full_vocab=False, scale=scale, impl=impl, t5_norm=t5)
+        got_full = ch.choice_head(h, w, W, ids, full_vocab=True, scale=scale, impl=impl, t5_norm=t5)
+        naive = ch.full_vocab_logprobs_naive(h, w, W, ids, scale=scale, t5_norm=t5)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         r["maxdiff_logits"] = maxdiff(got.logits, ref.logits)
         r["maxdiff_logprobs_K"] = maxdiff(got.logprobs, ref.logprobs)
