@@ -359,7 +359,8 @@ def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated, inp
     reads it whole; a call of more groups (100 rows: 64, then 36; 130 and 131: a last group of two
     and three) reads, under AVX2, each thread's copy of the panel split into 16-column sub-panels,
     block of six rows by block (and under AVX-512 the panel whole); bfloat16 on AMX tiles (288
-    inputs: whole tiles of 16 pairs) pads each group to blocks of 16 rows, the rows past it
+    inputs: whole tiles of 16 pairs) reads a whole group's rows in place (here at an odd column
+    offset) and a last partial group through a copy padded to blocks of 16 rows, the rows past it
     holding an earlier group's inputs: every row's outputs must be the same bits as that row
     projected alone (each output sums its inputs in the same order), over input widths that end
     mid-slice, several panels and one cut short, on one thread and two."""

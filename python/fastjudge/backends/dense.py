@@ -72,10 +72,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # inputs of up to this many rows (decoding and few-token steps) take the engine's panels; more
 # (prompts) take oneDNN's packed GEMM where the weight has one. float32: in whole models the
 # engine took 1.00-1.07 of oneDNN's time on prompts (Qwen prefill 4 x 512, T5 encoder 8 x 490; AVX2,
-# split panels) and was 17-22 % faster on decoding steps. bfloat16: alone, faster up to 16 rows at
-# every shape measured (256 -> 1536: 1 row 39 -> 29 us, 16 rows 68 -> 60 us), mixed at 64 and
-# 4-15 % slower from 256 rows on; AMX tiles: 0.6-1.0x oneDNN's time at 1-32 rows, 1.3-1.5x at 256.
-ENGINE_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 32}
+# split panels) and was 17-22 % faster on decoding steps. bfloat16 on AVX512-BF16 dot products:
+# faster up to 16 rows (256 -> 1536: 1 row 39 -> 29 us, 16 rows 68 -> 60 us), mixed at 64; on AMX
+# tiles: 0.6-1.0x oneDNN's time at 1-32 rows, 0.7-1.05x at 64 (gated 0.7-0.8x), 1.2-1.3x from 96.
+ENGINE_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 64 if _engine.amx_products() else 32}
 
 
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
