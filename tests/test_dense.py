@@ -349,6 +349,34 @@ def test_engine_product_any_shape(out_features, rows):
         assert rel_err(got, F.linear(x, w)) <= 1e-5
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_bfloat16_runs_of_panels_give_each_rows_own_bits(gated):
+    """A bfloat16 call of several row groups and more panels than fit one run (engine/dense.cpp:
+    UnitOrder: runs of panels whose weights fit 1 MiB, each run's groups in turn; 512 inputs make
+    a panel of 128 KiB, so 600 outputs are a run of eight panels and one of two, and a gated
+    weight's runs half as long), split over one thread and three: every row the bits of that row
+    projected alone."""
+    if not BF16_ENGINE:
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    g = torch.Generator().manual_seed(11)
+    w, up = ((torch.randn(600, 512, generator=g) / 512 ** 0.5).bfloat16() for _ in range(2))
+    panels, up_panels = dense.pack_panels(w), dense.pack_panels(up)
+    x = torch.randn(150, 512, generator=g).bfloat16()
+
+    def project(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], 600, dtype=torch.bfloat16)
+        xa, oa = dense.engine_array(rows), dense.engine_array(out)
+        if gated:
+            _engine.gated_dense_product(xa, panels, up_panels, oa, "silu", threads)
+        else:
+            _engine.dense_product(xa, panels, oa, threads)
+        return out
+
+    alone = torch.cat([project(x[r:r + 1], 1) for r in range(x.shape[0])])
+    for threads in (1, 3):
+        assert torch.equal(project(x, threads), alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [5, 16, 32, 48, 100, 130, 131])
 @pytest.mark.parametrize("gated", [False, True])
