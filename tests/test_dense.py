@@ -349,6 +349,23 @@ def test_engine_product_any_shape(out_features, rows):
         assert rel_err(got, F.linear(x, w)) <= 1e-5
 
 
+def assert_each_row_alone(x: torch.Tensor, panels, up_panels, outputs: int, activation: str, threads) -> None:
+    """The engine's projection of ``x`` (gated where ``up_panels`` is given) on each of
+    ``threads``: every row the bits of that row projected alone on one thread."""
+    def project(rows: torch.Tensor, workers: int) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], outputs, dtype=rows.dtype)
+        xa, oa = dense.engine_array(rows), dense.engine_array(out)
+        if up_panels is None:
+            _engine.dense_product(xa, panels, oa, workers)
+        else:
+            _engine.gated_dense_product(xa, panels, up_panels, oa, activation, workers)
+        return out
+
+    alone = torch.cat([project(x[r:r + 1], 1) for r in range(x.shape[0])])
+    for workers in threads:
+        assert torch.equal(project(x, workers), alone)
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_bfloat16_runs_of_panels_give_each_rows_own_bits(gated):
     """A bfloat16 call of several row groups and more panels than fit one run (engine/dense.cpp:
@@ -362,19 +379,7 @@ def test_bfloat16_runs_of_panels_give_each_rows_own_bits(gated):
     w, up = ((torch.randn(600, 512, generator=g) / 512 ** 0.5).bfloat16() for _ in range(2))
     panels, up_panels = dense.pack_panels(w), dense.pack_panels(up)
     x = torch.randn(150, 512, generator=g).bfloat16()
-
-    def project(rows: torch.Tensor, threads: int) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], 600, dtype=torch.bfloat16)
-        xa, oa = dense.engine_array(rows), dense.engine_array(out)
-        if gated:
-            _engine.gated_dense_product(xa, panels, up_panels, oa, "silu", threads)
-        else:
-            _engine.dense_product(xa, panels, oa, threads)
-        return out
-
-    alone = torch.cat([project(x[r:r + 1], 1) for r in range(x.shape[0])])
-    for threads in (1, 3):
-        assert torch.equal(project(x, threads), alone)
+    assert_each_row_alone(x, panels, up_panels if gated else None, 600, "silu", threads=(1, 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -399,19 +404,8 @@ def test_few_rows_read_in_slices_give_each_rows_own_bits(dtype, rows, gated, inp
     wide = torch.randn(rows, 320, generator=g)
     panels, up_panels = (dense.pack_panels(m.to(dtype)) for m in (w, up))
 
-    def project(x: torch.Tensor, threads: int) -> torch.Tensor:
-        out = torch.empty(x.shape[0], 200, dtype=dtype)
-        xa, oa = dense.engine_array(x), dense.engine_array(out)
-        if gated:
-            _engine.gated_dense_product(xa, panels, up_panels, oa, "gelu_tanh", threads)
-        else:
-            _engine.dense_product(xa, panels, oa, threads)
-        return out
-
     x = wide.to(dtype)[:, 7:7 + inputs]
-    alone = torch.cat([project(x[r:r + 1], 1) for r in range(rows)])
-    for threads in (1, 2):
-        assert torch.equal(project(x, threads), alone)
+    assert_each_row_alone(x, panels, up_panels if gated else None, 200, "gelu_tanh", threads=(1, 2))
 
 
 def test_decoding_only_projections_keep_one_copy():
