@@ -724,15 +724,6 @@ FASTJUDGE_BF16_TARGET inline void rows_dot(const uint32_t* a, int64_t lda, const
 
 inline uint32_t bf16_pair(uint16_t low, uint16_t high) { return low | static_cast<uint32_t>(high) << 16; }
 
-// store_bf16_pairs by the CPU's own conversion (vcvtneps2bf16: to nearest even, a NaN quieted):
-// the same bits for every input but subnormals, which it flushes, as the engine's ranges already
-// do (FlushSubnormals)
-FASTJUDGE_BF16_TARGET inline void store_weight_pairs(uint32_t* pairs, Floats x) {
-  __m512 v;
-  std::memcpy(&v, &x, sizeof v);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-
 // add_distance_bias 16 keys at a time: the bias of keys j .. j + 15 lies at descending addresses,
 // loaded as one vector and reversed
 FASTJUDGE_BF16_TARGET inline void add_distance_bias_avx512(const CausalProblem& p, int64_t h, int64_t position,
@@ -810,7 +801,7 @@ FASTJUDGE_BF16_TARGET void attend_pairs_dot(const CausalProblem& p, const Stride
         if (p.bias) add_distance_bias_avx512(p, h, offset + t0 + r, w, last + 1);
         const float inverse = softmax_row<true>(w, last, width, p.bias ? 1.0f : p.scale);
         uint32_t* wp = pairs.data() + r * ldp;
-        for (int64_t j = 0; j < width; j += kLanes) store_weight_pairs(wp + j / 2, load(w + j) * inverse);
+        for (int64_t j = 0; j < width; j += kLanes) store_bf16_pairs(wp + j / 2, load(w + j) * inverse);
       }
       for (int64_t r = rows; r < round_up(rows, kRows); ++r) std::fill_n(pairs.data() + r * ldp, ldp, 0u);
       if (tiles) amx_tile_product(pairs.data(), ldp, values.data(), ldv, width / 2, sums.data(), ldv, ldv);
